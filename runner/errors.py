@@ -1,0 +1,54 @@
+"""User-facing failures. Each is reported once, completely, with exit status 2 and no traceback.
+
+A traceback means a bug in runner; anything the user can fix (the manifest, a path, a model id,
+memory) raises one of these instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RunnerError(Exception):
+    """Base class: the message is what the user sees."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in a manifest: where it is and what was expected."""
+
+    path: str  # key path, e.g. targets[0].runs[1].generate.top_p
+    message: str  # what was expected
+    source: str = ""  # "file.yaml:12:5" or "override 'a.b=c'"
+    hint: str = ""  # e.g. "did you mean 'max_new_tokens'?"
+
+    def __str__(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        hint = f" ({self.hint})" if self.hint else ""
+        return f"{where}{self.path or '<top>'}: {self.message}{hint}"
+
+
+class ManifestError(RunnerError):
+    """The manifest (or an override) is invalid; lists every problem at once."""
+
+    def __init__(self, problems: list[Problem], file: str = ""):
+        self.problems = problems
+        self.file = file
+        count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        lines = [f"invalid manifest {file} ({count}):" if file else f"invalid manifest ({count}):"]
+        lines += [f"  {p}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+class ModelError(RunnerError):
+    """A model cannot be found, fetched, verified or loaded."""
+
+
+class ResourceError(RunnerError):
+    """The machine ran out of something (memory, disk) while doing what the manifest asked."""
+
+
+class StepError(RunnerError):
+    """A step cannot run with the inputs given (e.g. a prompt longer than max_seq_len)."""

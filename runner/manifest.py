@@ -1,0 +1,126 @@
+"""The manifest schema: the single source of truth for what a manifest may say.
+
+Every model forbids unknown keys and every field has a description and bounds; the JSON Schema
+printed by `run schema` is exported from these classes. Validators check and normalise only:
+they never touch torch, devices or disk (paths are resolved later, relative to the manifest).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from runner.infer.config import GenerateConfig
+from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
+MODES = ("generate",)  # auto-cache-select, speculative and bench arrive with their issues
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Strict):
+    """Which model to load: exactly one of `id` or `config`; neither means the embedded default."""
+
+    id: str | None = Field(None, min_length=1, description=(
+        "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
+    config: dict | None = Field(None, description=(
+        "A transformers config (model_type + sizes) built with random weights from the seed."))
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
+    trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if self.id is not None and self.config is not None:
+            raise ValueError("give either 'id' or 'config', not both")
+        if self.id is None and self.config is None:
+            return self.model_copy(update={"id": DEFAULT_MODEL})
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("'config' needs 'model_type' (e.g. llama, qwen2, gpt2) and the sizes to change")
+        if self.id is not None and self.id.startswith(ZOO_PREFIX) and self.id[len(ZOO_PREFIX):] not in ZOO:
+            raise ValueError(f"unknown zoo model {self.id!r}; the zoo has: {', '.join(ZOO_PREFIX + n for n in ZOO)}")
+        return self
+
+    @field_validator("id")
+    @classmethod
+    def _plain_id(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() != value:
+            raise ValueError("model id has leading or trailing spaces")
+        return value
+
+
+class GenerateSpec(GenerateConfig):
+    """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch."""
+
+    prompts: list[str] | None = Field(None, min_length=1, description="Prompts, inline.")
+    prompts_file: str | None = Field(None, description=(
+        "A .txt file (one prompt per line) or .jsonl file ({\"prompt\": ...} per line), relative to the manifest."))
+    batch_size: int = Field(1, ge=1, le=4096, description="Prompts decoded together (left-padded).")
+    stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> "GenerateSpec":
+        if (self.prompts is None) == (self.prompts_file is None):
+            raise ValueError("give exactly one of 'prompts' (a list) or 'prompts_file' (a .txt or .jsonl path)")
+        if self.prompts_file is not None and Path(self.prompts_file).suffix not in {".txt", ".jsonl"}:
+            raise ValueError("'prompts_file' must end in .txt (one prompt per line) or .jsonl")
+        return self
+
+
+class Run(Strict):
+    id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
+    mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
+    generate: GenerateSpec = Field(description="Decoding settings and prompts.")
+    seed: int | None = Field(None, ge=0, description="Overrides the manifest's seed for this run.")
+
+
+class Target(Strict):
+    type: Literal["experiment"] = Field("experiment", description="Kind of target (only 'experiment' for now).")
+    name: str = Field(pattern=NAME_PATTERN, description="Unique within the manifest.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model; omitted = " + DEFAULT_MODEL + ".")
+    runs: list[Run] = Field(min_length=1, description="Runs on this target's model, in order.")
+
+    @field_validator("runs")
+    @classmethod
+    def _unique_run_ids(cls, runs: list[Run]) -> list[Run]:
+        _reject_duplicates([r.id for r in runs], "run id")
+        return runs
+
+
+class Tracking(Strict):
+    mlflow: bool = Field(True, description="Mirror results to MLflow.")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the manifest's name.")
+    tracking_uri: str | None = Field(None, description="MLflow store; default sqlite:///<runs_dir>/mlflow.db.")
+    runs_dir: str = Field("runs", min_length=1, description="Where run folders go (relative to the working directory).")
+
+
+class Manifest(Strict):
+    version: Literal[1] = Field(1, description="Manifest format version.")
+    name: str = Field(pattern=NAME_PATTERN, description="Names the run folder; default: the file's stem.")
+    seed: int = Field(0, ge=0, description="Seeds weights of config models and every sampler.")
+    tracking: Tracking = Field(default_factory=Tracking, description="Where results are mirrored.")
+    models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
+        "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
+    targets: list[Target] = Field(min_length=1, description="Models and the runs to do on each.")
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_target_names(cls, targets: list[Target]) -> list[Target]:
+        _reject_duplicates([t.name for t in targets], "target name")
+        return targets
+
+
+def _reject_duplicates(names: list[str], what: str) -> None:
+    seen = {n for n in names if names.count(n) > 1}
+    if seen:
+        raise ValueError(f"duplicate {what}: {', '.join(sorted(seen))}")
+
+
+def json_schema() -> dict:
+    return Manifest.model_json_schema()

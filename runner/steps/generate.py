@@ -1,0 +1,139 @@
+"""`mode: generate`: prompts → text, batched, optionally streamed, with timings per prompt.
+
+Owns prompt loading, batching, printing and the step's result dict. Decoding itself is
+runner.infer.decode; where results are written is the engine's business.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runner.errors import StepError
+from runner.infer.config import GenerateConfig
+from runner.infer.decode import Generator
+from runner.infer.models import LoadedModel
+from runner.manifest import GenerateSpec
+from runner.plan import Step
+
+
+def run_generate(step: Step, lm: LoadedModel, base_dir: Path) -> dict:
+    spec = GenerateSpec.model_validate(step.spec)
+    config = GenerateConfig.model_validate(
+        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields}
+        | {"seed": spec.seed if spec.seed is not None else step.seed}
+    )
+    prompts = load_prompts(spec, base_dir)
+    rng = torch.Generator(lm.device).manual_seed(config.seed)
+    stream = spec.stream and spec.batch_size == 1
+    bar = None if stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
+                                   file=sys.stderr)
+    records, batches = [], []
+    for start in range(0, len(prompts), spec.batch_size):
+        batch = prompts[start:start + spec.batch_size]
+        generator = Generator(lm.model, config=config, tokenizer=lm.tokenizer, generator=rng)
+        if stream:
+            records += _stream_one(generator, lm.tokenizer, batch[0], config)
+        else:
+            records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
+        batches.append({"prefill_s": generator.stats.prefill_s, "decode_s": generator.stats.decode_s})
+    if bar is not None:
+        bar.close()
+        for r in records:
+            print(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}", flush=True)
+    return {"prompts": records, "metrics": _totals(records, batches)}
+
+
+def load_prompts(spec: GenerateSpec, base_dir: Path) -> list[str]:
+    if spec.prompts is not None:
+        return list(spec.prompts)
+    path = (base_dir / spec.prompts_file).resolve()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise StepError(f"prompts_file {path}: {exc.strerror}") from None
+    if path.suffix == ".txt":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise StepError(f'{path}:{n}: expected a JSON object with a "prompt" key') from None
+    if not prompts:
+        raise StepError(f"prompts_file {path} holds no prompts")
+    return prompts
+
+
+def _generate_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig, bar) -> list[dict]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    steps, stats = [], generator.stats
+    for token in generator.steps(enc.input_ids, enc.attention_mask):
+        steps.append(token)
+        stats = generator.stats
+        bar.update(sum(1 for n in stats.new_tokens if n == len(steps)))  # rows still generating
+    bar.total -= sum(config.max_new_tokens - n for n in stats.new_tokens)  # rows that stopped early
+    bar.refresh()
+    new = torch.stack(steps, dim=1)
+    return [_record(prompt, new[row, : stats.new_tokens[row]].tolist(), tokenizer, config, stats, row,
+                    int(enc.attention_mask[row].sum()))
+            for row, prompt in enumerate(prompts)]
+
+
+def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateConfig) -> list[dict]:
+    """Print text as it is decided, holding back what could still turn out to be a stop string."""
+    enc = tokenizer([prompt], return_tensors="pt")
+    holdback = max((len(s) for s in config.stop_strings), default=1) - 1
+    tokens, shown = [], 0
+    print(prompt, end="", flush=True)
+    for token in generator.generate_iter(enc.input_ids, enc.attention_mask):
+        tokens.append(token)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        ready = len(text) - holdback if not text.endswith("\ufffd") else len(text) - holdback - 1
+        if ready > shown:
+            print(text[shown:ready], end="", flush=True)
+            shown = ready
+    record = _record(prompt, tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
+    print(record["output"][shown:], flush=True)
+    print(f"  [{record['new_tokens']} tokens, prefill {record['prefill_s'] * 1000:.0f} ms, "
+          f"{record['decode_tokens_per_s']:.1f} tok/s, stop: {record['stop_reason']}]", file=sys.stderr, flush=True)
+    return [record]
+
+
+def _record(prompt, tokens: list[int], tokenizer, config: GenerateConfig, stats, row: int, prompt_tokens: int):
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop in config.stop_strings:
+        text = text.split(stop, 1)[0]
+    return {
+        "prompt": prompt,
+        "output": text,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": len(tokens),
+        "token_ids": tokens,
+        "stop_reason": stats.stop_reasons[row],
+        "prefill_s": stats.prefill_s,  # shared by the rows of a batch
+        "decode_s": stats.decode_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+    }
+
+
+def _totals(records: list[dict], batches: list[dict]) -> dict:
+    prefill_s = sum(b["prefill_s"] for b in batches)
+    decode_s = sum(b["decode_s"] for b in batches)
+    new_tokens = sum(r["new_tokens"] for r in records)
+    return {
+        "prompts": len(records),
+        "new_tokens": new_tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "tokens_per_s": new_tokens / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0,
+        "mean_ttft_s": prefill_s / len(batches),
+    }
