@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random models built in-process, no network ever."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    from runner.infer.models import load_model
+
+    return load_model(config=TINY_LLAMA, device="cpu", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from runner.infer.models import load_model
+
+    return load_model("zoo:smollm2-135m", device="cpu")
+
+
+def tiny_manifest(tmp_path, runs_yaml: str, extra: str = "") -> "os.PathLike":
+    """Write a manifest on the tiny llama with MLflow and run folders under tmp_path."""
+    path = tmp_path / "m.yaml"
+    path.write_text(f"""name: t
+seed: 0
+tracking: {{mlflow: true, runs_dir: {tmp_path / 'runs'}}}
+{extra}
+targets:
+  - name: tiny
+    model:
+      config: {TINY_LLAMA}
+      device: cpu
+    runs:
+{runs_yaml}""")
+    return path
