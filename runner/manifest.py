@@ -24,7 +24,7 @@ class Strict(BaseModel):
 
 
 class ModelSpec(Strict):
-    """Which model to load: exactly one of `id` or `config`; neither means the embedded default."""
+    """Which model to load: `id` or `config` (not both); neither means the embedded default."""
 
     id: str | None = Field(None, min_length=1, description=(
         "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
@@ -35,12 +35,20 @@ class ModelSpec(Strict):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand_and_default(cls, data):
+        """`model: zoo:smollm2-135m` means `model: {id: zoo:smollm2-135m}`; no id and no config → the default."""
+        if isinstance(data, str):
+            return {"id": data}
+        if isinstance(data, dict) and data.get("id") is None and data.get("config") is None:
+            return {**data, "id": DEFAULT_MODEL}
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         if self.id is not None and self.config is not None:
             raise ValueError("give either 'id' or 'config', not both")
-        if self.id is None and self.config is None:
-            return self.model_copy(update={"id": DEFAULT_MODEL})
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("'config' needs 'model_type' (e.g. llama, qwen2, gpt2) and the sizes to change")
         if self.id is not None and self.id.startswith(ZOO_PREFIX) and self.id[len(ZOO_PREFIX):] not in ZOO:

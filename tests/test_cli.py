@@ -1,0 +1,123 @@
+"""The `run` command in a subprocess, as a user types it: exit codes, messages, run folder, MLflow."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import tiny_manifest
+
+RUNS = """      - id: greedy
+        mode: generate
+        generate: {prompts: ["hello", "a longer prompt"], batch_size: 2, max_new_tokens: 6, temperature: 0}
+      - id: sampled
+        mode: generate
+        generate: {prompts: ["hi"], max_new_tokens: 5, temperature: 0.9, top_k: 20, stream: true}
+"""
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "runner", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_check_is_fast_and_imports_no_torch(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS)
+    code = ("import sys, time; t = time.perf_counter(); from runner.cli import main; "
+            f"rc = main(['check', {str(path)!r}]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter() - t); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    flag, seconds = done.stdout.split()[-2:]
+    assert flag == "NOTORCH" and float(seconds) < 1.0
+
+
+def test_bad_manifest_exits_2_with_a_located_message_and_no_traceback(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS.replace("max_new_tokens: 6", "max_new_tokenz: 6"))
+    for command in (["check"], ["plan"], []):
+        done = run_cli(*command, path)
+        assert done.returncode == 2
+        assert "Traceback" not in done.stderr
+        assert f"{path}:" in done.stderr and "did you mean 'max_new_tokens'?" in done.stderr
+
+
+def test_usage_errors_exit_2(tmp_path):
+    done = run_cli()
+    assert done.returncode == 2 and "manifest" in done.stderr
+
+
+def test_schema_prints_json_schema():
+    done = run_cli("schema")
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["title"] == "Manifest"
+
+
+def test_run_writes_the_run_folder_and_mlflow(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS)
+    done = run_cli(path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
+    for name in ("manifest.resolved.yaml", "plan.json", "env.json", "status.json"):
+        assert (folder / name).is_file()
+    status = json.loads((folder / "status.json").read_text())
+    assert status["state"] == "finished"
+    assert {k: v["state"] for k, v in status["steps"].items()} == {"tiny/greedy": "finished",
+                                                                   "tiny/sampled": "finished"}
+    result = json.loads((folder / "tiny" / "greedy" / "results.json").read_text())
+    assert [r["new_tokens"] for r in result["prompts"]] == [6, 6]
+    assert result["model"]["n_params"] > 0 and result["metrics"]["new_tokens"] == 12
+    env = json.loads((folder / "env.json").read_text())
+    assert {"python", "torch", "transformers", "cpu", "git_sha"} <= set(env)
+    streamed = json.loads((folder / "tiny" / "sampled" / "results.json").read_text())["prompts"][0]
+    assert streamed["prompt"] + streamed["output"] in done.stdout  # printed as it was generated
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("t")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert sorted(r.info.run_name for r in children) == ["tiny/greedy", "tiny/sampled"]
+    greedy = next(r for r in children if r.info.run_name == "tiny/greedy")
+    assert greedy.data.params["generate.max_new_tokens"] == "6" and greedy.data.metrics["new_tokens"] == 12
+    artifacts = [a.path for a in client.list_artifacts(greedy.info.run_id)]
+    assert "results.json" in artifacts
+
+
+def test_greedy_rerun_of_the_resolved_manifest_gives_identical_tokens(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS, extra="")
+    assert run_cli(path, "tracking.mlflow=false", cwd=tmp_path).returncode == 0
+    (first,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    resolved = first / "manifest.resolved.yaml"
+    time.sleep(1.1)  # a new UTC stamp for the second folder
+    assert run_cli(resolved, cwd=tmp_path).returncode == 0
+    second = max(p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p != first)
+    for run in ("greedy", "sampled"):
+        a, b = (json.loads((f / "tiny" / run / "results.json").read_text()) for f in (first, second))
+        assert [r["token_ids"] for r in a["prompts"]] == [r["token_ids"] for r in b["prompts"]]
+
+
+def test_a_failing_step_is_recorded_and_the_others_run(tmp_path):
+    runs = RUNS.replace('generate: {prompts: ["hi"]', 'generate: {prompts_file: missing.txt')
+    path = tiny_manifest(tmp_path, runs)
+    done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "missing.txt" in done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    status = json.loads((folder / "status.json").read_text())
+    assert status["steps"]["tiny/greedy"]["state"] == "finished"
+    assert status["steps"]["tiny/sampled"]["state"] == "failed" and status["state"] == "failed"
+
+
+def test_unknown_local_model_is_a_clear_error(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS)
+    text = path.read_text().replace("    model:\n", "    model:\n      id: ./no-such-model\n      x_removed: 1\n")
+    text = "\n".join(line for line in text.splitlines() if "config:" not in line and "x_removed" not in line)
+    path.write_text(text + "\n")
+    done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "'./no-such-model' not found" in done.stderr

