@@ -1,0 +1,26 @@
+# Set-up is idempotent: both targets create .venv and install runner into it when needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: quickstart test setup bench clean
+
+quickstart: setup
+	$(BIN)/run manifests/quickstart.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+bench: setup
+	$(BIN)/python benchmarks/decode_vs_hf.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,83 @@
+"""Our decode loop vs transformers' `model.generate()`: same model, prompts, dtype and cache, one process.
+
+    python benchmarks/decode_vs_hf.py [--model zoo:smollm2-135m] [--dtype float32] [--batch-sizes 1 8]
+
+Each repeat runs both (order alternating), after one warm-up each; we print the median tokens/s of
+each and the median of the per-repeat ratios (ours / hf). Greedy, EOS off so both make exactly
+--new-tokens tokens; the tokens are checked identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from runner.infer.config import GenerateConfig  # noqa: E402
+from runner.infer.decode import Generator  # noqa: E402
+from runner.infer.kvcache import make_cache  # noqa: E402
+from runner.infer.models import load_model  # noqa: E402
+
+
+def real_prompts(n: int) -> list[str]:
+    """Different paragraphs of Python's reference manual (stdlib, offline): real English of mixed length."""
+    from pydoc_data.topics import topics
+
+    texts = [t.split("\n\n")[1] for t in topics.values() if t.count("\n\n") > 2]
+    return [" ".join(texts[i * 7].split()[:24 + 4 * i]) for i in range(n)]
+
+
+def timed(fn) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="zoo:smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--cache-kind", default=None, choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    config = GenerateConfig(max_new_tokens=args.new_tokens, temperature=0, eos_token_id=[], cache_kind=args.cache_kind)
+    print(f"model={args.model} dtype={args.dtype} device={lm.device} cache={args.cache_kind or 'model dtype'} "
+          f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} repeats={args.repeats}")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  same tokens")
+    for batch in args.batch_sizes:
+        enc = lm.tokenizer(real_prompts(batch), return_tensors="pt", padding=True).to(lm.device)
+
+        def ours():
+            return Generator(lm.model, config).generate(enc.input_ids, enc.attention_mask)
+
+        def hf():
+            return lm.model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
+                                     past_key_values=make_cache(args.cache_kind, lm.model))
+
+        ours(), hf()  # warm-up
+        rates = {"ours": [], "hf": []}
+        same = True
+        for repeat in range(args.repeats):
+            order = [("ours", ours), ("hf", hf)] if repeat % 2 == 0 else [("hf", hf), ("ours", ours)]
+            outs = {}
+            for name, fn in order:
+                seconds, outs[name] = timed(fn)
+                rates[name].append(batch * args.new_tokens / seconds)
+            same &= torch.equal(outs["ours"], outs["hf"])
+        ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]
+        print(f"{batch:>5} {statistics.median(rates['ours']):>11.1f} {statistics.median(rates['hf']):>9.1f} "
+              f"{statistics.median(ratios):>6.3f}  {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
