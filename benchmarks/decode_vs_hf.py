@@ -17,6 +17,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.decode import Generator  # noqa: E402
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
+    hf_logging.disable_progress_bar()
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     config = GenerateConfig(max_new_tokens=args.new_tokens, temperature=0, eos_token_id=[], cache_kind=args.cache_kind)
     print(f"model={args.model} dtype={args.dtype} device={lm.device} cache={args.cache_kind or 'model dtype'} "
