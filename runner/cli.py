@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def _dispatch(command: str, argv: list[str]) -> int:
         return 0
     from runner.engine import execute
 
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background, where SIGINT is ignored
+        signal.signal(sig, _interrupt)
     outcome = execute(manifest, resolved, plan, Path(args.manifest))
     print(f"[runner] results: {outcome.folder}", file=sys.stderr)
     if outcome.failed:
@@ -65,6 +68,10 @@ def _dispatch(command: str, argv: list[str]) -> int:
               file=sys.stderr)
         return RunnerError.exit_code
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _parser(command: str, description: str, manifest: bool = True) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,3 +122,36 @@ def test_unknown_local_model_is_a_clear_error(tmp_path):
     done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "'./no-such-model' not found" in done.stderr
+
+
+def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_path):
+    runs = RUNS.split("      - id: sampled")[0] + """      - id: long
+        mode: generate
+        generate: {prompts: ["x"], max_new_tokens: 100000, max_seq_len: 200000, temperature: 1.0, eos_token_id: []}
+"""
+    path = tiny_manifest(tmp_path, runs)
+    proc = subprocess.Popen([sys.executable, "-m", "runner", str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 120
+    status_files = []
+    while time.time() < deadline:
+        status_files = list((tmp_path / "runs").glob("*/status.json"))
+        if status_files and '"tiny/long"' in status_files[0].read_text():
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    status = json.loads(status_files[0].read_text())
+    assert status["state"] == "interrupted"
+    assert status["steps"]["tiny/greedy"]["state"] == "finished"
+    assert status["steps"]["tiny/long"]["state"] == "interrupted"
+    assert (status_files[0].parent / "tiny" / "greedy" / "results.json").is_file()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs_by_name = {r.info.run_name: r.info.status
+                    for r in client.search_runs([client.get_experiment_by_name("t").experiment_id])}
+    assert runs_by_name == {"t": "KILLED", "tiny/greedy": "FINISHED", "tiny/long": "KILLED"}
