@@ -44,9 +44,10 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
     try:
         for step in plan.steps:
             folder.set_step(step.key, "running", hash=step.hash)
-            child = mirror.start(step.key, {"runner.step_hash": step.hash, "runner.mode": step.mode}) if mirror else None
+            tags = {"runner.step_hash": step.hash, "runner.mode": step.mode}
+            child = mirror.start(step.key, tags) if mirror else None
             try:
-                spec_key = json.dumps(step.model, sort_keys=True)
+                spec_key = json.dumps([step.model, step.model_seed], sort_keys=True)
                 if loaded is None or loaded[0] != spec_key:
                     loaded = None  # free the previous model before loading the next
                     loaded = (spec_key, _load(step, manifest_path.parent))
@@ -101,8 +102,8 @@ def _load(step: Step, base_dir: Path):
         print("[runner] WARNING: trust_remote_code is ON: code shipped with this model will run here",
               file=sys.stderr, flush=True)
     return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
-                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"], seed=step.seed,
-                      base_dir=base_dir)
+                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"],
+                      seed=step.model_seed, base_dir=base_dir)
 
 
 def _run_step(step: Step, lm, base_dir: Path) -> dict:

@@ -22,7 +22,8 @@ class Step:
     mode: str
     model: dict  # ModelSpec as a plain dict
     spec: dict  # the mode's block (e.g. generate) as a plain dict
-    seed: int
+    seed: int  # the sampler's
+    model_seed: int  # the weights' of a config model: the manifest's seed, shared by its steps
     hash: str
 
     @property
@@ -57,9 +58,10 @@ def make_plan(manifest: Manifest) -> Plan:
         for run in target.runs:
             spec = getattr(run, _block_of(run.mode)).model_dump(mode="json", exclude_none=True)
             seed = run.seed if run.seed is not None else manifest.seed
-            content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "runner": __version__}
+            content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "model_seed": manifest.seed,
+                       "runner": __version__}
             digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-            steps.append(Step(len(steps), target.name, run.id, run.mode, model, spec, seed, digest))
+            steps.append(Step(len(steps), target.name, run.id, run.mode, model, spec, seed, manifest.seed, digest))
     return Plan(manifest.name, tuple(steps))
 
 

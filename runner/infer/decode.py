@@ -87,8 +87,7 @@ class Generator:
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B,T] prompt (left-padded) → [B,T+N]: the prompt then this turn's tokens (pad after a row stops)."""
-        steps = list(self.steps(input_ids, attention_mask))
-        new = torch.stack(steps, dim=1) if steps else input_ids[:, :0]
+        new = torch.stack(list(self.steps(input_ids, attention_mask)), dim=1)  # max_new_tokens ≥ 1
         return torch.cat([input_ids.to(self.device), new], dim=1)
 
     def generate_iter(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[int]:
