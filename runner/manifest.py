@@ -78,6 +78,8 @@ class GenerateSpec(GenerateConfig):
             raise ValueError("give exactly one of 'prompts' (a list) or 'prompts_file' (a .txt or .jsonl path)")
         if self.prompts_file is not None and Path(self.prompts_file).suffix not in {".txt", ".jsonl"}:
             raise ValueError("'prompts_file' must end in .txt (one prompt per line) or .jsonl")
+        if self.stream and self.batch_size != 1:
+            raise ValueError("'stream' prints one sequence at a time: set batch_size: 1, or stream: false")
         return self
 
 
@@ -85,7 +87,6 @@ class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
     generate: GenerateSpec = Field(description="Decoding settings and prompts.")
-    seed: int | None = Field(None, ge=0, description="Overrides the manifest's seed for this run.")
 
 
 class Target(Strict):

@@ -57,7 +57,7 @@ def make_plan(manifest: Manifest) -> Plan:
         model = target.model.model_dump(mode="json")
         for run in target.runs:
             spec = getattr(run, _block_of(run.mode)).model_dump(mode="json", exclude_none=True)
-            seed = run.seed if run.seed is not None else manifest.seed
+            seed = spec.get("seed", manifest.seed)
             content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "model_seed": manifest.seed,
                        "runner": __version__}
             digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

@@ -131,3 +131,8 @@ def test_schema_is_json_and_describes_every_generate_field():
     assert {"max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "eos_token_id", "max_seq_len",
             "cache_kind", "prompts", "batch_size", "stop_strings", "stream"} <= set(generate)
     assert all("description" in field for field in generate.values())
+
+
+def test_stream_needs_batch_size_one(tmp_path):
+    text = GOOD.replace("max_new_tokens: 4", "max_new_tokens: 4\n          stream: true\n          batch_size: 2")
+    assert "set batch_size: 1" in str(errors_of(write(tmp_path, text)))

@@ -9,8 +9,7 @@ RUNS = """      - id: a
         generate: {prompts: [x], max_new_tokens: 3, temperature: 0}
       - id: b
         mode: generate
-        seed: 5
-        generate: {prompts: [y], max_new_tokens: 3}
+        generate: {prompts: [y], max_new_tokens: 3, seed: 5}
 """
 
 
@@ -29,7 +28,7 @@ def test_hash_is_stable_and_changes_with_any_input(tmp_path):
     assert [s.hash for s in base.steps] == [s.hash for s in again.steps]
     changed = make_plan(load_manifest(path, ["targets.0.runs.0.generate.max_new_tokens=4"])[0])
     assert changed.steps[0].hash != base.steps[0].hash and changed.steps[1].hash == base.steps[1].hash
-    run_seed = make_plan(load_manifest(path, ["targets.0.runs.1.seed=6"])[0])
+    run_seed = make_plan(load_manifest(path, ["targets.0.runs.1.generate.seed=6"])[0])
     assert run_seed.steps[0].hash == base.steps[0].hash and run_seed.steps[1].hash != base.steps[1].hash
     reseeded = make_plan(load_manifest(path, ["seed=1"])[0])  # also reseeds the config model's weights
     assert all(a.hash != b.hash for a, b in zip(reseeded.steps, base.steps))

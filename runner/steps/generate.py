@@ -25,11 +25,11 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
     config = GenerateConfig.model_validate(
         {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields}
-        | {"seed": spec.seed if spec.seed is not None else step.seed}
+        | {"seed": step.seed}
     )
     prompts = load_prompts(spec, base_dir)
     rng = torch.Generator(lm.device).manual_seed(config.seed)
-    stream = spec.stream and spec.batch_size == 1
+    stream = spec.stream
     bar = None if stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
                                    file=sys.stderr)
     records, batches = [], []
