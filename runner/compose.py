@@ -131,14 +131,14 @@ def _describe(err: dict, loc: Loc) -> tuple[str, str]:
         return "unknown key", hint
     if kind == "missing":
         return "required key is missing", ""
+    hint = ""
     if kind == "literal_error" and isinstance(err.get("input"), str):
         valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
         close = difflib.get_close_matches(err["input"], valid, n=1, cutoff=0.6)
-        if close:
-            return message + f" (got {err['input']!r})", f"did you mean '{close[0]}'?"
+        hint = f"did you mean '{close[0]}'?" if close else ""
     if "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"], (dict, list)):
         message += f" (got {err['input']!r})"
-    return message, ""
+    return message, hint
 
 
 def _source(loc: Loc, file: str, locations: dict, override_locs: dict) -> str:

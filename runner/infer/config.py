@@ -35,7 +35,9 @@ class GenerateConfig(BaseModel):
     cache_kind: CacheKindName | None = Field(
         None, description="KV-cache storage: fp32, fp16, bf16; unset = the model's own dtype."
     )
-    seed: int | None = Field(None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library).")
+    seed: int | None = Field(
+        None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
+    )
 
     @field_validator("eos_token_id")
     @classmethod

@@ -29,14 +29,13 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path) -> dict:
     )
     prompts = load_prompts(spec, base_dir)
     rng = torch.Generator(lm.device).manual_seed(config.seed)
-    stream = spec.stream
-    bar = None if stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
+    bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
                                    file=sys.stderr)
     records, batches = [], []
     for start in range(0, len(prompts), spec.batch_size):
         batch = prompts[start:start + spec.batch_size]
         generator = Generator(lm.model, config=config, tokenizer=lm.tokenizer, generator=rng)
-        if stream:
+        if spec.stream:
             records += _stream_one(generator, lm.tokenizer, batch[0], config)
         else:
             records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
