@@ -1,0 +1,173 @@
+"""The cache-plan store: `plans/cache_plans.json`, one plan per fingerprint of everything that could change the answer.
+
+Owns the file: its format (`{"version": 1, "plans": {key: plan}}`), the key (sha256 of the canonical JSON of the
+caller's fields, which are kept in the plan so a human can see why two keys differ), freshness, atomic writes (temp
+file, fsync, os.replace) under a cross-process lock on `<path>.lock` so concurrent writers lose nothing, and setting a
+corrupt file aside (never overwriting it silently). Does not know what a plan means, how candidates are measured, or
+which fields matter: auto-cache-select decides those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager, suppress
+from datetime import datetime, timezone
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from runner import __version__
+from runner.errors import RunnerError
+
+FORMAT_VERSION = 1
+DEFAULT_PATH = Path("plans") / "cache_plans.json"
+LOCK_TIMEOUT_SEC = 120.0
+
+
+def plan_key(fields: dict) -> str:
+    """sha256 hex of the canonical JSON of `fields`: the same fields in any order give the same key."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+class PlanStore:
+    """Plans in one JSON file. Reads need no lock (writes replace the file whole); writes hold `<path>.lock`."""
+
+    def __init__(self, path: str | Path = DEFAULT_PATH):
+        self.path = Path(path)
+        self._lock = FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_SEC)
+
+    def get(self, key: str) -> dict | None:
+        return self._read().get(key)
+
+    def put(self, key: str, plan: dict, fields: dict) -> dict:
+        """Store `plan` under `key` (which must be `plan_key(fields)`), adding fields, creation time and version."""
+        if key != plan_key(fields):
+            raise ValueError(f"plan key {key} is not plan_key(fields) = {plan_key(fields)}")
+        now = time.time()
+        stored = {**plan, "fields": fields, "created": datetime.fromtimestamp(now, timezone.utc).isoformat(),
+                  "created_unix": now, "runner_version": __version__}
+        stored = json.loads(json.dumps(stored))  # fails here, before the file is touched, if the plan is not JSON
+        with self._locked():
+            plans = self._load()
+            plans[key] = stored
+            self._write({"version": FORMAT_VERSION, "plans": plans})
+        return stored
+
+    @staticmethod
+    def is_fresh(plan: dict, probe: bool, interval_sec: float, now: float | None = None) -> bool:
+        """Fresh when probing is off, or when the plan is younger than `interval_sec`."""
+        if not probe:
+            return True
+        age = _age(plan, now)
+        return age is not None and age < interval_sec
+
+    def lookup(self, key: str, probe: bool, interval_sec: float, now: float | None = None) -> tuple[dict | None, str]:
+        """The plan if it may be reused (else None: re-measure), and why: "fresh ...", "stale ..." or "missing"."""
+        plan = self.get(key)
+        if plan is None:
+            return None, "missing"
+        if not probe:
+            return plan, "fresh (probe off)"
+        age = _age(plan, now)
+        if age is None:
+            return None, "stale (no creation time)"
+        if self.is_fresh(plan, probe, interval_sec, now):
+            return plan, f"fresh (age {age:.0f} s < {interval_sec:g} s)"
+        return None, f"stale (age {age:.0f} s >= {interval_sec:g} s)"
+
+    # -- the file ---------------------------------------------------------------------------------------------------
+
+    def _read(self) -> dict:
+        plans, _ = self._parse()
+        if plans is not None:
+            return plans
+        with self._locked():  # corrupt: look again under the lock (another process may have dealt with it)
+            return self._load()
+
+    def _load(self) -> dict:
+        """The plans, setting a corrupt file aside. Call with the lock held."""
+        plans, problem = self._parse()
+        if plans is None:
+            self._set_aside(problem)
+            return {}
+        return plans
+
+    def _parse(self) -> tuple[dict | None, str]:
+        """The plans in the file ({} when there is none), or None and what is wrong with it."""
+        try:
+            doc = json.loads(self.path.read_bytes())
+        except (FileNotFoundError, NotADirectoryError):
+            return {}, ""
+        except OSError as exc:
+            raise RunnerError(f"cannot read cache plans {self.path.resolve()}: {exc.strerror}") from None
+        except ValueError as exc:
+            return None, f"not JSON: {exc}"
+        if not isinstance(doc, dict) or not isinstance(doc.get("plans"), dict):
+            return None, 'not {"version": ..., "plans": {...}}'
+        if doc.get("version") != FORMAT_VERSION:
+            return None, f"version {doc.get('version')!r}, this runner reads version {FORMAT_VERSION}"
+        if not all(isinstance(plan, dict) for plan in doc["plans"].values()):
+            return None, "a plan that is not an object"
+        return doc["plans"], ""
+
+    def _set_aside(self, problem: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        aside, n = self.path.with_name(f"{self.path.name}.corrupt-{stamp}"), 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        try:
+            os.replace(self.path, aside)
+        except OSError as exc:
+            raise RunnerError(f"cache plans {self.path.resolve()} are unreadable ({problem}) and cannot be moved "
+                              f"aside: {exc.strerror}") from None
+        print(f"[runner] WARNING: cache plans {self.path} were unreadable ({problem}); moved them to {aside} "
+              "and started with no plans", file=sys.stderr)
+
+    def _write(self, doc: dict) -> None:
+        """Replace the file whole: a reader sees the old file or the new one, never half of one."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with suppress(OSError):
+                tmp.unlink()
+            raise RunnerError(f"cannot write cache plans {self.path.resolve()}: {exc.strerror}") from None
+        if os.name == "posix":  # make the rename itself durable
+            with suppress(OSError):
+                fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    @contextmanager
+    def _locked(self):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire()
+        except Timeout:  # before OSError: Timeout is one
+            raise RunnerError(f"cache plans {self.path.resolve()}: another process has held {self._lock.lock_file} "
+                              f"for over {LOCK_TIMEOUT_SEC:.0f} s") from None
+        except OSError as exc:
+            raise RunnerError(f"cannot write cache plans {self.path.resolve()}: {exc.strerror or exc}") from None
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+def _age(plan: dict, now: float | None) -> float | None:
+    created = plan.get("created_unix")
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        return None
+    return (time.time() if now is None else now) - created
