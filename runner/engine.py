@@ -51,7 +51,7 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                 if loaded is None or loaded[0] != spec_key:
                     loaded = None  # free the previous model before loading the next
                     loaded = (spec_key, _load(step, manifest_path.parent))
-                result = _run_step(step, loaded[1], manifest_path.parent)
+                result = _run_step(step, loaded[1], manifest_path.parent, folder.path / step.key)
             except RunnerError as exc:
                 outcome.failed[step.key] = str(exc)
                 folder.set_step(step.key, "failed", error=str(exc))
@@ -65,12 +65,13 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                 if mirror:
                     mirror.end(child, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 raise
-            step_dir = f"{step.target}/{step.run_id}"
+            step_dir = step.key
+            params = result.pop("params", {})
             folder.write_json(f"{step_dir}/results.json", result)
             folder.set_step(step.key, "finished", metrics=result["metrics"])
             if mirror:
                 mirror.log(child, params={"mode": step.mode, "model": step.model, step.mode: step.spec,
-                                          "seed": step.seed, "model_fingerprint": result["model"]},
+                                          "seed": step.seed, "model_fingerprint": result["model"], **params},
                            metrics=result["metrics"], artifacts=folder.path / step_dir)
                 mirror.end(child, "FINISHED")
         state = "FAILED" if outcome.failed else "FINISHED"
@@ -106,13 +107,13 @@ def _load(step: Step, base_dir: Path):
                       seed=step.model_seed, base_dir=base_dir)
 
 
-def _run_step(step: Step, lm, base_dir: Path) -> dict:
+def _run_step(step: Step, lm, base_dir: Path, out_dir: Path) -> dict:
     import torch
 
     from runner.steps import STEP_RUNNERS
 
     try:
-        result = STEP_RUNNERS[step.mode](step, lm, base_dir)
+        result = STEP_RUNNERS[step.mode](step, lm, base_dir, out_dir)
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory in step {step.key}: {exc}") from None
     return {"step": step.key, "mode": step.mode, "hash": step.hash, "seed": step.seed, "model": lm.fingerprint,

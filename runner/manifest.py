@@ -16,7 +16,7 @@ from runner.infer.config import GenerateConfig
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
-MODES = ("generate",)  # auto-cache-select, speculative and bench arrive with their issues
+MODES = ("generate", "auto-cache-select")  # speculative and bench arrive with their issues
 
 
 class Strict(BaseModel):
@@ -64,9 +64,12 @@ class ModelSpec(Strict):
 
 
 class GenerateSpec(GenerateConfig):
-    """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch."""
+    """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch.
 
-    prompts: list[str] | None = Field(None, min_length=1, description="Prompts, inline.")
+    `auto-cache-select` reads the same block (the cache_* settings, batch_size, max_seq_len) and no prompts.
+    """
+
+    prompts: list[str] | None = Field(None, min_length=1, description="Prompts, inline; none = one default prompt.")
     prompts_file: str | None = Field(None, description=(
         "A .txt file (one prompt per line) or .jsonl file ({\"prompt\": ...} per line), relative to the manifest."))
     batch_size: int = Field(1, ge=1, le=4096, description="Prompts decoded together (left-padded).")
@@ -74,8 +77,8 @@ class GenerateSpec(GenerateConfig):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "GenerateSpec":
-        if (self.prompts is None) == (self.prompts_file is None):
-            raise ValueError("give exactly one of 'prompts' (a list) or 'prompts_file' (a .txt or .jsonl path)")
+        if self.prompts is not None and self.prompts_file is not None:
+            raise ValueError("give one of 'prompts' (a list) or 'prompts_file' (a .txt or .jsonl path), not both")
         if self.prompts_file is not None and Path(self.prompts_file).suffix not in {".txt", ".jsonl"}:
             raise ValueError("'prompts_file' must end in .txt (one prompt per line) or .jsonl")
         if self.stream and self.batch_size != 1:
@@ -86,7 +89,14 @@ class GenerateSpec(GenerateConfig):
 class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
-    generate: GenerateSpec = Field(description="Decoding settings and prompts.")
+    generate: GenerateSpec = Field(description="Decoding settings and prompts (auto-cache-select: the cache_* settings).")
+
+    @model_validator(mode="after")
+    def _auto_only_where_it_means_something(self) -> "Run":
+        if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
+            raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
+                             f"{self.generate.cache_kind} (or use mode: generate)")
+        return self
 
 
 class Target(Strict):

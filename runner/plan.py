@@ -66,4 +66,4 @@ def make_plan(manifest: Manifest) -> Plan:
 
 
 def _block_of(mode: str) -> str:
-    return {"generate": "generate"}[mode]
+    return {"generate": "generate", "auto-cache-select": "generate"}[mode]

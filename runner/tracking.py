@@ -126,6 +126,8 @@ def environment() -> dict:
     import torch
     import transformers
 
+    from runner.infer.bench import device_name
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "runner": __version__,
@@ -133,23 +135,13 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": device_name(torch.device("cpu")),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "git_sha": _git_sha(),
         "argv": sys.argv,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _git_sha() -> str | None:

@@ -10,13 +10,52 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CacheKindName = Literal["fp32", "fp16", "bf16"]
+CacheKindName = Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]
+KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
+DEFAULT_CANDIDATES = ("fp16", "q8_0", "nf4", "q4_0")
 
 
-class GenerateConfig(BaseModel):
-    """How to decode. `temperature: 0` means greedy; unset filters are off."""
+def canonical_kind(kind: str) -> str:
+    """`q8` → `q8_0`, `q4` → `q4_0`; other names unchanged."""
+    return KIND_ALIASES.get(kind, kind)
+
+
+class AutoCacheConfig(BaseModel):
+    """How `cache_kind: auto` chooses: budget filter → quality gates → speed pick → persisted plan."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache_candidates: list[CacheKindName] = Field(
+        default_factory=lambda: list(DEFAULT_CANDIDATES), min_length=1,
+        description="Kinds to consider, in order of preference (ties and cache_auto_benchmark: false).")
+    cache_budget_mb: float | None = Field(None, gt=0, description=(
+        "Most MB the cache may take at max_seq_len × batch (estimated); unset = no limit."))
+    cache_quality_max_delta_nll: float = Field(0.05, ge=0, description=(
+        "Most mean NLL increase (nats/token) of teacher-forced tokens decoded through the cache."))
+    cache_quality_max_ppl_ratio: float = Field(1.05, ge=1.0, description=(
+        "Most perplexity ratio candidate / reference over cache_quality_ppl_len tokens."))
+    cache_quality_max_mean_kl: float = Field(0.1, ge=0, description=(
+        "Most mean KL(reference ‖ candidate) of next-token distributions (decode steps and needle answer), nats."))
+    cache_quality_prompt_len: int = Field(64, ge=1, le=1_000_000, description="Tokens prefilled before the teacher-forced decode steps.")
+    cache_quality_decode_steps: int = Field(4, ge=1, le=10_000, description="Teacher-forced decode steps per window.")
+    cache_quality_windows: int = Field(8, ge=1, le=1024, description="Text windows (a batch) the NLL and KL average over.")
+    cache_quality_ppl_len: int = Field(512, ge=2, le=1_000_000, description="Tokens in the perplexity window (capped by max_seq_len).")
+    cache_quality_data: str = Field("pydoc", min_length=1, description=(
+        "Evaluation text: pydoc, shakespeare, britannica, a .txt file (relative to the manifest) or hf:REPO/FILE."))
+    cache_quality_on_fail: Literal["error", "reference"] = Field("reference", description=(
+        "When no candidate passes the gates: fail the step, or use the reference kind (recorded as gate_failed)."))
+    cache_auto_benchmark: bool = Field(True, description="Time the survivors and pick the fastest median; off = first survivor.")
+    cache_auto_bench_steps: int = Field(8, ge=1, le=100_000, description="Decode steps timed per repeat.")
+    cache_auto_bench_prompt_len: int = Field(64, ge=1, le=1_000_000, description="Prompt tokens before the timed decode.")
+    cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description="Timed repeats after one warm-up; the median counts.")
+    cache_plan_path: str = Field("plans/cache_plans.json", min_length=1, description=(
+        "Where selections are persisted and reused (relative to the working directory)."))
+    cache_plan_probe: bool = Field(True, description="Re-measure a persisted plan once it is older than the interval.")
+    cache_plan_probe_interval_sec: float = Field(3600, gt=0, description="Age (seconds) after which a plan is stale.")
+
+
+class GenerateConfig(AutoCacheConfig):
+    """How to decode. `temperature: 0` means greedy; unset filters are off."""
 
     max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
@@ -32,9 +71,9 @@ class GenerateConfig(BaseModel):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
-    cache_kind: CacheKindName | None = Field(
-        None, description="KV-cache storage: fp32, fp16, bf16; unset = the model's own dtype."
-    )
+    cache_kind: CacheKindName | Literal["auto"] | None = Field(None, description=(
+        "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), nf4, or auto (selected under "
+        "cache_budget_mb and the quality gates); unset = the model's own dtype."))
     seed: int | None = Field(
         None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )

@@ -55,7 +55,7 @@ def decode_one_token(model, token: torch.Tensor, mask: torch.Tensor, positions: 
     return forward_last(model, token[:, None], mask, positions[:, None], cache)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -71,8 +71,9 @@ class Generator:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer  # needed only for stop_strings
-        if self.config.stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer: Generator(..., tokenizer=tok)")
+        if (self.config.stop_strings or self.config.cache_kind == "auto") and tokenizer is None:
+            raise ValueError("stop_strings and cache_kind='auto' need a tokenizer: Generator(..., tokenizer=tok)")
+        self.selection = None  # what cache_kind='auto' chose, once the first call knows the batch size
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         self.eos_ids = self._eos_ids()
         self.stats = DecodeStats()
@@ -107,7 +108,7 @@ class Generator:
             ids = torch.cat([self.pending[:, None], ids], dim=1)
             new_mask = torch.cat([torch.ones_like(self.pending[:, None]), new_mask], dim=1)
         if self.cache is None:
-            self.cache = make_cache(cfg.cache_kind, model)
+            self.cache = make_cache(self._cache_kind(ids.shape[0]), model)
         past_len = self.mask.shape[1] if self.mask is not None else 0
         if past_len + ids.shape[1] >= cfg.max_seq_len:
             raise StepError(f"prompt of {past_len + ids.shape[1]} tokens does not fit max_seq_len={cfg.max_seq_len}")
@@ -124,7 +125,7 @@ class Generator:
         for step in range(cfg.max_new_tokens):
             token = torch.where(done, pad, next_token(logits, self.sequence, cfg, self.rng))
             if step == 0:
-                _sync(self.device)
+                sync(self.device)
                 self.stats.prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
             self.sequence = torch.cat([self.sequence, token[:, None]], dim=1)
@@ -138,8 +139,17 @@ class Generator:
             positions = self.mask.sum(-1)
             self.mask = torch.cat([self.mask, live], dim=1)
             logits = decode_one_token(model, token, self.mask, positions, self.cache)
-        _sync(self.device)
+        sync(self.device)
         self.stats.decode_s = time.perf_counter() - start
+
+    def _cache_kind(self, batch: int) -> str | None:
+        if self.config.cache_kind != "auto":
+            return self.config.cache_kind
+        if self.selection is None:
+            from runner.infer.autocache import select_cache_kind
+
+            self.selection = select_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
+        return self.selection.kind
 
     def _finished_rows(self, token: torch.Tensor, done: torch.Tensor, step: int) -> torch.Tensor:
         """[B] bool: rows that stop after this token; records how many tokens each row made and why."""

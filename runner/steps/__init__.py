@@ -1,5 +1,11 @@
-"""One module per mode: each turns a Step and a loaded model into a result dict with `metrics`."""
+"""One module per mode: each turns a Step and a loaded model into a result dict with `metrics`.
 
+A runner is called as `run(step, lm, base_dir, out_dir)`: `base_dir` is the manifest's folder (relative
+paths), `out_dir` the step's results folder for tables and plots. An optional `params` entry of the
+result is logged to MLflow as parameters.
+"""
+
+from runner.steps.cache_select import run_cache_select
 from runner.steps.generate import run_generate
 
-STEP_RUNNERS = {"generate": run_generate}
+STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select}

@@ -19,14 +19,23 @@ from runner.infer.decode import Generator
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec
 from runner.plan import Step
+from runner.steps.cache_select import describe, select_for
+
+DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 
 
-def run_generate(step: Step, lm: LoadedModel, base_dir: Path) -> dict:
+def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
     config = GenerateConfig.model_validate(
         {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields}
         | {"seed": step.seed}
     )
+    extra = {}
+    if config.cache_kind == "auto":
+        selection = select_for(step, spec, lm, base_dir, out_dir)
+        config = config.model_copy(update={"cache_kind": selection.kind})
+        extra = {"cache_selection": describe(selection),
+                 "params": {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}}
     prompts = load_prompts(spec, base_dir)
     rng = torch.Generator(lm.device).manual_seed(config.seed)
     bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
@@ -44,12 +53,15 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path) -> dict:
         bar.close()
         for r in records:
             print(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}", flush=True)
-    return {"prompts": records, "metrics": _totals(records, batches)}
+    return {"prompts": records, "metrics": _totals(records, batches), **extra}
 
 
 def load_prompts(spec: GenerateSpec, base_dir: Path) -> list[str]:
     if spec.prompts is not None:
         return list(spec.prompts)
+    if spec.prompts_file is None:
+        print(f"[runner] no prompts given: using {DEFAULT_PROMPTS}", file=sys.stderr, flush=True)
+        return list(DEFAULT_PROMPTS)
     path = (base_dir / spec.prompts_file).resolve()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

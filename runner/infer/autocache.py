@@ -1,0 +1,174 @@
+"""`cache_kind: auto`: budget filter → quality gates → speed pick → persisted plan.
+
+    select_cache_kind → lookup plan (fresh: done, nothing measured)
+                      → within_budget (estimated bytes at max_seq_len × batch)
+                      → run_probe per kind, compare with the reference → gate_failures
+                      → time_decode the survivors → choose → PlanStore.put
+The reference is the model's own dtype in transformers' DynamicCache. Every candidate's row (bytes,
+ΔNLL, PPL ratio, KL, needle, tokens/s, verdict) is kept in the plan. Does not print tables, draw
+plots or know about manifests: the auto-cache-select step does that with the rows returned here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runner.errors import StepError
+from runner.infer.bench import device_name, time_decode
+from runner.infer.config import GenerateConfig, canonical_kind
+from runner.infer.data import EvalText, load_text, token_windows
+from runner.infer.kvcache import bytes_per_token
+from runner.infer.quality import build_probe, compare, run_probe
+from runner.plans import PlanStore, plan_key
+
+MIB = 1024 * 1024
+REFERENCE_KINDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
+KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
+                  "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
+                  "cache_quality_windows", "cache_quality_ppl_len", "cache_quality_on_fail", "cache_auto_benchmark",
+                  "cache_auto_bench_steps", "cache_auto_bench_prompt_len", "cache_auto_bench_repeats", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class Selection:
+    kind: str  # the cache kind to use
+    source: str  # measured | plan | gate_failed
+    reason: str  # one line a person can read
+    rows: list[dict]  # one per candidate, in candidate order
+    key: str  # the plan's fingerprint
+    plan_path: str
+    seconds: float  # how long the selection took (a reused plan: no measurement at all)
+
+
+def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
+                      text: EvalText | None = None, base_dir: Path | None = None) -> Selection:
+    """Choose a cache kind for `model` under `config`'s budget and gates, reusing a fresh persisted plan."""
+    start = time.perf_counter()
+    text = text or load_text(config.cache_quality_data, base_dir)
+    fields = plan_fields(model, config, identity or model_identity(model), batch_size, text)
+    key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
+    plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
+    if plan is not None:
+        return Selection(plan["kind"], "plan", f"reused plan {key[:12]} ({why}): {plan['reason']}", plan["rows"], key,
+                         str(store.path), time.perf_counter() - start)
+    rows = measure_candidates(model, tokenizer, config, batch_size, text)
+    kind, source, reason = choose(rows, config, reference_kind(model))
+    store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+    return Selection(kind, source, f"{reason} (plan {key[:12]} was {why})", rows, key, str(store.path),
+                     time.perf_counter() - start)
+
+
+def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText) -> list[dict]:
+    """Budget, quality and speed of every candidate; a row says why a candidate was dropped."""
+    kinds = list(dict.fromkeys(canonical_kind(k) for k in config.cache_candidates))
+    rows = [within_budget(model, kind, config, batch_size) for kind in kinds]
+    fitting = [row for row in rows if row["fits"]]
+    if not fitting:
+        smallest = min(rows, key=lambda r: r["estimated_mb"])
+        estimates = ", ".join(f"{r['kind']} {r['estimated_mb']:.1f}" for r in rows)
+        raise StepError(
+            f"no cache kind fits cache_budget_mb={config.cache_budget_mb:g} at max_seq_len={config.max_seq_len} × "
+            f"batch {batch_size}: the smallest, {smallest['kind']}, needs {smallest['estimated_mb']:.1f} MiB "
+            f"(estimates in MiB: {estimates}); raise the budget or lower max_seq_len / batch_size")
+    device = next(model.parameters()).device
+    probe = build_probe(tokenizer, text, config.cache_quality_prompt_len, config.cache_quality_decode_steps,
+                        config.cache_quality_windows, min(config.cache_quality_ppl_len, config.max_seq_len), device)
+    bar = tqdm(total=len(fitting) + 1, desc="cache quality", unit="kind", file=sys.stderr)
+    reference = run_probe(model, probe, None)
+    bar.update()
+    for row in fitting:
+        bar.set_postfix_str(row["kind"])
+        metrics = compare(reference, run_probe(model, probe, row["kind"]))
+        bar.update()
+        row.update(metrics, measured_mb=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
+        failures = gate_failures(metrics, config)
+        row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
+    bar.close()
+    survivors = [row for row in fitting if row["passed"]]
+    if config.cache_auto_benchmark and survivors:
+        prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
+                              device=device)
+        for row in tqdm(survivors, desc="cache speed", unit="kind", file=sys.stderr):
+            timing = time_decode(model, prompt, config.cache_auto_bench_steps, row["kind"],
+                                 config.cache_auto_bench_repeats)
+            row.update(tokens_per_s=timing.decode_tokens_per_s, prefill_ms=timing.prefill_ms)
+    return rows
+
+
+def within_budget(model, kind: str, config: GenerateConfig, batch_size: int) -> dict:
+    per_token = bytes_per_token(model.config, kind, model.dtype)
+    estimated_mb = per_token * config.max_seq_len * batch_size / MIB
+    fits = config.cache_budget_mb is None or estimated_mb <= config.cache_budget_mb
+    verdict = "" if fits else f"over budget: {estimated_mb:.1f} MiB > {config.cache_budget_mb:g} MiB"
+    return {"kind": kind, "estimated_bytes_per_token": per_token, "estimated_mb": estimated_mb, "fits": fits,
+            "passed": False, "verdict": verdict}
+
+
+def gate_failures(metrics: dict, config: GenerateConfig) -> list[str]:
+    """The gates a candidate fails, each with its figure; NaN fails (a broken cache must not pass)."""
+    gates = [("ΔNLL", metrics["delta_nll"], config.cache_quality_max_delta_nll),
+             ("PPL ratio", metrics["ppl_ratio"], config.cache_quality_max_ppl_ratio),
+             ("mean KL", metrics["mean_kl"], config.cache_quality_max_mean_kl)]
+    return [f"{name} {value:.4g} > {limit:g}" for name, value, limit in gates
+            if math.isnan(value) or not value <= limit]
+
+
+def choose(rows: list[dict], config: GenerateConfig, reference: str) -> tuple[str, str, str]:
+    """(kind, source, reason): the fastest survivor (or the first, unbenchmarked); else the on-fail policy."""
+    survivors = [row for row in rows if row["passed"]]
+    if not survivors:
+        failed = "; ".join(f"{r['kind']}: {r['verdict']}" for r in rows)
+        if config.cache_quality_on_fail == "error":
+            raise StepError(f"no cache kind passed the quality gates ({failed}); loosen the gates, or set "
+                            "cache_quality_on_fail: reference to fall back to the model's own dtype")
+        return reference, "gate_failed", f"no candidate passed the gates; using the reference {reference}"
+    if config.cache_auto_benchmark:
+        best = max(survivors, key=lambda r: r["tokens_per_s"])
+        for row in survivors:
+            row["verdict"] = "chosen: fastest" if row is best else "passed gates, slower"
+        return best["kind"], "measured", (f"{best['kind']}: fastest of {len(survivors)} passing "
+                                          f"({best['tokens_per_s']:.1f} tok/s)")
+    best = survivors[0]
+    best["verdict"] = "chosen: first passing candidate"
+    return best["kind"], "measured", f"{best['kind']}: first of {len(survivors)} passing (benchmark off)"
+
+
+def reference_kind(model) -> str:
+    return REFERENCE_KINDS[model.dtype]
+
+
+def plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
+    """Everything that could change the answer: model, dtype, device, versions, batch, settings, eval text."""
+    import transformers
+
+    device = next(model.parameters()).device
+    return {
+        "model": identity,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "batch_size": batch_size,
+        "settings": config.model_dump(mode="json", include=set(KEYED_SETTINGS)),
+        "eval_data": {"name": text.name, "sha256": text.sha256},
+    }
+
+
+def model_identity(model) -> dict:
+    """For a bare model (no loader fingerprint): its config, size and a sample of every weight tensor."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().flatten()[:1024].float().cpu().numpy().tobytes())
+    return {"name_or_path": model.config._name_or_path, "weights_sample_sha256": digest.hexdigest(),
+            "n_params": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,75 @@
+"""Timing harness: warm-up excluded, device synchronised before the clock is read, median of repeats.
+
+Times our own prefill/decode chain (greedy, no stop rules, so every repeat does the same work).
+Does not know about manifests, cache selection or where figures are written.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runner.infer.decode import decode_one_token, forward_last, positions_for, sync
+from runner.infer.kvcache import make_cache
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    prefill_s: list[float]  # per timed repeat
+    decode_s: list[float]
+    batch: int
+    steps: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Median over repeats of batch × steps / decode seconds."""
+        return statistics.median(self.batch * self.steps / s for s in self.decode_s)
+
+    @property
+    def prefill_ms(self) -> float:
+        return statistics.median(self.prefill_s) * 1000
+
+
+@torch.inference_mode()
+def greedy_decode_once(model, prompt: torch.Tensor, steps: int, kind: str | None) -> tuple[float, float]:
+    """Prefill `prompt` [B,P] into a fresh cache of `kind`, then `steps` greedy steps → (prefill s, decode s)."""
+    device = prompt.device
+    mask = torch.ones_like(prompt)
+    cache = make_cache(kind, model)
+    start = time.perf_counter()
+    logits = forward_last(model, prompt, mask, positions_for(None, mask), cache)
+    token = logits.argmax(-1)
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(steps):
+        positions = mask.sum(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+    sync(device)
+    return prefill_s, time.perf_counter() - start
+
+
+def time_decode(model, prompt: torch.Tensor, steps: int, kind: str | None, repeats: int,
+                warmup: int = 1) -> DecodeTiming:
+    for _ in range(warmup):
+        greedy_decode_once(model, prompt, steps, kind)
+    runs = [greedy_decode_once(model, prompt, steps, kind) for _ in range(repeats)]
+    return DecodeTiming([p for p, _ in runs], [d for _, d in runs], prompt.shape[0], steps)
+
+
+def device_name(device: torch.device) -> str:
+    """What a timing was taken on: the GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,100 @@
+"""`mode: auto-cache-select`, and `cache_kind: auto` in `generate`: choose, show and record a cache kind.
+
+Owns the step's side of selection: the config from the manifest's block, the printed table, the
+CSV / PNG / plan JSON in the step folder and the metrics. The choosing is runner.infer.autocache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from runner.infer.autocache import Selection, select_cache_kind
+from runner.infer.config import GenerateConfig
+from runner.infer.models import LoadedModel
+from runner.manifest import GenerateSpec
+from runner.plan import Step
+
+COLUMNS = {  # row key → table heading
+    "kind": "kind", "estimated_mb": "est MiB", "measured_mb": "meas MiB", "delta_nll": "ΔNLL",
+    "ppl_ratio": "PPL ratio", "mean_kl": "mean KL", "needle_found": "needle", "tokens_per_s": "tok/s",
+    "verdict": "verdict",
+}
+
+
+def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+    spec = GenerateSpec.model_validate(step.spec)
+    selection = select_for(step, spec, lm, base_dir, out_dir)
+    return {"selection": describe(selection), "metrics": selection_metrics(selection),
+            "params": {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}}
+
+
+def select_for(step: Step, spec: GenerateSpec, lm: LoadedModel, base_dir: Path, out_dir: Path) -> Selection:
+    """Select (or reuse a plan), print the table, and leave it in the step folder as CSV, PNG and JSON."""
+    config = GenerateConfig.model_validate(
+        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields})
+    print(f"[{step.key}] choosing a cache kind among {', '.join(config.cache_candidates)} "
+          f"(budget {_mib(config.cache_budget_mb)}, max_seq_len {config.max_seq_len}, batch {spec.batch_size})",
+          file=sys.stderr, flush=True)
+    selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
+                                  identity=lm.fingerprint, base_dir=base_dir)
+    table = candidates_table(selection.rows)
+    print(f"[{step.key}] {table.to_string(index=False)}\n[{step.key}] → {selection.kind} ({selection.source}): "
+          f"{selection.reason} [{selection.seconds:.1f} s]", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / "cache_candidates.csv", index=False)
+    (out_dir / "cache_plan.json").write_text(json.dumps(describe(selection), indent=2, default=str) + "\n")
+    plot_candidates(selection, config, out_dir / "cache_candidates.png")
+    return selection
+
+
+def candidates_table(rows: list[dict]) -> pd.DataFrame:
+    frame = pd.DataFrame(rows).reindex(columns=list(COLUMNS)).rename(columns=COLUMNS)
+    return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1})
+
+
+def describe(selection: Selection) -> dict:
+    return {"kind": selection.kind, "source": selection.source, "reason": selection.reason, "key": selection.key,
+            "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows}
+
+
+def selection_metrics(selection: Selection) -> dict:
+    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.source == "plan")}
+    for row in selection.rows:
+        for name in ("estimated_mb", "measured_mb", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
+            if row.get(name) is not None:
+                metrics[f"{row['kind']}.{name}"] = row[name]
+    return metrics
+
+
+def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) -> None:
+    """Three panels per candidate: memory against the budget, ΔNLL against its gate, decode speed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = selection.rows
+    kinds = [r["kind"] for r in rows]
+    colours = ["tab:green" if r["kind"] == selection.kind else "tab:blue" if r["passed"] else "tab:gray" for r in rows]
+    panels = [("estimated_mb", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
+              ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
+              ("tokens_per_s", "decode tokens/s", None)]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, (name, label, limit) in zip(axes, panels):
+        ax.bar(kinds, [r.get(name) or 0.0 for r in rows], color=colours)
+        if limit is not None:
+            ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1)
+        ax.set_title(label, fontsize=10)
+    fig.suptitle(f"cache selection: {selection.kind} ({selection.source}); green = chosen, grey = dropped",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mib(value: float | None) -> str:
+    return "none" if value is None else f"{value:g} MiB"

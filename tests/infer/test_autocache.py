@@ -1,0 +1,105 @@
+"""auto cache selection: budget filter, each gate, the on-fail policy, plan reuse and staleness."""
+
+import pytest
+import torch
+
+import runner.infer.autocache as autocache
+from runner.errors import StepError
+from runner.infer.autocache import gate_failures, select_cache_kind
+from runner.infer.config import GenerateConfig
+from runner.infer.decode import Generator
+
+FAST = dict(cache_quality_prompt_len=12, cache_quality_decode_steps=2, cache_quality_windows=2,
+            cache_quality_ppl_len=160, cache_auto_bench_steps=2, cache_auto_bench_prompt_len=8,
+            cache_auto_bench_repeats=1, max_seq_len=256)
+
+
+def _config(tmp_path, **settings) -> GenerateConfig:
+    return GenerateConfig(cache_plan_path=str(tmp_path / "plans.json"), **{**FAST, **settings})
+
+
+def _select(lm, config, batch_size=1):
+    return select_cache_kind(lm.model, lm.tokenizer, config, batch_size=batch_size, identity=lm.fingerprint)
+
+
+@pytest.mark.parametrize("gate, metrics", [
+    ("ΔNLL", {"delta_nll": 0.2, "ppl_ratio": 1.0, "mean_kl": 0.0}),
+    ("PPL ratio", {"delta_nll": 0.0, "ppl_ratio": 1.2, "mean_kl": 0.0}),
+    ("mean KL", {"delta_nll": 0.0, "ppl_ratio": 1.0, "mean_kl": 0.5}),
+    ("ΔNLL", {"delta_nll": float("nan"), "ppl_ratio": 1.0, "mean_kl": 0.0}),
+])
+def test_each_gate_fails_for_its_own_reason(gate, metrics):
+    config = GenerateConfig(cache_quality_max_delta_nll=0.05, cache_quality_max_ppl_ratio=1.05,
+                            cache_quality_max_mean_kl=0.1)
+    (failure,) = gate_failures(metrics, config)
+    assert failure.startswith(gate + " ")
+    assert gate_failures({"delta_nll": 0.05, "ppl_ratio": 1.05, "mean_kl": 0.1}, config) == []  # limits inclusive
+
+
+def test_budget_drops_kinds_that_do_not_fit(tiny_lm, tmp_path):
+    # tiny llama: 2 layers × K,V × 2 heads × head_dim 16 → fp32 512 B/token; at 256 tokens: 0.125 MiB.
+    selection = _select(tiny_lm, _config(tmp_path, cache_candidates=["fp32", "q8_0", "q4_0"], cache_budget_mb=0.1,
+                                         cache_quality_max_mean_kl=10, cache_quality_max_delta_nll=10,
+                                         cache_quality_max_ppl_ratio=10))
+    rows = {row["kind"]: row for row in selection.rows}
+    assert rows["fp32"]["verdict"].startswith("over budget") and "delta_nll" not in rows["fp32"]
+    assert selection.kind in {"q8_0", "q4_0"} and selection.source == "measured"
+    assert all(rows[k]["estimated_mb"] <= 0.1 and rows[k]["tokens_per_s"] > 0 for k in ("q8_0", "q4_0"))
+
+
+def test_nothing_fits_is_a_clear_error(tiny_lm, tmp_path):
+    with pytest.raises(StepError, match=r"no cache kind fits cache_budget_mb=0.001 .*the smallest, q4_0"):
+        _select(tiny_lm, _config(tmp_path, cache_candidates=["fp16", "q4_0"], cache_budget_mb=0.001))
+
+
+def test_a_candidate_made_to_fail_the_kl_gate_fails_it(tiny_lm, tmp_path):
+    config = _config(tmp_path, cache_candidates=["q4_0", "fp32"], cache_quality_max_mean_kl=0.0,
+                     cache_quality_max_delta_nll=10, cache_quality_max_ppl_ratio=10)
+    selection = _select(tiny_lm, config)
+    rows = {row["kind"]: row for row in selection.rows}
+    assert not rows["q4_0"]["passed"] and rows["q4_0"]["verdict"].startswith("mean KL")
+    assert rows["fp32"]["passed"] and selection.kind == "fp32"  # the model's own dtype: KL exactly 0
+
+
+def test_no_survivor_follows_the_on_fail_policy(tiny_lm, tmp_path):
+    strict = dict(cache_candidates=["q4_0", "nf4"], cache_quality_max_mean_kl=0.0)
+    selection = _select(tiny_lm, _config(tmp_path, **strict, cache_quality_on_fail="reference"))
+    assert (selection.kind, selection.source) == ("fp32", "gate_failed")
+    with pytest.raises(StepError, match="no cache kind passed the quality gates .*q4_0: mean KL"):
+        _select(tiny_lm, _config(tmp_path / "other", **strict, cache_quality_on_fail="error"))
+
+
+def test_a_fresh_plan_is_reused_without_measuring(tiny_lm, tmp_path, monkeypatch):
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0"])
+    first = _select(tiny_lm, config)
+    monkeypatch.setattr(autocache, "measure_candidates", _must_not_measure)
+    second = _select(tiny_lm, config)
+    assert second.source == "plan" and second.kind == first.kind and second.key == first.key
+    assert second.rows == first.rows
+    with pytest.raises(AssertionError, match="measured"):  # anything that changes the answer changes the key
+        _select(tiny_lm, config.model_copy(update={"cache_budget_mb": 100.0}))
+    with pytest.raises(AssertionError, match="measured"):
+        _select(tiny_lm, config, batch_size=2)
+
+
+def test_a_stale_plan_is_measured_again_only_when_probing(tiny_lm, tmp_path, monkeypatch):
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0"], cache_plan_probe_interval_sec=1e-6)
+    _select(tiny_lm, config)
+    assert _select(tiny_lm, config).source == "measured"  # older than 1 µs: stale, measured again
+    monkeypatch.setattr(autocache, "measure_candidates", _must_not_measure)
+    assert _select(tiny_lm, config.model_copy(update={"cache_plan_probe": False})).source == "plan"
+
+
+def test_generator_with_auto_selects_then_decodes(tiny_lm, tmp_path):
+    config = _config(tmp_path, cache_kind="auto", cache_candidates=["q8_0"], cache_quality_max_mean_kl=10,
+                     max_new_tokens=4, temperature=0)
+    gen = Generator(tiny_lm.model, config=config, tokenizer=tiny_lm.tokenizer)
+    out = gen.generate(tiny_lm.tokenizer(["hello"], return_tensors="pt").input_ids)
+    assert out.shape[1] > 4 and gen.selection.kind == "q8_0"
+    assert type(gen.cache.layers[0]).__name__ != "DynamicLayer"
+    with pytest.raises(ValueError, match="tokenizer"):
+        Generator(tiny_lm.model, config=config)
+
+
+def _must_not_measure(*args, **kwargs):
+    raise AssertionError("measured although a fresh plan exists")

@@ -1,0 +1,67 @@
+"""`mode: auto-cache-select` and `cache_kind: auto` through the `run` command: table, plot, plan, MLflow."""
+
+import json
+
+from tests.conftest import tiny_manifest
+from tests.test_cli import run_cli
+
+SETTINGS = ("cache_candidates: [fp32, q8_0, q4_0], max_seq_len: 256, cache_quality_prompt_len: 12, "
+            "cache_quality_decode_steps: 2, cache_quality_windows: 2, cache_quality_ppl_len: 160, "
+            "cache_auto_bench_steps: 2, cache_auto_bench_prompt_len: 8, cache_auto_bench_repeats: 1, "
+            "cache_quality_max_mean_kl: 10, cache_quality_max_delta_nll: 10, cache_quality_max_ppl_ratio: 10, "
+            "cache_budget_mb: 0.1, cache_plan_path: {plans}")
+
+
+def _runs(plans) -> str:
+    settings = SETTINGS.format(plans=plans)
+    return f"""      - id: pick
+        mode: auto-cache-select
+        generate: {{{settings}}}
+      - id: use
+        mode: generate
+        generate: {{prompts: ["hello"], max_new_tokens: 4, temperature: 0, cache_kind: auto, {settings}}}
+"""
+
+
+def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
+    plans = tmp_path / "plans" / "cache_plans.json"
+    done = run_cli(tiny_manifest(tmp_path, _runs(plans)), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
+    pick = json.loads((folder / "tiny" / "pick" / "results.json").read_text())
+    chosen = pick["selection"]["kind"]
+    assert chosen in {"q8_0", "q4_0"} and pick["selection"]["source"] == "measured"  # fp32 is over budget
+    for name in ("cache_candidates.csv", "cache_candidates.png", "cache_plan.json"):
+        assert (folder / "tiny" / "pick" / name).stat().st_size > 0
+    table = (folder / "tiny" / "pick" / "cache_candidates.csv").read_text()
+    assert table.startswith("kind,est MiB,meas MiB,ΔNLL") and "over budget" in table
+    assert "ΔNLL" in done.stdout and "verdict" in done.stdout  # the table is printed
+    stored = json.loads(plans.read_text())["plans"]
+    assert list(stored) == [pick["selection"]["key"]] and stored[pick["selection"]["key"]]["kind"] == chosen
+
+    use = json.loads((folder / "tiny" / "use" / "results.json").read_text())  # same settings: plan reused
+    assert use["cache_selection"]["source"] == "plan" and use["cache_selection"]["kind"] == chosen
+    assert use["metrics"]["new_tokens"] == 4
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    child = next(r for r in runs if r.info.run_name == "tiny/pick")
+    assert child.data.params["cache_kind.chosen"] == chosen
+    assert child.data.metrics[f"{chosen}.estimated_mb"] <= 0.1
+    assert {"cache_candidates.png", "cache_plan.json"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+
+
+def test_nothing_within_budget_fails_the_step_clearly(tmp_path):
+    runs = _runs(tmp_path / "plans.json").replace("cache_budget_mb: 0.1", "cache_budget_mb: 0.0001")
+    done = run_cli(tiny_manifest(tmp_path, runs), "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no cache kind fits cache_budget_mb=0.0001" in done.stderr
+
+
+def test_a_fixed_cache_kind_in_auto_cache_select_is_a_schema_error(tmp_path):
+    runs = _runs(tmp_path / "plans.json").replace("mode: auto-cache-select\n        generate: {",
+                                                  "mode: auto-cache-select\n        generate: {cache_kind: q8_0, ")
+    done = run_cli("check", tiny_manifest(tmp_path, runs))
+    assert done.returncode == 2 and "chooses the cache kind itself" in done.stderr
