@@ -92,7 +92,7 @@ def main() -> None:
         timings = []
         for _ in range(2):
             start = time.perf_counter()
-            chosen = select_cache_kind(model, lm.tokenizer, config, batch_size=1, identity=lm.fingerprint, text=text)
+            chosen = select_cache_kind(model, lm.tokenizer, config, batch_size=1, identity=lm.fingerprint)
             timings.append(time.perf_counter() - start)
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
           f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.4f}")

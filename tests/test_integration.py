@@ -48,3 +48,32 @@ def test_quickstart_manifest_runs_end_to_end(tmp_path):
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("quickstart")]
     greedy = json.loads((folder / "smollm2" / "greedy" / "results.json").read_text())
     assert greedy["metrics"]["tokens_per_s"] > 0 and greedy["prompts"][0]["output"].startswith(" Paris")
+
+
+def test_seed_guide_manifest_runs_as_written(tmp_path):
+    """The seed guide's `cache_kind: auto` example: the default model, one default prompt, a 1024 MB budget."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "seed_guide.yaml"),
+                           "tracking.mlflow=false"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    result = json.loads((folder / "generate_test" / "generate" / "results.json").read_text())
+    selection = result["cache_selection"]
+    assert selection["source"] == "measured" and selection["kind"] in {"fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"}
+    assert {row["kind"] for row in selection["candidates"]} == {"fp16", "q8_0", "nf4", "q4_0"}
+    assert result["metrics"]["new_tokens"] > 0 and result["model"]["content_sha256"].startswith("b179c952")
+    assert (tmp_path / "plans" / "cache_plans.json").is_file()  # the default plan path, under the working dir
+
+
+def test_q8_0_cache_keeps_quality_on_the_real_model(smollm):
+    """The gate figures on real text: q8_0 costs under 0.01 nats/token; 4-bit costs more than q8_0."""
+    from runner.infer.data import load_text
+    from runner.infer.quality import build_probe, compare, run_probe
+
+    probe = build_probe(smollm.tokenizer, load_text("pydoc"), prompt_len=256, decode_steps=8, windows=4,
+                        ppl_len=512, device=smollm.device)
+    reference = run_probe(smollm.model, probe, None)
+    q8, q4 = (compare(reference, run_probe(smollm.model, probe, kind)) for kind in ("q8_0", "q4_0"))
+    assert abs(q8["delta_nll"]) < 0.01 and q8["ppl_ratio"] < 1.01 and q8["mean_kl"] < 0.01
+    assert q4["mean_kl"] > q8["mean_kl"] and q4["ppl_ratio"] > q8["ppl_ratio"]

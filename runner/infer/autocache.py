@@ -44,7 +44,8 @@ class Selection:
     source: str  # measured | plan | gate_failed
     reason: str  # one line a person can read
     rows: list[dict]  # one per candidate, in candidate order
-    key: str  # the plan's fingerprint
+    key: str  # the plan's fingerprint: sha256 of `fields`
+    fields: dict  # everything that could change the answer (model, device, versions, settings, eval text)
     plan_path: str
     seconds: float  # how long the selection took (a reused plan: no measurement at all)
 
@@ -59,11 +60,11 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
     plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
     if plan is not None:
         return Selection(plan["kind"], "plan", f"reused plan {key[:12]} ({why}): {plan['reason']}", plan["rows"], key,
-                         str(store.path), time.perf_counter() - start)
+                         fields, str(store.path), time.perf_counter() - start)
     rows = measure_candidates(model, tokenizer, config, batch_size, text)
     kind, source, reason = choose(rows, config, reference_kind(model))
     store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
-    return Selection(kind, source, f"{reason} (plan {key[:12]} was {why})", rows, key, str(store.path),
+    return Selection(kind, source, f"{reason} (plan {key[:12]} was {why})", rows, key, fields, str(store.path),
                      time.perf_counter() - start)
 
 

@@ -42,7 +42,7 @@ def select_for(step: Step, spec: GenerateSpec, lm: LoadedModel, base_dir: Path, 
     selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
                                   identity=lm.fingerprint, base_dir=base_dir)
     table = candidates_table(selection.rows)
-    print(f"[{step.key}] {table.to_string(index=False)}\n[{step.key}] → {selection.kind} ({selection.source}): "
+    print(f"[{step.key}] {table.to_string(index=False, na_rep='-')}\n[{step.key}] → {selection.kind} ({selection.source}): "
           f"{selection.reason} [{selection.seconds:.1f} s]", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
@@ -58,7 +58,8 @@ def candidates_table(rows: list[dict]) -> pd.DataFrame:
 
 def describe(selection: Selection) -> dict:
     return {"kind": selection.kind, "source": selection.source, "reason": selection.reason, "key": selection.key,
-            "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows}
+            "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows,
+            "fields": selection.fields}
 
 
 def selection_metrics(selection: Selection) -> dict:
