@@ -76,7 +76,7 @@ class PlanStore:
         age = _age(plan, now)
         if age is None:
             return None, "stale (no creation time)"
-        if self.is_fresh(plan, probe, interval_sec, now):
+        if age < interval_sec:
             return plan, f"fresh (age {age:.0f} s < {interval_sec:g} s)"
         return None, f"stale (age {age:.0f} s >= {interval_sec:g} s)"
 

@@ -60,7 +60,8 @@ def test_seed_guide_manifest_runs_as_written(tmp_path):
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     result = json.loads((folder / "generate_test" / "generate" / "results.json").read_text())
     selection = result["cache_selection"]
-    assert selection["source"] == "measured" and selection["kind"] in {"fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"}
+    passing = [row["kind"] for row in selection["candidates"] if row["passed"]]
+    assert selection["source"] == "measured" and selection["kind"] in passing  # 1024 MB: all fit, a passing one wins
     assert {row["kind"] for row in selection["candidates"]} == {"fp16", "q8_0", "nf4", "q4_0"}
     assert result["metrics"]["new_tokens"] > 0 and result["model"]["content_sha256"].startswith("b179c952")
     assert (tmp_path / "plans" / "cache_plans.json").is_file()  # the default plan path, under the working dir

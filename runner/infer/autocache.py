@@ -12,7 +12,6 @@ plots or know about manifests: the auto-cache-select step does that with the row
 from __future__ import annotations
 
 import hashlib
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -22,15 +21,15 @@ import torch
 from tqdm import tqdm
 
 from runner.errors import StepError
-from runner.infer.bench import device_name, time_decode
+from runner.infer.bench import device_name, time_decode_interleaved
 from runner.infer.config import GenerateConfig, canonical_kind
 from runner.infer.data import EvalText, load_text, token_windows
-from runner.infer.kvcache import bytes_per_token
+from runner.infer.kvcache import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
 from runner.infer.quality import build_probe, compare, run_probe
 from runner.plans import PlanStore, plan_key
 
 MIB = 1024 * 1024
-REFERENCE_KINDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+CACHE_FORMAT = 1  # bump when a quantizer or the probe changes: persisted measurements then no longer apply
 # Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
@@ -41,7 +40,8 @@ KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delt
 @dataclass(frozen=True)
 class Selection:
     kind: str  # the cache kind to use
-    source: str  # measured | plan | gate_failed
+    source: str  # measured (a candidate passed) | gate_failed (none did: the reference kind)
+    reused: bool  # taken from a fresh persisted plan, nothing measured
     reason: str  # one line a person can read
     rows: list[dict]  # one per candidate, in candidate order
     key: str  # the plan's fingerprint: sha256 of `fields`
@@ -59,19 +59,20 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
     key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
     plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
     if plan is not None:
-        return Selection(plan["kind"], "plan", f"reused plan {key[:12]} ({why}): {plan['reason']}", plan["rows"], key,
-                         fields, str(store.path), time.perf_counter() - start)
+        return Selection(plan["kind"], plan["source"], True, f"reused plan {key[:12]} ({why}): {plan['reason']}",
+                         plan["rows"], key, fields, str(store.path), time.perf_counter() - start)
     rows = measure_candidates(model, tokenizer, config, batch_size, text)
-    kind, source, reason = choose(rows, config, reference_kind(model))
+    reference = within_budget(model, reference_kind(model), config, batch_size)
+    kind, source, reason = choose(rows, config, reference)
     store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
-    return Selection(kind, source, f"{reason} (plan {key[:12]} was {why})", rows, key, fields, str(store.path),
-                     time.perf_counter() - start)
+    return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
+                     str(store.path), time.perf_counter() - start)
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText) -> list[dict]:
     """Budget, quality and speed of every candidate; a row says why a candidate was dropped."""
-    kinds = list(dict.fromkeys(canonical_kind(k) for k in config.cache_candidates))
-    rows = [within_budget(model, kind, config, batch_size) for kind in kinds]
+    check_lengths(config)
+    rows = [within_budget(model, kind, config, batch_size) for kind in candidates(config)]
     fitting = [row for row in rows if row["fits"]]
     if not fitting:
         smallest = min(rows, key=lambda r: r["estimated_mb"])
@@ -98,16 +99,34 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
     if config.cache_auto_benchmark and survivors:
         prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
                               device=device)
-        for row in tqdm(survivors, desc="cache speed", unit="kind", file=sys.stderr):
-            timing = time_decode(model, prompt, config.cache_auto_bench_steps, row["kind"],
-                                 config.cache_auto_bench_repeats)
+        timings = time_decode_interleaved(model, prompt, config.cache_auto_bench_steps,
+                                          [row["kind"] for row in survivors], config.cache_auto_bench_repeats)
+        for row in survivors:
+            timing = timings[row["kind"]]
             row.update(tokens_per_s=timing.decode_tokens_per_s, prefill_ms=timing.prefill_ms)
     return rows
 
 
+def candidates(config: GenerateConfig) -> list[str]:
+    """The candidate kinds, aliases resolved, each once, in the manifest's order."""
+    return list(dict.fromkeys(canonical_kind(k) for k in config.cache_candidates))
+
+
+def check_lengths(config: GenerateConfig) -> None:
+    """Every probe must fit in max_seq_len; say which setting to change rather than fail inside the model."""
+    needs = [("cache_quality_prompt_len + cache_quality_decode_steps + 1",
+              config.cache_quality_prompt_len + config.cache_quality_decode_steps + 1),
+             ("cache_auto_bench_prompt_len + cache_auto_bench_steps",
+              config.cache_auto_bench_prompt_len + config.cache_auto_bench_steps)]
+    too_long = [f"{name} = {n}" for name, n in needs if n > config.max_seq_len]
+    if too_long:
+        raise StepError(f"{'; '.join(too_long)} exceed max_seq_len={config.max_seq_len}: lower them or raise "
+                        "max_seq_len")
+
+
 def within_budget(model, kind: str, config: GenerateConfig, batch_size: int) -> dict:
     per_token = bytes_per_token(model.config, kind, model.dtype)
-    estimated_mb = per_token * config.max_seq_len * batch_size / MIB
+    estimated_mb = estimate_cache_bytes(model.config, kind, batch_size, config.max_seq_len, model.dtype) / MIB
     fits = config.cache_budget_mb is None or estimated_mb <= config.cache_budget_mb
     verdict = "" if fits else f"over budget: {estimated_mb:.1f} MiB > {config.cache_budget_mb:g} MiB"
     return {"kind": kind, "estimated_bytes_per_token": per_token, "estimated_mb": estimated_mb, "fits": fits,
@@ -115,23 +134,28 @@ def within_budget(model, kind: str, config: GenerateConfig, batch_size: int) -> 
 
 
 def gate_failures(metrics: dict, config: GenerateConfig) -> list[str]:
-    """The gates a candidate fails, each with its figure; NaN fails (a broken cache must not pass)."""
+    """The gates a candidate fails, each with its figure; NaN fails too (`not NaN <= limit`)."""
     gates = [("ΔNLL", metrics["delta_nll"], config.cache_quality_max_delta_nll),
              ("PPL ratio", metrics["ppl_ratio"], config.cache_quality_max_ppl_ratio),
              ("mean KL", metrics["mean_kl"], config.cache_quality_max_mean_kl)]
-    return [f"{name} {value:.4g} > {limit:g}" for name, value, limit in gates
-            if math.isnan(value) or not value <= limit]
+    return [f"{name} {value:.4g} > {limit:g}" for name, value, limit in gates if not value <= limit]
 
 
-def choose(rows: list[dict], config: GenerateConfig, reference: str) -> tuple[str, str, str]:
-    """(kind, source, reason): the fastest survivor (or the first, unbenchmarked); else the on-fail policy."""
+def choose(rows: list[dict], config: GenerateConfig, reference: dict) -> tuple[str, str, str]:
+    """(kind, source, reason): the fastest survivor (or the first, unbenchmarked); else the on-fail policy.
+
+    `reference` is `within_budget`'s row for the model's own dtype: the fallback must fit the budget too.
+    """
     survivors = [row for row in rows if row["passed"]]
     if not survivors:
         failed = "; ".join(f"{r['kind']}: {r['verdict']}" for r in rows)
-        if config.cache_quality_on_fail == "error":
-            raise StepError(f"no cache kind passed the quality gates ({failed}); loosen the gates, or set "
-                            "cache_quality_on_fail: reference to fall back to the model's own dtype")
-        return reference, "gate_failed", f"no candidate passed the gates; using the reference {reference}"
+        if config.cache_quality_on_fail == "error" or not reference["fits"]:
+            why = ("cache_quality_on_fail is error" if reference["fits"]
+                   else f"the fallback, the reference {reference['kind']}, is {reference['verdict']}")
+            raise StepError(f"no cache kind passed the quality gates ({failed}) and {why}; loosen the gates "
+                            "or raise the budget")
+        kind = reference["kind"]
+        return kind, "gate_failed", f"no candidate passed the gates; using the reference {kind}"
     if config.cache_auto_benchmark:
         best = max(survivors, key=lambda r: r["tokens_per_s"])
         for row in survivors:
@@ -144,7 +168,7 @@ def choose(rows: list[dict], config: GenerateConfig, reference: str) -> tuple[st
 
 
 def reference_kind(model) -> str:
-    return REFERENCE_KINDS[model.dtype]
+    return {dtype: name for name, dtype in STORAGE_DTYPES.items()}[model.dtype]
 
 
 def plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
@@ -160,13 +184,16 @@ def plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, 
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "batch_size": batch_size,
-        "settings": config.model_dump(mode="json", include=set(KEYED_SETTINGS)),
+        "settings": {**config.model_dump(mode="json", include=set(KEYED_SETTINGS)),
+                     "cache_candidates": candidates(config)},
+        "cache_format": CACHE_FORMAT,
         "eval_data": {"name": text.name, "sha256": text.sha256},
     }
 
 
 def model_identity(model) -> dict:
-    """For a bare model (no loader fingerprint): its config, size and a sample of every weight tensor."""
+    """For a bare model (no loader fingerprint): its config, size, and the first 1024 values of every weight
+    tensor (a cheap sample: enough to tell checkpoints apart, not a content hash)."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())

@@ -19,19 +19,19 @@ from runner.infer.kvcache import make_cache
 
 @dataclass(frozen=True)
 class DecodeTiming:
-    prefill_s: list[float]  # per timed repeat
-    decode_s: list[float]
+    prefill_times_s: list[float]  # one per timed repeat
+    decode_times_s: list[float]
     batch: int
     steps: int
 
     @property
     def decode_tokens_per_s(self) -> float:
         """Median over repeats of batch × steps / decode seconds."""
-        return statistics.median(self.batch * self.steps / s for s in self.decode_s)
+        return statistics.median(self.batch * self.steps / s for s in self.decode_times_s)
 
     @property
     def prefill_ms(self) -> float:
-        return statistics.median(self.prefill_s) * 1000
+        return statistics.median(self.prefill_times_s) * 1000
 
 
 @torch.inference_mode()
@@ -56,10 +56,22 @@ def greedy_decode_once(model, prompt: torch.Tensor, steps: int, kind: str | None
 
 def time_decode(model, prompt: torch.Tensor, steps: int, kind: str | None, repeats: int,
                 warmup: int = 1) -> DecodeTiming:
-    for _ in range(warmup):
-        greedy_decode_once(model, prompt, steps, kind)
-    runs = [greedy_decode_once(model, prompt, steps, kind) for _ in range(repeats)]
-    return DecodeTiming([p for p, _ in runs], [d for _, d in runs], prompt.shape[0], steps)
+    return time_decode_interleaved(model, prompt, steps, [kind], repeats, warmup)[kind]
+
+
+def time_decode_interleaved(model, prompt: torch.Tensor, steps: int, kinds: list, repeats: int,
+                            warmup: int = 1) -> dict:
+    """Time several cache kinds round-robin (order reversed every other round), so that drift on a shared
+    machine hits them alike; kind → DecodeTiming."""
+    for kind in kinds:
+        for _ in range(warmup):
+            greedy_decode_once(model, prompt, steps, kind)
+    runs: dict = {kind: [] for kind in kinds}
+    for repeat in range(repeats):
+        for kind in kinds if repeat % 2 == 0 else reversed(kinds):
+            runs[kind].append(greedy_decode_once(model, prompt, steps, kind))
+    return {kind: DecodeTiming([p for p, _ in times], [d for _, d in times], prompt.shape[0], steps)
+            for kind, times in runs.items()}
 
 
 def device_name(device: torch.device) -> str:

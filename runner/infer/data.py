@@ -108,8 +108,9 @@ def load_text(source: str = "pydoc", base_dir: Path | None = None) -> EvalText:
     if source.startswith("hf:"):
         return _load_hf(source)
     path = Path(source).expanduser()
-    if source.endswith(".txt") or len(path.parts) > 1 or path.is_file():
-        return _load_file(source, path if path.is_absolute() or base_dir is None else Path(base_dir) / path)
+    path = path if path.is_absolute() or base_dir is None else Path(base_dir) / path
+    if source.endswith(".txt") or len(Path(source).parts) > 1 or path.is_file():
+        return _load_file(source, path)
     close = difflib.get_close_matches(source, list(BUILTIN_TEXTS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise DataError(f"unknown text source {source!r}{hint}\nexpected {_FORMS}")

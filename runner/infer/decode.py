@@ -73,7 +73,8 @@ class Generator:
         self.tokenizer = tokenizer  # needed only for stop_strings
         if (self.config.stop_strings or self.config.cache_kind == "auto") and tokenizer is None:
             raise ValueError("stop_strings and cache_kind='auto' need a tokenizer: Generator(..., tokenizer=tok)")
-        self.selection = None  # what cache_kind='auto' chose, once the first call knows the batch size
+        self.selection = None  # what cache_kind='auto' chose for the last call's batch size
+        self._selections: dict = {}  # batch size → Selection: the budget depends on the batch
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         self.eos_ids = self._eos_ids()
         self.stats = DecodeStats()
@@ -145,10 +146,11 @@ class Generator:
     def _cache_kind(self, batch: int) -> str | None:
         if self.config.cache_kind != "auto":
             return self.config.cache_kind
-        if self.selection is None:
+        if batch not in self._selections:
             from runner.infer.autocache import select_cache_kind
 
-            self.selection = select_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
+            self._selections[batch] = select_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
+        self.selection = self._selections[batch]
         return self.selection.kind
 
     def _finished_rows(self, token: torch.Tensor, done: torch.Tensor, step: int) -> torch.Tensor:

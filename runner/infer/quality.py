@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.infer.data import EvalText, needle_prompt, token_windows
+from runner.errors import StepError
+from runner.infer.data import DataError, EvalText, needle_prompt, token_windows
 from runner.infer.decode import forward_last, positions_for
 from runner.infer.kvcache import cache_bytes, make_cache
 
@@ -49,7 +50,11 @@ def build_probe(tokenizer, text: EvalText, prompt_len: int, decode_steps: int, w
                 device: torch.device) -> Probe:
     ids = token_windows(tokenizer, text, prompt_len + decode_steps + 1, windows)
     ppl = token_windows(tokenizer, text, ppl_len, 1)
-    needle, answer = needle_prompt(tokenizer, text, ppl_len)
+    try:
+        _, answer = needle_prompt(tokenizer, text, ppl_len)
+        needle, answer = needle_prompt(tokenizer, text, ppl_len - len(answer))  # prompt + answer fit in ppl_len
+    except DataError as exc:
+        raise StepError(f"{exc}: raise cache_quality_ppl_len (and max_seq_len, which caps it)") from None
     return Probe(windows=torch.tensor(ids, device=device), prompt_len=prompt_len,
                  ppl_ids=torch.tensor(ppl, device=device), needle_ids=torch.tensor([needle], device=device),
                  answer_ids=torch.tensor(answer, device=device))

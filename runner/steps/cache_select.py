@@ -27,15 +27,19 @@ COLUMNS = {  # row key → table heading
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    selection = select_for(step, spec, lm, base_dir, out_dir)
-    return {"selection": describe(selection), "metrics": selection_metrics(selection),
-            "params": {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}}
+    selection = select_for(step, spec, config_of(spec), lm, base_dir, out_dir)
+    return {"selection": describe(selection), "metrics": selection_metrics(selection), "params": params(selection)}
 
 
-def select_for(step: Step, spec: GenerateSpec, lm: LoadedModel, base_dir: Path, out_dir: Path) -> Selection:
+def config_of(spec: GenerateSpec, **updates) -> GenerateConfig:
+    """The library's GenerateConfig inside a manifest's generate block (what the user set, plus `updates`)."""
+    return GenerateConfig.model_validate(
+        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields} | updates)
+
+
+def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
+               out_dir: Path) -> Selection:
     """Select (or reuse a plan), print the table, and leave it in the step folder as CSV, PNG and JSON."""
-    config = GenerateConfig.model_validate(
-        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields})
     print(f"[{step.key}] choosing a cache kind among {', '.join(config.cache_candidates)} "
           f"(budget {_mib(config.cache_budget_mb)}, max_seq_len {config.max_seq_len}, batch {spec.batch_size})",
           file=sys.stderr, flush=True)
@@ -57,13 +61,14 @@ def candidates_table(rows: list[dict]) -> pd.DataFrame:
 
 
 def describe(selection: Selection) -> dict:
-    return {"kind": selection.kind, "source": selection.source, "reason": selection.reason, "key": selection.key,
+    return {"kind": selection.kind, "source": selection.source, "reused": selection.reused,
+            "reason": selection.reason, "key": selection.key,
             "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows,
             "fields": selection.fields}
 
 
 def selection_metrics(selection: Selection) -> dict:
-    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.source == "plan")}
+    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused)}
     for row in selection.rows:
         for name in ("estimated_mb", "measured_mb", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
             if row.get(name) is not None:
@@ -71,12 +76,13 @@ def selection_metrics(selection: Selection) -> dict:
     return metrics
 
 
+def params(selection: Selection) -> dict:
+    return {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}
+
+
 def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) -> None:
     """Three panels per candidate: memory against the budget, ΔNLL against its gate, decode speed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
     rows = selection.rows
     kinds = [r["kind"] for r in rows]
@@ -84,7 +90,8 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
     panels = [("estimated_mb", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
               ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
               ("tokens_per_s", "decode tokens/s", None)]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig = Figure(figsize=(12, 3.6))
+    axes = fig.subplots(1, 3)
     for ax, (name, label, limit) in zip(axes, panels):
         ax.bar(kinds, [r.get(name) or 0.0 for r in rows], color=colours)
         if limit is not None:
@@ -94,7 +101,6 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _mib(value: float | None) -> str:

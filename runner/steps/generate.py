@@ -19,23 +19,19 @@ from runner.infer.decode import Generator
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec
 from runner.plan import Step
-from runner.steps.cache_select import describe, select_for
+from runner.steps.cache_select import config_of, describe, params, select_for
 
 DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    config = GenerateConfig.model_validate(
-        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields}
-        | {"seed": step.seed}
-    )
+    config = config_of(spec, seed=step.seed)
     extra = {}
     if config.cache_kind == "auto":
-        selection = select_for(step, spec, lm, base_dir, out_dir)
+        selection = select_for(step, spec, config, lm, base_dir, out_dir)
         config = config.model_copy(update={"cache_kind": selection.kind})
-        extra = {"cache_selection": describe(selection),
-                 "params": {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}}
+        extra = {"cache_selection": describe(selection), "params": params(selection)}
     prompts = load_prompts(spec, base_dir)
     rng = torch.Generator(lm.device).manual_seed(config.seed)
     bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",

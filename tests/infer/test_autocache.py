@@ -5,9 +5,10 @@ import torch
 
 import runner.infer.autocache as autocache
 from runner.errors import StepError
-from runner.infer.autocache import gate_failures, select_cache_kind
+from runner.infer.autocache import choose, gate_failures, select_cache_kind
 from runner.infer.config import GenerateConfig
 from runner.infer.decode import Generator
+from runner.infer.kvcache import Q8_0Layer
 
 FAST = dict(cache_quality_prompt_len=12, cache_quality_decode_steps=2, cache_quality_windows=2,
             cache_quality_ppl_len=160, cache_auto_bench_steps=2, cache_auto_bench_prompt_len=8,
@@ -43,7 +44,7 @@ def test_budget_drops_kinds_that_do_not_fit(tiny_lm, tmp_path):
                                          cache_quality_max_ppl_ratio=10))
     rows = {row["kind"]: row for row in selection.rows}
     assert rows["fp32"]["verdict"].startswith("over budget") and "delta_nll" not in rows["fp32"]
-    assert selection.kind in {"q8_0", "q4_0"} and selection.source == "measured"
+    assert selection.kind in {"q8_0", "q4_0"} and selection.source == "measured" and not selection.reused
     assert all(rows[k]["estimated_mb"] <= 0.1 and rows[k]["tokens_per_s"] > 0 for k in ("q8_0", "q4_0"))
 
 
@@ -63,10 +64,16 @@ def test_a_candidate_made_to_fail_the_kl_gate_fails_it(tiny_lm, tmp_path):
 
 def test_no_survivor_follows_the_on_fail_policy(tiny_lm, tmp_path):
     strict = dict(cache_candidates=["q4_0", "nf4"], cache_quality_max_mean_kl=0.0)
-    selection = _select(tiny_lm, _config(tmp_path, **strict, cache_quality_on_fail="reference"))
-    assert (selection.kind, selection.source) == ("fp32", "gate_failed")
+    config = _config(tmp_path, **strict, cache_quality_on_fail="reference")
+    selection = _select(tiny_lm, config)
+    assert (selection.kind, selection.source, selection.reused) == ("fp32", "gate_failed", False)
+    reused = _select(tiny_lm, config)
+    assert (reused.kind, reused.source, reused.reused) == ("fp32", "gate_failed", True)  # a reused plan keeps it
     with pytest.raises(StepError, match="no cache kind passed the quality gates .*q4_0: mean KL"):
         _select(tiny_lm, _config(tmp_path / "other", **strict, cache_quality_on_fail="error"))
+    # the fallback must fit the budget too: fp32 needs 0.125 MiB at 256 tokens
+    with pytest.raises(StepError, match="the fallback, the reference fp32, is over budget"):
+        _select(tiny_lm, _config(tmp_path / "third", **strict, cache_budget_mb=0.1))
 
 
 def test_a_fresh_plan_is_reused_without_measuring(tiny_lm, tmp_path, monkeypatch):
@@ -74,31 +81,55 @@ def test_a_fresh_plan_is_reused_without_measuring(tiny_lm, tmp_path, monkeypatch
     first = _select(tiny_lm, config)
     monkeypatch.setattr(autocache, "measure_candidates", _must_not_measure)
     second = _select(tiny_lm, config)
-    assert second.source == "plan" and second.kind == first.kind and second.key == first.key
+    assert second.reused and second.kind == first.kind and second.key == first.key
     assert second.rows == first.rows
     with pytest.raises(AssertionError, match="measured"):  # anything that changes the answer changes the key
         _select(tiny_lm, config.model_copy(update={"cache_budget_mb": 100.0}))
     with pytest.raises(AssertionError, match="measured"):
         _select(tiny_lm, config, batch_size=2)
+    for change in ({"cache_quality_max_mean_kl": 0.2}, {"cache_quality_data": str(_text_file(tmp_path))},
+                   {"cache_candidates": ["q8_0"]}, {"max_seq_len": 512}):
+        with pytest.raises(AssertionError, match="measured"):
+            _select(tiny_lm, config.model_copy(update=change))
+    assert _select(tiny_lm, config.model_copy(update={"cache_candidates": ["fp32", "q8"]})).reused  # alias, same key
 
 
 def test_a_stale_plan_is_measured_again_only_when_probing(tiny_lm, tmp_path, monkeypatch):
     config = _config(tmp_path, cache_candidates=["fp32", "q8_0"], cache_plan_probe_interval_sec=1e-6)
     _select(tiny_lm, config)
-    assert _select(tiny_lm, config).source == "measured"  # older than 1 µs: stale, measured again
+    assert not _select(tiny_lm, config).reused  # older than 1 µs: stale, measured again
     monkeypatch.setattr(autocache, "measure_candidates", _must_not_measure)
-    assert _select(tiny_lm, config.model_copy(update={"cache_plan_probe": False})).source == "plan"
+    assert _select(tiny_lm, config.model_copy(update={"cache_plan_probe": False})).reused
 
 
 def test_generator_with_auto_selects_then_decodes(tiny_lm, tmp_path):
     config = _config(tmp_path, cache_kind="auto", cache_candidates=["q8_0"], cache_quality_max_mean_kl=10,
                      max_new_tokens=4, temperature=0)
     gen = Generator(tiny_lm.model, config=config, tokenizer=tiny_lm.tokenizer)
-    out = gen.generate(tiny_lm.tokenizer(["hello"], return_tensors="pt").input_ids)
-    assert out.shape[1] > 4 and gen.selection.kind == "q8_0"
-    assert type(gen.cache.layers[0]).__name__ != "DynamicLayer"
+    prompt = tiny_lm.tokenizer(["hello"], return_tensors="pt").input_ids
+    out = gen.generate(prompt)
+    assert out.shape[1] == prompt.shape[1] + 4 and gen.selection.kind == "q8_0"
+    assert isinstance(gen.cache.layers[0], Q8_0Layer)
+    first = gen.selection
+    gen.reset()
+    gen.generate(prompt.repeat(2, 1))  # another batch size: the budget differs, so it is selected again
+    assert gen.selection is not first and gen.selection.fields["batch_size"] == 2
     with pytest.raises(ValueError, match="tokenizer"):
         Generator(tiny_lm.model, config=config)
+
+
+def test_choose_takes_the_fastest_survivor_or_the_first_without_benchmark(tmp_path):
+    rows = [{"kind": "fp16", "passed": True, "tokens_per_s": 10.0}, {"kind": "q8_0", "passed": False},
+            {"kind": "nf4", "passed": True, "tokens_per_s": 12.0}, {"kind": "q4_0", "passed": True, "tokens_per_s": 9.0}]
+    reference = {"kind": "fp32", "fits": True, "verdict": ""}
+    assert choose(rows, GenerateConfig(), reference)[:2] == ("nf4", "measured")
+    assert choose(rows, GenerateConfig(cache_auto_benchmark=False), reference)[:2] == ("fp16", "measured")
+
+
+def _text_file(tmp_path):
+    path = tmp_path / "eval.txt"
+    path.write_text("A different evaluation text, long enough for every probe. " * 80)
+    return path
 
 
 def _must_not_measure(*args, **kwargs):

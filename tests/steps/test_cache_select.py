@@ -31,6 +31,7 @@ def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
     pick = json.loads((folder / "tiny" / "pick" / "results.json").read_text())
     chosen = pick["selection"]["kind"]
     assert chosen in {"q8_0", "q4_0"} and pick["selection"]["source"] == "measured"  # fp32 is over budget
+    assert not pick["selection"]["reused"] and pick["selection"]["fields"]["batch_size"] == 1
     for name in ("cache_candidates.csv", "cache_candidates.png", "cache_plan.json"):
         assert (folder / "tiny" / "pick" / name).stat().st_size > 0
     table = (folder / "tiny" / "pick" / "cache_candidates.csv").read_text()
@@ -40,7 +41,7 @@ def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
     assert list(stored) == [pick["selection"]["key"]] and stored[pick["selection"]["key"]]["kind"] == chosen
 
     use = json.loads((folder / "tiny" / "use" / "results.json").read_text())  # same settings: plan reused
-    assert use["cache_selection"]["source"] == "plan" and use["cache_selection"]["kind"] == chosen
+    assert use["cache_selection"]["reused"] and use["cache_selection"]["kind"] == chosen
     assert use["metrics"]["new_tokens"] == 4
 
     from mlflow.tracking import MlflowClient
