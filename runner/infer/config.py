@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CacheKindName = Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q8", "q4"]
+CacheKindName = Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q4_1", "kivi4", "kivi2", "q8", "q4"]
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "nf4", "q4_0")
 

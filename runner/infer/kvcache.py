@@ -1,84 +1,32 @@
 """KV-cache kinds as transformers cache layers, their measured size, and the estimator that must agree with it.
 
-Kinds (K/V tensors are [B,H,T,D], D = head_dim; quantization works on blocks of 32 values along D):
+Kinds (K/V tensors are [B,H,T,D], D = head_dim; the arithmetic lives in quant.py):
     fp32, fp16, bf16  K/V stored in that dtype. A kind equal to the model's dtype is transformers' own
                       DynamicLayer, so `model.generate(past_key_values=...)` and our decode loop see the same cache.
-    q8_0              int8 codes, one fp16 scale per block (absmax/127).
-    q4_0              4-bit symmetric codes (absmax/7), two per uint8 byte, one fp16 scale per block.
-    nf4               index of the nearest of the 16 NormalFloat levels (absmax-scaled), two per byte, fp16 scale.
-A head_dim that is not a multiple of 32 is zero-padded to whole blocks; the padding is stored and counted.
-Quantized layers hold only codes + scales and hand attention the dequantized K/V in the dtype they arrived in.
-Owns: the quantizers, the layers, `make_cache`, `cache_bytes` (measured) and `estimate_cache_bytes` /
-`bytes_per_token` (from a model config). Does not know about selection (budget, quality gates, plans) or decoding.
+    q8_0, q4_0, nf4   symmetric codes per block of 32 values along D, one fp16 scale per block.
+    q4_1              asymmetric 4-bit per block of 32 along D: fp16 scale and fp16 minimum per block.
+    kivi4, kivi2      KIVI (arXiv 2402.02750): keys per channel over groups of g tokens, values per token (blocks of
+                      32 along D), asymmetric 4 / 2 bits; the newest T mod r tokens kept in full precision.
+                      Options travel in the kind string: "kivi4" = "kivi4:g32:r32"; "kivi2:g64:r128".
+Quantized layers hold only codes + scales (+ the KIVI residual) and hand attention the dequantized K/V in the
+dtype they arrived in.
+Owns: the layers, `parse_kind`, `make_cache`, `cache_bytes` (measured) and `estimate_cache_bytes` /
+`residual_bytes` / `bytes_per_token` (from a model config). Does not know about selection (budget, quality gates,
+plans) or decoding.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from runner.infer.config import canonical_kind
+from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
+                                quantize, quantize_groups)
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-BLOCK = 32
-CODE_BITS = {"q8_0": 8, "q4_0": 4, "nf4": 4}
-QMAX = {"q8_0": 127, "q4_0": 7, "nf4": 1}  # scale = absmax / QMAX
-SCALE_BYTES = 2  # one fp16 scale per block
-# The 16 NormalFloat levels of QLoRA (bitsandbytes' NF4 table), ascending.
-NF4_LEVELS = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-])
-_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2  # bucketize against these = nearest level
-_NF4_PAIRS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interleave(16)], dim=-1)  # byte → (lo, hi)
-_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _on(device: torch.device, name: str, table: torch.Tensor) -> torch.Tensor:
-    """`table` copied to `device` once, not on every call."""
-    if (name, device) not in _ON_DEVICE:
-        _ON_DEVICE[name, device] = table.to(device)
-    return _ON_DEVICE[name, device]
-
-
-def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] float → codes [..., NB*32] int8 (q8_0) or [..., NB*16] uint8 (4-bit), scales [..., NB] fp16."""
-    blocks = F.pad(x.float(), (0, -x.shape[-1] % BLOCK)).unflatten(-1, (-1, BLOCK))  # [..., NB, 32]
-    absmax = blocks.abs().amax(-1, keepdim=True)  # [..., NB, 1]
-    fp16_max = torch.finfo(torch.float16).max
-    scales = (absmax / QMAX[kind]).clamp(max=fp16_max).half()  # [..., NB, 1]
-    scaled = blocks / torch.where(scales > 0, scales.float(), 1.0)  # zero block → all codes mean 0
-    if kind == "q8_0":
-        return scaled.round().clamp(-127, 127).to(torch.int8).flatten(-2), scales.squeeze(-1)
-    if kind == "q4_0":
-        codes = (scaled.round().clamp(-7, 7) + 8).to(torch.uint8)  # [..., NB, 32] in 1..15
-    elif kind == "nf4":
-        midpoints = _on(x.device, "midpoints", _NF4_MIDPOINTS)
-        codes = torch.bucketize(scaled.contiguous(), midpoints).to(torch.uint8)  # [..., NB, 32] in 0..15
-    else:
-        raise ValueError(f"unknown quantized kind {kind!r}")
-    codes = codes.flatten(-2).unflatten(-1, (-1, 2))  # [..., NB*16, 2]
-    return codes[..., 0] | (codes[..., 1] << 4), scales.squeeze(-1)  # even index in the low nibble
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize`: codes [..., C], scales [..., NB] → [..., head_dim] in `dtype` (padding cropped)."""
-    if kind == "q8_0":
-        values = codes.float()  # [..., NB*32]
-    elif kind == "q4_0":
-        values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float() - 8  # [..., NB*32]
-    else:  # one lookup per byte: a 256 × 2 table of (low, high) levels, 2× faster than a lookup per nibble
-        values = F.embedding(codes.long(), _on(codes.device, "pairs", _NF4_PAIRS)).flatten(-2)  # [..., NB*32]
-    blocks = values.unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
-    return blocks.flatten(-2)[..., :head_dim].to(dtype)
-
-
-def head_bytes(kind: str, head_dim: int) -> int:
-    """Bytes one quantized head vector of `head_dim` values takes: codes of whole blocks + one scale per block."""
-    n_blocks = -(-head_dim // BLOCK)
-    return n_blocks * (BLOCK * CODE_BITS[kind] // 8 + SCALE_BYTES)
+KIVI_BITS = {"kivi4": 4, "kivi2": 2}
+KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
 
 
 class CastLayer(DynamicLayer):
@@ -104,17 +52,21 @@ class CastLayer(DynamicLayer):
 class QuantLayer(DynamicLayer):
     """Holds codes + scales of K and V (never the float tensors); `keys`/`values` stay None.
 
-    codes [B,H,T,C] and scales [B,H,T,NB]: the sequence is dim -2 of all four, the batch dim 0, so crop / reorder /
-    select / repeat apply the same indexing to each (`_map`). Every token is quantized on its own, so cropping
-    a token leaves no trace and the layer equals one that never saw it.
+    codes [B,H,T,C] and scales [B,H,T,NB] (q4_1: [B,H,T,2·NB]): the sequence is dim -2 of all four, the batch
+    dim 0, so crop / reorder / select / repeat apply the same indexing to each (`_map`). Every token is quantized
+    on its own, so cropping a token leaves no trace and the layer equals one that never saw it.
     """
 
     kind: str = "q8_0"
-    TENSORS = ("key_codes", "key_scales", "value_codes", "value_scales")
+    TENSORS: tuple[str, ...] = ("key_codes", "key_scales", "value_codes", "value_scales")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.key_codes = self.key_scales = self.value_codes = self.value_scales = None
+        self._forget()
+
+    def _forget(self) -> None:
+        for name in self.TENSORS:
+            setattr(self, name, None)
 
     def _map(self, fn) -> None:
         for name in self.TENSORS:
@@ -144,14 +96,14 @@ class QuantLayer(DynamicLayer):
         return self.key_codes.shape[-2] if self.is_initialized else 0
 
     def nbytes(self) -> int:
-        """Bytes really held: codes + scales of K and V."""
+        """Bytes really held by the tensors in TENSORS."""
         if not self.is_initialized:
             return 0
         return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.TENSORS)
 
     def reset(self) -> None:
         super().reset()
-        self.key_codes = self.key_scales = self.value_codes = self.value_scales = None
+        self._forget()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (a negative count, as in DynamicLayer)."""
@@ -193,29 +145,163 @@ class NF4Layer(QuantLayer):
     kind = "nf4"
 
 
+class Q4_1Layer(QuantLayer):
+    kind = "q4_1"
+
+
+class KiviLayer(QuantLayer):
+    """KIVI: keys per channel over groups of `group_size` tokens, values per token, asymmetric `bits`-bit codes;
+    a full-precision residual of the newest tokens, quantized all at once when it reaches `residual_len`.
+
+    Q quantized tokens, r residual tokens, T = Q + r; Q = floor(T / residual_len)·residual_len after every update
+    and crop, so what is held depends only on T (the estimator relies on it). Tensors (sequence dim -2, batch 0):
+        key_codes [B,H,Q·b/8,Dk] uint8     key_scales, key_mins [B,H,Q/g,Dk] fp16    (per channel per group)
+        value_codes [B,H,Q,NB·32·b/8]      value_scales, value_mins [B,H,Q,NB] fp16  (per token per 32-block)
+        residual_keys [B,H,r,Dk], residual_values [B,H,r,Dv] in the dtype K/V arrived in.
+    """
+
+    bits: int = 4
+    QUANTIZED = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins")
+    TENSORS = (*QUANTIZED, "residual_keys", "residual_values")
+
+    def __init__(self, group_size: int = 32, residual_len: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        options = kivi_options(self.bits, group_size, residual_len)
+        self.group_size, self.residual_len = options["group_size"], options["residual_len"]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
+        for name, empty in zip(self.QUANTIZED, self._quantize(key_states[..., :0, :], value_states[..., :0, :])):
+            setattr(self, name, empty)
+        self.residual_keys, self.residual_values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
+        self.is_initialized = True
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[B,H,n,D] K/V, n a multiple of group_size → the six QUANTIZED tensors of those n tokens."""
+        return (*quantize_groups(keys, self.bits, self.group_size, dim=-2),
+                *quantize_groups(values, self.bits, BLOCK, dim=-1))
+
+    def _rows(self, name: str, tokens: int) -> int:
+        """Rows (dim -2) of tensor `name` that `tokens` quantized tokens take (tokens a multiple of group_size)."""
+        if name == "key_codes":
+            return tokens * self.bits // 8
+        return tokens // self.group_size if name in ("key_scales", "key_mins") else tokens
+
+    def quantized_len(self) -> int:
+        return self.value_codes.shape[-2] if self.is_initialized else 0
+
+    def get_seq_length(self) -> int:
+        return self.quantized_len() + self.residual_keys.shape[-2] if self.is_initialized else 0
+
+    def _dequantized(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. (start a multiple of group_size)."""
+        t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
+        keys = dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size,
+                                 self.quantized_len() - start, dtype, dim=-2)
+        values = dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK,
+                                   self.value_dim, dtype, dim=-1)
+        return keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append [B,H,t,D] K/V to the residual, quantize whole multiples of residual_len of it; return all K/V."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys = torch.cat([self.residual_keys, key_states], dim=-2)  # [B,H,r+t,Dk]
+        values = torch.cat([self.residual_values, value_states], dim=-2)
+        full = keys.shape[-2] // self.residual_len * self.residual_len
+        if full:
+            for name, new in zip(self.QUANTIZED, self._quantize(keys[..., :full, :], values[..., :full, :])):
+                setattr(self, name, torch.cat([getattr(self, name), new], dim=-2))
+            keys, values = keys[..., full:, :].clone(), values[..., full:, :].clone()
+        self.residual_keys, self.residual_values = keys, values
+        old_keys, old_values = self._dequantized(0, key_states.dtype)
+        return torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens. Dropped whole groups disappear; kept quantized tokens past
+        floor(kept / residual_len)·residual_len are dequantized into the residual, so attention sees the same K/V."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove (got {tokens_to_remove})")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep, quantized = max(self.get_seq_length() + tokens_to_remove, 0), self.quantized_len()
+        if keep >= quantized:  # only residual tokens go
+            self.residual_keys = self.residual_keys[..., :keep - quantized, :]
+            self.residual_values = self.residual_values[..., :keep - quantized, :]
+            return
+        kept_quantized = keep // self.residual_len * self.residual_len
+        keys, values = self._dequantized(kept_quantized, self.residual_keys.dtype)  # tokens kept_quantized..Q
+        for name in self.QUANTIZED:
+            setattr(self, name, getattr(self, name)[..., :self._rows(name, kept_quantized), :])
+        self.residual_keys = keys[..., :keep - kept_quantized, :].clone()
+        self.residual_values = values[..., :keep - kept_quantized, :].clone()
+
+
+class Kivi4Layer(KiviLayer):
+    bits = 4
+
+
+class Kivi2Layer(KiviLayer):
+    bits = 2
+
+
 CACHE_KINDS: dict[str, type[DynamicLayer]] = {
     **{name: type(f"{name.upper()}Layer", (CastLayer,), {"storage_dtype": dtype})
        for name, dtype in STORAGE_DTYPES.items()},
-    "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer,
+    "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer, "kivi2": Kivi2Layer,
 }
 
 
-def _checked(kind: str | None) -> str | None:
-    """The canonical name of `kind` (None stays None); ValueError for an unknown one."""
+def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
+    """{"group_size", "residual_len"} checked: codes fill whole bytes, the residual holds whole groups."""
+    residual_len = group_size if residual_len is None else residual_len
+    per_byte = 8 // bits
+    if group_size <= 0 or group_size % per_byte:
+        raise ValueError(f"KIVI group size must be a positive multiple of {per_byte} at {bits} bits (got {group_size})")
+    if residual_len <= 0 or residual_len % group_size:
+        raise ValueError(f"KIVI residual length must be a positive multiple of the group size {group_size} "
+                         f"(got {residual_len})")
+    return {"group_size": group_size, "residual_len": residual_len}
+
+
+def parse_kind(kind: str | None) -> tuple[str | None, dict]:
+    """A kind string → (canonical name, options); None → (None, {}). ValueError for anything unknown or bad.
+
+    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32});
+    "kivi2:g64:r128" → ("kivi2", {"group_size": 64, "residual_len": 128}); r defaults to g.
+    """
     if kind is None:
-        return None
-    if canonical_kind(kind) not in CACHE_KINDS:
-        raise ValueError(f"unknown cache kind {kind!r}; known: {', '.join(CACHE_KINDS)} (aliases q8, q4)")
-    return canonical_kind(kind)
+        return None, {}
+    name, *fields = kind.split(":")
+    name = canonical_kind(name)
+    if name not in CACHE_KINDS:
+        raise ValueError(f"unknown cache kind {kind!r}; known: {', '.join(CACHE_KINDS)} (aliases q8, q4; "
+                         f"kivi options as in kivi4:g32:r128)")
+    if name not in KIVI_BITS:
+        if fields:
+            raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
+        return name, {}
+    given: dict[str, int] = {}
+    for field in fields:
+        option = KIVI_OPTIONS.get(field[:1])
+        if option is None or option in given or not field[1:].isdigit():
+            raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
+                             f"r<residual length>, each at most once, e.g. {name}:g32:r128")
+        given[option] = int(field[1:])
+    try:
+        return name, kivi_options(KIVI_BITS[name], given.get("group_size", 32), given.get("residual_len"))
+    except ValueError as error:
+        raise ValueError(f"cache kind {kind!r}: {error}") from None
 
 
 def make_cache(kind: str | None, model) -> Cache:
-    """An empty cache of `kind` (aliases ok) for `model`; None or the model's own dtype → transformers' DynamicCache."""
-    kind = _checked(kind)
-    if kind is None or STORAGE_DTYPES.get(kind) == model.dtype:
+    """An empty cache of `kind` (aliases, options ok) for `model`; None or the model's own dtype → DynamicCache."""
+    name, options = parse_kind(kind)
+    if name is None or STORAGE_DTYPES.get(name) == model.dtype:
         return DynamicCache(config=model.config)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return Cache(layers=[CACHE_KINDS[kind]() for _ in range(n_layers)])
+    return Cache(layers=[CACHE_KINDS[name](**options) for _ in range(n_layers)])
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -231,19 +317,63 @@ def cache_bytes(cache: Cache) -> int:
     return total
 
 
-def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int:
-    """Cache bytes one token of one sequence adds, over all layers, K and V (`kind` None = the model's dtype)."""
+def _dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a llama-style model config."""
     text = config.get_text_config(decoder=True)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kind = _checked(kind)
-    if kind in CODE_BITS:
-        per_head = head_bytes(kind, head_dim)
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def _kivi_head_bytes(bits: int, group_size: int, head_dim: int, tokens: int) -> int:
+    """K + V bytes of `tokens` quantized tokens (a multiple of group_size) of one head in one layer.
+
+    keys: tokens·D·b/8 code bytes + tokens/g groups × D channels × (fp16 scale + fp16 min);
+    values: tokens × ceil(D/32) blocks × (32·b/8 code bytes + fp16 scale + fp16 min).
+    """
+    keys = tokens * head_dim * bits // 8 + tokens // group_size * head_dim * 4
+    values = tokens * -(-head_dim // BLOCK) * (BLOCK * bits // 8 + 4)
+    return keys + values
+
+
+def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int | float:
+    """Compressed cache bytes one token of one sequence adds, over all layers, K and V (`kind` None = model dtype).
+
+    KIVI's full-precision residual is excluded (see `residual_bytes`); a float when g does not divide 4·D.
+    Per token per head at head_dim 64 (SmolLM2), against fp16's 2·64·2 = 256 bytes:
+        q8_0 136 (0.53×), q4_0 / nf4 72 (0.28×), q4_1 80 (0.31×),
+        kivi4 g32: keys 64·4/8 + 2·2·64/32 = 40, values 64·4/8 + 2·2·2 = 40 → 80 (0.3125×),
+        kivi2 g32: keys 16 + 8 = 24, values 16 + 8 = 24 → 48 (0.1875×).
+    """
+    layers, kv_heads, head_dim = _dims(config)
+    name, options = parse_kind(kind)
+    if name in KIVI_BITS:
+        group = options["group_size"]
+        per_group = layers * kv_heads * _kivi_head_bytes(KIVI_BITS[name], group, head_dim, group)
+        return per_group // group if per_group % group == 0 else per_group / group
+    if name in CODE_BITS:
+        per_head = head_bytes(name, head_dim)
     else:
-        per_head = head_dim * (STORAGE_DTYPES[kind] if kind is not None else model_dtype).itemsize
-    return 2 * text.num_hidden_layers * kv_heads * per_head
+        per_head = head_dim * (STORAGE_DTYPES[name] if name is not None else model_dtype).itemsize
+    return 2 * layers * kv_heads * per_head
+
+
+def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
+    """Bytes of the full-precision part of a cache at `batch` × `seq_len`: KIVI's residual of seq_len mod
+    residual_len tokens in `model_dtype`; 0 for every other kind."""
+    name, options = parse_kind(kind)
+    if name not in KIVI_BITS:
+        return 0
+    layers, kv_heads, head_dim = _dims(config)
+    return batch * layers * kv_heads * 2 * head_dim * (seq_len % options["residual_len"]) * model_dtype.itemsize
 
 
 def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
     """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens; equals `cache_bytes` for llama-style models."""
-    return batch * seq_len * bytes_per_token(config, kind, model_dtype)
+    name, options = parse_kind(kind)
+    if name not in KIVI_BITS:
+        return batch * seq_len * bytes_per_token(config, kind, model_dtype)
+    layers, kv_heads, head_dim = _dims(config)
+    quantized = seq_len // options["residual_len"] * options["residual_len"]
+    compressed = _kivi_head_bytes(KIVI_BITS[name], options["group_size"], head_dim, quantized)
+    return batch * layers * kv_heads * compressed + residual_bytes(config, kind, batch, seq_len, model_dtype)

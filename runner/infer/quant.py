@@ -1,0 +1,138 @@
+"""Pure tensor quantizers for the KV cache: float tensors in, codes + fp16 scales (and minimums) out, and back.
+
+Block kinds (blocks of BLOCK = 32 values along the last axis, head_dim; a ragged last block is zero-padded and
+the padding is stored):
+    q8_0  int8 code = round(x / s), s = absmax / 127, one fp16 s per block.
+    q4_0  4-bit symmetric, s = absmax / 7, code + 8 in 1..15, two codes per uint8 byte, one fp16 s per block.
+    nf4   index of the nearest of the 16 NormalFloat levels of x / absmax, two per byte, one fp16 absmax per block.
+    q4_1  4-bit asymmetric: s = (max − min) / 15 and the minimum m, both fp16, per block; code = round((x − m) / s)
+          in 0..15, two per byte. Its "scales" tensor holds each block's s then m: [..., 2·NB].
+Groups (`quantize_groups`, used by q4_1 and by the KIVI cache): asymmetric b ∈ {2, 4} bits over groups of
+`group` values along any axis, s = (max − min) / (2^b − 1) and m per group in fp16, 8/b codes per uint8 byte
+(the first value of a byte in its lowest bits).
+Owns only the arithmetic; knows nothing of caches, layers, models or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+CODE_BITS = {"q8_0": 8, "q4_0": 4, "nf4": 4, "q4_1": 4}
+QMAX = {"q8_0": 127, "q4_0": 7, "nf4": 1}  # symmetric kinds: scale = absmax / QMAX
+SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "nf4": 2, "q4_1": 4}  # per block: fp16 scale (q4_1: + fp16 minimum)
+FP16_MAX = torch.finfo(torch.float16).max
+# The 16 NormalFloat levels of QLoRA (bitsandbytes' NF4 table), ascending.
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+])
+_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2  # bucketize against these = nearest level
+_NF4_PAIRS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interleave(16)], dim=-1)  # byte → (lo, hi)
+_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _on(device: torch.device, name: str, table: torch.Tensor) -> torch.Tensor:
+    """`table` copied to `device` once, not on every call."""
+    if (name, device) not in _ON_DEVICE:
+        _ON_DEVICE[name, device] = table.to(device)
+    return _ON_DEVICE[name, device]
+
+
+def head_bytes(kind: str, head_dim: int) -> int:
+    """Bytes one quantized head vector of `head_dim` values takes: codes of whole blocks + scales per block."""
+    n_blocks = -(-head_dim // BLOCK)
+    return n_blocks * (BLOCK * CODE_BITS[kind] // 8 + SCALE_BYTES[kind])
+
+
+# --- block kinds along head_dim ---------------------------------------------------------------------------------
+
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] float → codes [..., NB*32] int8 (q8_0) or [..., NB*16] uint8 (4-bit), scales [..., NB] fp16.
+
+    q4_1's scales are [..., 2·NB]: (scale, minimum) of each block, interleaved.
+    """
+    if kind == "q4_1":
+        codes, scales, mins = quantize_groups(x, 4, BLOCK, dim=-1)  # [..., NB*16], [..., NB], [..., NB]
+        return codes, torch.stack([scales, mins], dim=-1).flatten(-2)
+    blocks = F.pad(x.float(), (0, -x.shape[-1] % BLOCK)).unflatten(-1, (-1, BLOCK))  # [..., NB, 32]
+    absmax = blocks.abs().amax(-1, keepdim=True)  # [..., NB, 1]
+    scales = (absmax / QMAX[kind]).clamp(max=FP16_MAX).half()  # [..., NB, 1]
+    scaled = blocks / torch.where(scales > 0, scales.float(), 1.0)  # zero block → all codes mean 0
+    if kind == "q8_0":
+        return scaled.round().clamp(-127, 127).to(torch.int8).flatten(-2), scales.squeeze(-1)
+    if kind == "q4_0":
+        codes = (scaled.round().clamp(-7, 7) + 8).to(torch.uint8)  # [..., NB, 32] in 1..15
+    elif kind == "nf4":
+        midpoints = _on(x.device, "midpoints", _NF4_MIDPOINTS)
+        codes = torch.bucketize(scaled.contiguous(), midpoints).to(torch.uint8)  # [..., NB, 32] in 0..15
+    else:
+        raise ValueError(f"unknown quantized kind {kind!r}")
+    return pack(codes.flatten(-2), 4, dim=-1), scales.squeeze(-1)  # even index in the low nibble
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize`: codes [..., C], scales [..., NB] → [..., head_dim] in `dtype` (padding cropped)."""
+    if kind == "q4_1":
+        pairs = scales.unflatten(-1, (-1, 2))  # [..., NB, 2]
+        return dequantize_groups(codes, pairs[..., 0], pairs[..., 1], 4, BLOCK, head_dim, dtype, dim=-1)
+    if kind == "q8_0":
+        values = codes.float()  # [..., NB*32]
+    elif kind == "q4_0":
+        values = unpack(codes, 4, dim=-1).float() - 8  # [..., NB*32]
+    else:  # one lookup per byte: a 256 × 2 table of (low, high) levels, 2× faster than a lookup per nibble
+        values = F.embedding(codes.long(), _on(codes.device, "pairs", _NF4_PAIRS)).flatten(-2)  # [..., NB*32]
+    blocks = values.unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
+    return blocks.flatten(-2)[..., :head_dim].to(dtype)
+
+
+# --- bit packing and asymmetric groups along any axis -----------------------------------------------------------
+
+def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """uint8 codes < 2^bits, N along `dim` (a multiple of 8/bits) → N·bits/8 bytes along `dim`."""
+    per_byte = 8 // bits
+    codes = codes.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., N/per_byte, per_byte]
+    packed = codes[..., 0]
+    for i in range(1, per_byte):
+        packed = packed | (codes[..., i] << (bits * i))
+    return packed.movedim(-1, dim)
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Inverse of `pack`: bytes along `dim` → uint8 codes, 8/bits times as many along `dim`."""
+    shifts = _on(packed.device, f"shifts{bits}", torch.arange(0, 8, bits, dtype=torch.uint8))  # [per_byte]
+    packed = packed.movedim(dim, -1)
+    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # [..., P, per_byte]
+    return codes.flatten(-2).movedim(-1, dim)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
+    """Asymmetric `bits`-bit codes over groups of `group` consecutive values along `dim` (zero-padded to whole groups).
+
+    x with N values along `dim` → codes (NG·group·bits/8 uint8 along `dim`), scales and mins (NG fp16 along `dim`),
+    NG = ceil(N / group). E.g. keys [B,H,T,D], dim=-2, group 32 → codes [B,H,T·b/8,D], scales [B,H,T/32,D].
+    """
+    qmax = 2**bits - 1
+    y = x.float().movedim(dim, -1)  # [..., N]
+    groups = F.pad(y, (0, -y.shape[-1] % group)).unflatten(-1, (-1, group))  # [..., NG, group]
+    mins = groups.amin(-1, keepdim=True).clamp(-FP16_MAX, FP16_MAX).half()  # [..., NG, 1]
+    scales = ((groups.amax(-1, keepdim=True) - mins.float()) / qmax).clamp(max=FP16_MAX).half()
+    steps = (groups - mins.float()) / torch.where(scales > 0, scales.float(), 1.0)  # equal values → all codes 0
+    codes = steps.round().clamp(0, qmax).to(torch.uint8).flatten(-2)  # [..., NG*group]
+    return (pack(codes, bits, dim=-1).movedim(-1, dim), scales.squeeze(-1).movedim(-1, dim),
+            mins.squeeze(-1).movedim(-1, dim))
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
+                      length: int, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
+    """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`.
+
+    code·s + m as a multiply then an add (never a fused multiply-add), so a value dequantizes to the same float
+    whatever slice of the tensor it is dequantized with.
+    """
+    values = unpack(codes, bits, dim=dim).movedim(dim, -1).float()  # [..., NG*group]
+    values = values.unflatten(-1, (scales.shape[dim], group))  # [..., NG, group]
+    scales, mins = scales.movedim(dim, -1).float().unsqueeze(-1), mins.movedim(dim, -1).float().unsqueeze(-1)
+    return (values * scales + mins).flatten(-2)[..., :length].to(dtype).movedim(-1, dim)
