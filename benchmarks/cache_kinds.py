@@ -1,20 +1,25 @@
 """Every KV-cache kind on a real model, against fp16 and the model's own cache, in one process.
 
-    python benchmarks/cache_kinds.py [--model zoo:smollm2-135m] [--context 2048] [--speed-context 1024]
+    python benchmarks/cache_kinds.py [--model zoo:smollm2-135m] [--contexts 1024 4096]
 
 Prints, per kind:
-  bytes      measured bytes of a cache holding --context tokens of real text, relative to fp16
-             (targets: q8_0 ≤ 0.54, q4_0 and nf4 ≤ 0.29), and whether the estimator agrees exactly
-  quality    ΔNLL of --decode-steps teacher-forced tokens decoded through the cache after a prefill
-             that fills it to --context (target: q8_0 ≤ 0.01 nats), PPL ratio over --context tokens,
-             mean KL(reference ‖ kind); the reference is the model's own dtype in DynamicCache
-  speed      median decode tokens/s at --speed-context tokens of context, relative to fp16
+  bytes      measured bytes of a cache holding --bytes-context tokens of real text, relative to fp16
+             (targets: q8_0 ≤ 0.54; q4_0, nf4 ≤ 0.29; kivi4 ≤ 0.32 and kivi2 ≤ 0.19 with the
+             full-precision residual excluded, reported beside), and whether the estimator agrees exactly
+  quality    --windows windows of a --prompt-len prefill then --decode-steps teacher-forced steps through
+             the cache: ΔNLL (nats, target q8_0 ≤ 0.01, kivi4 ≤ 0.01), mean KL(reference ‖ kind) (kivi4 ≤ 0.01),
+             top-1 agreement with the reference; PPL ratio over --bytes-context tokens. The reference
+             is the model's own dtype in transformers' DynamicCache.
+  speed      median decode tokens/s at each of --contexts tokens of context, relative to fp16: one prefill
+             per kind, then --repeats timed runs of --speed-steps greedy steps, each from a copy of the
+             prefilled cache, kinds interleaved (target: kivi no slower than 1/1.3 of fp16 at 4k)
 Then the time of a warm auto selection (plan reused) relative to a cold one (target ≤ 0.05).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
@@ -26,21 +31,48 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.autocache import select_cache_kind  # noqa: E402
-from runner.infer.bench import time_decode  # noqa: E402
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache  # noqa: E402
+from runner.infer.decode import decode_one_token, forward_last, positions_for, sync  # noqa: E402
+from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
 
-KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
+KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2"]
 
 
-def measured_bytes(model, ids: torch.Tensor, kind: str) -> int:
-    cache = make_cache(kind, model)
-    with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache_bytes(cache)
+@torch.inference_mode()
+def prefilled(model, ids: torch.Tensor, kind: str):
+    """(cache holding ids, first greedy token, mask)."""
+    cache, mask = make_cache(kind, model), torch.ones_like(ids)
+    token = forward_last(model, ids, mask, positions_for(None, mask), cache).argmax(-1)
+    return cache, token, mask
+
+
+@torch.inference_mode()
+def timed_decode(model, start, steps: int) -> float:
+    """Seconds for `steps` greedy steps from a copy of a prefilled cache."""
+    cache, token, mask = copy.deepcopy(start[0]), start[1], start[2]
+    sync(token.device)
+    began = time.perf_counter()
+    for _ in range(steps):
+        positions = mask.sum(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+    sync(token.device)
+    return time.perf_counter() - began
+
+
+def speeds(model, ids: torch.Tensor, steps: int, repeats: int) -> dict[str, float]:
+    """Median decode tokens/s per kind at ids' context; kinds interleaved, order reversed every other round."""
+    starts = {kind: prefilled(model, ids, kind) for kind in KINDS}
+    for kind in KINDS:
+        timed_decode(model, starts[kind], steps)  # warm-up
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for repeat in range(repeats):
+        for kind in KINDS if repeat % 2 == 0 else reversed(KINDS):
+            times[kind].append(timed_decode(model, starts[kind], steps))
+    return {kind: statistics.median(steps / t for t in times[kind]) for kind in KINDS}
 
 
 def main() -> None:
@@ -48,44 +80,49 @@ def main() -> None:
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--speed-context", type=int, default=1024)
-    parser.add_argument("--speed-steps", type=int, default=32)
+    parser.add_argument("--bytes-context", type=int, default=2048)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-steps", type=int, default=128)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--speed-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
-    model, text = lm.model, load_text("pydoc")
+    model, text, n = lm.model, load_text("pydoc"), args.bytes_context
     print(f"model={args.model} dtype={args.dtype} device={lm.device} threads={torch.get_num_threads()} "
-          f"context={args.context} speed_context={args.speed_context} repeats={args.repeats}")
+          f"bytes_context={n} quality={args.windows}×({args.prompt_len}+{args.decode_steps}) "
+          f"contexts={args.contexts} speed_steps={args.speed_steps} repeats={args.repeats}", flush=True)
 
-    ids = torch.tensor(token_windows(lm.tokenizer, text, args.context, 1), device=lm.device)
-    sizes = {kind: measured_bytes(model, ids, kind) for kind in KINDS}
-    agree = {kind: sizes[kind] == estimate_cache_bytes(model.config, kind, 1, args.context, model.dtype)
-             for kind in KINDS}
+    ids = torch.tensor(token_windows(lm.tokenizer, text, n, 1), device=lm.device)
+    sizes = {kind: cache_bytes(prefilled(model, ids, kind)[0]) for kind in KINDS}
+    agree = {kind: sizes[kind] == estimate_cache_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
+    residual = {kind: residual_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
 
-    probe = build_probe(lm.tokenizer, text, prompt_len=args.context - args.decode_steps - 1,
-                        decode_steps=args.decode_steps, windows=2, ppl_len=args.context, device=lm.device)
+    probe = build_probe(lm.tokenizer, text, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
+                        windows=args.windows, ppl_len=n, device=lm.device)
     reference = run_probe(model, probe, None)
     quality = {kind: compare(reference, run_probe(model, probe, kind)) for kind in KINDS}
+    print("quality done", flush=True)
 
-    prompt = torch.tensor(token_windows(lm.tokenizer, text, args.speed_context, 1), device=lm.device)
-    speed: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    for repeat in range(args.repeats):  # interleaved so drift on a shared machine hits every kind alike
-        for kind in KINDS if repeat % 2 == 0 else reversed(KINDS):
-            timing = time_decode(model, prompt, args.speed_steps, kind, repeats=1, warmup=1 if repeat == 0 else 0)
-            speed[kind].append(timing.decode_tokens_per_s)
-    fp16_speed = statistics.median(speed["fp16"])
+    speed = {}
+    for context in args.contexts:
+        prompt = torch.tensor(token_windows(lm.tokenizer, text, context, 1), device=lm.device)
+        speed[context] = speeds(model, prompt, args.speed_steps, args.repeats)
+        print(f"speed at {context} done", flush=True)
 
-    print(f"\n{'kind':>5} {'MiB':>7} {'vs fp16':>8} {'est=meas':>8} {'ΔNLL':>9} {'PPL ratio':>9} {'mean KL':>9} "
-          f"{'needle':>6} {'tok/s':>7} {'vs fp16':>8}")
+    heads = "".join(f" {f'tok/s@{c}':>11} {'vs fp16':>7}" for c in args.contexts)
+    print(f"\n{'kind':>5} {'MiB':>7} {'vs fp16':>7} {'resid KiB':>9} {'est=meas':>8} {'ΔNLL':>8} {'mean KL':>8} "
+          f"{'top-1':>6} {'PPL ratio':>9} {'needle':>6}{heads}")
     for kind in KINDS:
-        q, tps = quality[kind], statistics.median(speed[kind])
-        print(f"{kind:>5} {sizes[kind] / 2**20:7.2f} {sizes[kind] / sizes['fp16']:8.3f} {str(agree[kind]):>8} "
-              f"{q['delta_nll']:9.5f} {q['ppl_ratio']:9.4f} {q['mean_kl']:9.5f} {str(q['needle_found']):>6} "
-              f"{tps:7.1f} {tps / fp16_speed:8.3f}")
+        q = quality[kind]
+        compressed = sizes[kind] - residual[kind]
+        cells = "".join(f" {speed[c][kind]:11.1f} {speed[c][kind] / speed[c]['fp16']:7.3f}" for c in args.contexts)
+        print(f"{kind:>5} {sizes[kind] / 2**20:7.2f} {compressed / sizes['fp16']:7.3f} {residual[kind] / 1024:9.1f} "
+              f"{str(agree[kind]):>8} {q['delta_nll']:8.4f} {q['mean_kl']:8.4f} {q['top1_agreement']:6.3f} "
+              f"{q['ppl_ratio']:9.4f} {str(q['needle_found']):>6}{cells}")
 
     with tempfile.TemporaryDirectory() as tmp:
         config = GenerateConfig(cache_kind="auto", cache_plan_path=os.path.join(tmp, "plans.json"))
@@ -95,7 +132,7 @@ def main() -> None:
             chosen = select_cache_kind(model, lm.tokenizer, config, batch_size=1, identity=lm.fingerprint)
             timings.append(time.perf_counter() - start)
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
-          f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.4f}")
+          f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.5f}")
 
 
 if __name__ == "__main__":

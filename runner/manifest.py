@@ -89,7 +89,8 @@ class GenerateSpec(GenerateConfig):
 class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
-    generate: GenerateSpec = Field(description="Decoding settings and prompts (auto-cache-select: the cache_* settings).")
+    generate: GenerateSpec = Field(description=(
+        "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
 
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> "Run":

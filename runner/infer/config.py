@@ -6,18 +6,73 @@ manifest schema can reuse this class without importing torch.
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CacheKindName = Literal["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4", "q4_1", "kivi4", "kivi2", "q8", "q4"]
+KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2")
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
-DEFAULT_CANDIDATES = ("fp16", "q8_0", "nf4", "q4_0")
+KIVI_BITS = {"kivi4": 4, "kivi2": 2}
+KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
+DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
+
+
+def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
+    """{"group_size", "residual_len"} checked: codes fill whole bytes, the residual holds whole groups."""
+    residual_len = group_size if residual_len is None else residual_len
+    per_byte = 8 // bits
+    if group_size <= 0 or group_size % per_byte:
+        raise ValueError(f"KIVI group size must be a positive multiple of {per_byte} at {bits} bits (got {group_size})")
+    if residual_len <= 0 or residual_len % group_size:
+        raise ValueError(f"KIVI residual length must be a positive multiple of the group size {group_size} "
+                         f"(got {residual_len})")
+    return {"group_size": group_size, "residual_len": residual_len}
+
+
+def parse_kind(kind: str | None) -> tuple[str | None, dict]:
+    """A kind string → (canonical name, options); None → (None, {}). ValueError for anything unknown or bad.
+
+    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32});
+    "kivi2:g64:r128" → ("kivi2", {"group_size": 64, "residual_len": 128}); r defaults to g.
+    """
+    if kind is None:
+        return None, {}
+    name, *fields = kind.split(":")
+    name = KIND_ALIASES.get(name, name)
+    if name not in KIND_NAMES:
+        close = difflib.get_close_matches(name, KIND_NAMES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown cache kind {kind!r}: {hint}known: {', '.join(KIND_NAMES)} (aliases q8, q4; "
+                         f"kivi options as in kivi4:g32:r128)")
+    if name not in KIVI_BITS:
+        if fields:
+            raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
+        return name, {}
+    given: dict[str, int] = {}
+    for field in fields:
+        option = KIVI_OPTIONS.get(field[:1])
+        if option is None or option in given or not field[1:].isdigit():
+            raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
+                             f"r<residual length>, each at most once, e.g. {name}:g32:r128")
+        given[option] = int(field[1:])
+    try:
+        return name, kivi_options(KIVI_BITS[name], given.get("group_size", 32), given.get("residual_len"))
+    except ValueError as error:
+        raise ValueError(f"cache kind {kind!r}: {error}") from None
 
 
 def canonical_kind(kind: str) -> str:
-    """`q8` → `q8_0`, `q4` → `q4_0`; other names unchanged."""
-    return KIND_ALIASES.get(kind, kind)
+    """The one spelling of a kind: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`)."""
+    name, options = parse_kind(kind)
+    return f"{name}:g{options['group_size']}:r{options['residual_len']}" if options else name
+
+
+def _checked_kind(value: str | None) -> str | None:
+    if value is None or value == "auto":
+        return value
+    parse_kind(value)  # ValueError → a schema error naming the known kinds
+    return value
 
 
 class AutoCacheConfig(BaseModel):
@@ -25,33 +80,45 @@ class AutoCacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cache_candidates: list[CacheKindName] = Field(
+    cache_candidates: list[str] = Field(
         default_factory=lambda: list(DEFAULT_CANDIDATES), min_length=1,
-        description="Kinds to consider, in order of preference (ties and cache_auto_benchmark: false).")
+        description="Kinds to consider (kivi options allowed, e.g. kivi4:g32:r128), in order of preference.")
     cache_budget_mb: float | None = Field(None, gt=0, description=(
-        "Most MB the cache may take at max_seq_len × batch (estimated); unset = no limit."))
+        "Most MiB the cache may take at max_seq_len × batch (estimated); unset = no limit."))
     cache_quality_max_delta_nll: float = Field(0.05, ge=0, description=(
         "Most mean NLL increase (nats/token) of teacher-forced tokens decoded through the cache."))
     cache_quality_max_ppl_ratio: float = Field(1.05, ge=1.0, description=(
         "Most perplexity ratio candidate / reference over cache_quality_ppl_len tokens."))
     cache_quality_max_mean_kl: float = Field(0.1, ge=0, description=(
         "Most mean KL(reference ‖ candidate) of next-token distributions (decode steps and needle answer), nats."))
-    cache_quality_prompt_len: int = Field(64, ge=1, le=1_000_000, description="Tokens prefilled before the teacher-forced decode steps.")
+    cache_quality_prompt_len: int = Field(64, ge=1, le=1_000_000, description=(
+        "Tokens prefilled before the teacher-forced decode steps."))
     cache_quality_decode_steps: int = Field(4, ge=1, le=10_000, description="Teacher-forced decode steps per window.")
-    cache_quality_windows: int = Field(8, ge=1, le=1024, description="Text windows (a batch) the NLL and KL average over.")
-    cache_quality_ppl_len: int = Field(512, ge=2, le=1_000_000, description="Tokens in the perplexity window (capped by max_seq_len).")
+    cache_quality_windows: int = Field(8, ge=1, le=1024, description=(
+        "Text windows (a batch) the NLL and KL average over."))
+    cache_quality_ppl_len: int = Field(512, ge=2, le=1_000_000, description=(
+        "Tokens in the perplexity window and the needle probe (capped by max_seq_len)."))
     cache_quality_data: str = Field("pydoc", min_length=1, description=(
-        "Evaluation text: pydoc, shakespeare, britannica, a .txt file (relative to the manifest) or hf:REPO/FILE."))
+        "Evaluation text: pydoc, shakespeare, britannica, a .txt file (relative to the manifest) or "
+        "hf:OWNER/REPO/PATH."))
     cache_quality_on_fail: Literal["error", "reference"] = Field("reference", description=(
         "When no candidate passes the gates: fail the step, or use the reference kind (recorded as gate_failed)."))
-    cache_auto_benchmark: bool = Field(True, description="Time the survivors and pick the fastest median; off = first survivor.")
+    cache_auto_benchmark: bool = Field(True, description=(
+        "Time the survivors and pick the fastest median; off = the first survivor."))
     cache_auto_bench_steps: int = Field(8, ge=1, le=100_000, description="Decode steps timed per repeat.")
-    cache_auto_bench_prompt_len: int = Field(64, ge=1, le=1_000_000, description="Prompt tokens before the timed decode.")
-    cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description="Timed repeats after one warm-up; the median counts.")
+    cache_auto_bench_prompt_len: int = Field(64, ge=1, le=1_000_000, description=(
+        "Prompt tokens before the timed decode."))
+    cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description=(
+        "Timed repeats after one warm-up (kinds interleaved); the median counts."))
     cache_plan_path: str = Field("plans/cache_plans.json", min_length=1, description=(
         "Where selections are persisted and reused (relative to the working directory)."))
     cache_plan_probe: bool = Field(True, description="Re-measure a persisted plan once it is older than the interval.")
     cache_plan_probe_interval_sec: float = Field(3600, gt=0, description="Age (seconds) after which a plan is stale.")
+
+    @field_validator("cache_candidates")
+    @classmethod
+    def _known_candidates(cls, value: list[str]) -> list[str]:
+        return [_checked_kind(kind) for kind in value]
 
 
 class GenerateConfig(AutoCacheConfig):
@@ -71,12 +138,17 @@ class GenerateConfig(AutoCacheConfig):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
-    cache_kind: CacheKindName | Literal["auto"] | None = Field(None, description=(
-        "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), nf4, or auto (selected under "
-        "cache_budget_mb and the quality gates); unset = the model's own dtype."))
+    cache_kind: str | None = Field(None, description=(
+        "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
+        "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
     seed: int | None = Field(
         None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
+
+    @field_validator("cache_kind")
+    @classmethod
+    def _known_kind(cls, value: str | None) -> str | None:
+        return _checked_kind(value)
 
     @field_validator("eos_token_id")
     @classmethod

@@ -20,13 +20,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from runner.infer.config import canonical_kind
+from runner.infer.config import KIVI_BITS, kivi_options, parse_kind
 from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
                                 quantize, quantize_groups)
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KIVI_BITS = {"kivi4": 4, "kivi2": 2}
-KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
 
 
 class CastLayer(DynamicLayer):
@@ -251,48 +249,6 @@ CACHE_KINDS: dict[str, type[DynamicLayer]] = {
        for name, dtype in STORAGE_DTYPES.items()},
     "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer, "kivi2": Kivi2Layer,
 }
-
-
-def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
-    """{"group_size", "residual_len"} checked: codes fill whole bytes, the residual holds whole groups."""
-    residual_len = group_size if residual_len is None else residual_len
-    per_byte = 8 // bits
-    if group_size <= 0 or group_size % per_byte:
-        raise ValueError(f"KIVI group size must be a positive multiple of {per_byte} at {bits} bits (got {group_size})")
-    if residual_len <= 0 or residual_len % group_size:
-        raise ValueError(f"KIVI residual length must be a positive multiple of the group size {group_size} "
-                         f"(got {residual_len})")
-    return {"group_size": group_size, "residual_len": residual_len}
-
-
-def parse_kind(kind: str | None) -> tuple[str | None, dict]:
-    """A kind string → (canonical name, options); None → (None, {}). ValueError for anything unknown or bad.
-
-    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32});
-    "kivi2:g64:r128" → ("kivi2", {"group_size": 64, "residual_len": 128}); r defaults to g.
-    """
-    if kind is None:
-        return None, {}
-    name, *fields = kind.split(":")
-    name = canonical_kind(name)
-    if name not in CACHE_KINDS:
-        raise ValueError(f"unknown cache kind {kind!r}; known: {', '.join(CACHE_KINDS)} (aliases q8, q4; "
-                         f"kivi options as in kivi4:g32:r128)")
-    if name not in KIVI_BITS:
-        if fields:
-            raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
-        return name, {}
-    given: dict[str, int] = {}
-    for field in fields:
-        option = KIVI_OPTIONS.get(field[:1])
-        if option is None or option in given or not field[1:].isdigit():
-            raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
-                             f"r<residual length>, each at most once, e.g. {name}:g32:r128")
-        given[option] = int(field[1:])
-    try:
-        return name, kivi_options(KIVI_BITS[name], given.get("group_size", 32), given.get("residual_len"))
-    except ValueError as error:
-        raise ValueError(f"cache kind {kind!r}: {error}") from None
 
 
 def make_cache(kind: str | None, model) -> Cache:

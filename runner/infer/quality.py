@@ -129,6 +129,8 @@ def compare(reference: ProbeRun, candidate: ProbeRun) -> dict:
         "ppl_ratio": math.exp(candidate.ppl_nll - reference.ppl_nll),
         "mean_kl": float(torch.cat([step_kl, needle_kl]).mean()),
         "needle_kl": float(needle_kl.mean()),
+        "top1_agreement": float((reference.step_logprobs.argmax(-1) == candidate.step_logprobs.argmax(-1))
+                                .float().mean()),
         "needle_found": candidate.needle_found,
         "needle_found_reference": reference.needle_found,
         "nll": candidate.step_nll,

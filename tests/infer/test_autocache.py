@@ -134,3 +134,23 @@ def _text_file(tmp_path):
 
 def _must_not_measure(*args, **kwargs):
     raise AssertionError("measured although a fresh plan exists")
+
+
+def test_probes_longer_than_max_seq_len_name_the_settings(tiny_lm, tmp_path):
+    with pytest.raises(StepError, match=r"cache_quality_prompt_len \+ cache_quality_decode_steps \+ 1 = 303 exceed"):
+        _select(tiny_lm, _config(tmp_path, cache_quality_prompt_len=300))
+    with pytest.raises(StepError, match="raise cache_quality_ppl_len"):  # the needle probe needs ~100 byte tokens
+        _select(tiny_lm, _config(tmp_path, cache_quality_ppl_len=60))
+
+
+def test_candidates_are_spelled_one_way_and_unknown_kinds_are_schema_errors():
+    from pydantic import ValidationError
+
+    from runner.infer.autocache import candidates
+
+    config = GenerateConfig(cache_candidates=["q8", "q8_0", "kivi4:g64", "kivi2"])
+    assert candidates(config) == ["q8_0", "kivi4:g64:r64", "kivi2:g32:r32"]  # options recorded in the plan
+    with pytest.raises(ValidationError, match="did you mean 'kivi4'"):
+        GenerateConfig(cache_kind="kiv4")
+    with pytest.raises(ValidationError, match="residual length must be a positive multiple"):
+        GenerateConfig(cache_candidates=["kivi4:g32:r48"])
