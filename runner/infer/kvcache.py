@@ -18,7 +18,7 @@ plans) or decoding.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
 from runner.infer.config import KIVI_BITS, kivi_options, parse_kind
 from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
@@ -327,9 +327,20 @@ def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dty
 def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
     """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens; equals `cache_bytes` for llama-style models."""
     name, options = parse_kind(kind)
+    if name is None or STORAGE_DTYPES.get(name) == model_dtype:  # transformers' DynamicCache: windows respected
+        layers, kv_heads, head_dim = _dims(config)
+        return batch * _native_tokens(config, seq_len) * kv_heads * 2 * head_dim * model_dtype.itemsize
     if name not in KIVI_BITS:
         return batch * seq_len * bytes_per_token(config, kind, model_dtype)
     layers, kv_heads, head_dim = _dims(config)
     quantized = seq_len // options["residual_len"] * options["residual_len"]
     compressed = _kivi_head_bytes(KIVI_BITS[name], options["group_size"], head_dim, quantized)
     return batch * layers * kv_heads * compressed + residual_bytes(config, kind, batch, seq_len, model_dtype)
+
+
+def _native_tokens(config, seq_len: int) -> int:
+    """Tokens transformers' DynamicCache keeps at `seq_len`, summed over layers: a sliding-window layer keeps its
+    last window − 1, a layer that reuses another's cache none. Our own kinds keep every token in every layer."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return sum(0 if kind == "dummy" else min(seq_len, kwargs["sliding_window"] - 1) if "sliding_window" in kwargs
+               else seq_len for kind, kwargs in zip(layer_types, layer_kwargs))

@@ -547,3 +547,19 @@ def test_kivi4_beats_q4_0_on_kl_on_real_text(hd64_lm):
     assert 0 < metrics["kivi4"]["mean_kl"] < metrics["q4_0"]["mean_kl"] / 2
     assert metrics["kivi4"]["needle_kl"] < metrics["q4_0"]["needle_kl"] / 2
     assert metrics["kivi4"]["mean_kl"] < metrics["kivi2"]["mean_kl"]  # fewer bits cost quality
+
+
+def test_estimator_follows_transformers_sliding_windows_for_the_native_cache():
+    """Mistral-style sliding window of 8: the native DynamicCache keeps 7 tokens per layer; our kinds keep all."""
+    from runner.infer.models import load_model
+
+    lm = load_model(config={"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "sliding_window": 8}, device="cpu", seed=0)
+    ids = torch.arange(3, 23)[None]  # 20 tokens
+    for kind in (None, "fp32", "fp16", "q8_0", "kivi4"):
+        cache = make_cache(kind, lm.model)
+        with torch.inference_mode():
+            lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert cache_bytes(cache) == estimate_cache_bytes(lm.model.config, kind, 1, 20, lm.model.dtype), kind
+    assert estimate_cache_bytes(lm.model.config, None, 1, 20, torch.float32) == 2 * 2 * 2 * 16 * 7 * 4
