@@ -65,14 +65,13 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                 if mirror:
                     mirror.end(child, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 raise
-            step_dir = step.key
             params = result.pop("params", {})
-            folder.write_json(f"{step_dir}/results.json", result)
+            folder.write_json(f"{step.key}/results.json", result)
             folder.set_step(step.key, "finished", metrics=result["metrics"])
             if mirror:
                 mirror.log(child, params={"mode": step.mode, "model": step.model, step.mode: step.spec,
                                           "seed": step.seed, "model_fingerprint": result["model"], **params},
-                           metrics=result["metrics"], artifacts=folder.path / step_dir)
+                           metrics=result["metrics"], artifacts=folder.path / step.key)
                 mirror.end(child, "FINISHED")
         state = "FAILED" if outcome.failed else "FINISHED"
     finally:

@@ -15,6 +15,8 @@ _EXPORTS = {
     "Generator": "runner.infer.decode",
     "generate": "runner.infer.decode",
     "load_model": "runner.infer.models",
+    "make_cache": "runner.infer.kvcache",
+    "select_cache_kind": "runner.infer.autocache",
 }
 
 __all__ = list(_EXPORTS)

@@ -168,3 +168,45 @@ class GenerateConfig(AutoCacheConfig):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding settings, the seed guide's names verbatim: a draft proposes, the target verifies.
+
+    `temperature: 0` means greedy (the output is then the target's greedy output token for token).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec_k: int = Field(4, ge=1, le=64, description="Tokens the draft proposes per round (the start value when adaptive).")
+    spec_k_adaptive: bool = Field(False, description=(
+        "Adapt k each round: +1 after a fully accepted round, -1 after one with acceptance < 0.5, within [1, 2·spec_k]."))
+    spec_method: Literal["reject_sampling", "greedy"] = Field("reject_sampling", description=(
+        "Verification: reject_sampling (accept with min(1, p/q), resample from norm(max(p-q, 0))) or greedy "
+        "(exact match: accept while the draft token equals the target's own choice)."))
+    spec_extra_token: bool = Field(True, description=(
+        "After a fully accepted round, also take the target's next token (k+1 tokens per target forward)."))
+    spec_disable_below_accept: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Fall back to target-only decoding when the recent acceptance rate falls below this (0 = never)."))
+    max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
+    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens (0 or unset = off).")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
+    max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
+    cache_kind: str | None = Field(None, description=(
+        "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 "
+        "(options as in kivi4:g32:r128); unset = the model's dtype. auto is not supported here."))
+    seed: int | None = Field(None, description=(
+        "Seed of the generator of every random draw; unset = the manifest's seed (0 in the library)."))
+
+    @field_validator("cache_kind")
+    @classmethod
+    def _known_kind(cls, value: str | None) -> str | None:
+        if value == "auto":
+            raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
+                             "(the auto-cache-select mode can choose one)")
+        return _checked_kind(value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -46,8 +46,9 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
                                   identity=lm.fingerprint, base_dir=base_dir)
     table = candidates_table(selection.rows)
-    print(f"[{step.key}] {table.to_string(index=False, na_rep='-')}\n[{step.key}] → {selection.kind} ({selection.source}): "
-          f"{selection.reason} [{selection.seconds:.1f} s]", flush=True)
+    how = selection.source + (", reused" if selection.reused else "")
+    print(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
+          f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
     (out_dir / "cache_plan.json").write_text(json.dumps(describe(selection), indent=2, default=str) + "\n")
