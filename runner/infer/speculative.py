@@ -1,0 +1,350 @@
+"""Speculative decoding (Leviathan et al. 2023, Chen et al. 2023): a draft proposes, the target verifies.
+
+Owns: draft → verify → accept → roll back, per round, for a draft model or prompt lookup; the adaptive draft
+length, the fallback to target-only decoding, and the counts in `SpecStats`. Does not know about manifests,
+tracking, tokenizers (a draft with another tokenizer is the caller's error to raise) or timing beyond wall-clock.
+
+One round of one row (shapes in comments), with the invariant "each cache holds the sequence minus its last
+token, `pending`":
+    propose (draft: k forwards, sampling x_i ~ q_i from the draft's filtered distribution; prompt lookup: the
+    tokens that followed the last earlier n-gram, n = 3, 2, 1, q one-hot) → verify (one target forward over
+    [pending, x_1..x_k]: p_1..p_{k+1}) → accept (reject_sampling: x_i with probability min(1, p_i/q_i), the first
+    rejection resamples from norm(max(p_i − q_i, 0)); greedy: exact match, y_i ~ p_i (argmax at temperature 0)
+    and x_i is accepted while x_i == y_i, the first mismatch emits y_i) → bonus token from p_{k+1} after a fully
+    accepted round when spec_extra_token → crop both caches back to the kept sequence (every cache kind; for KIVI
+the chunk stops before the token that quantizes the residual, see `tokens_before_flush`).
+Either way the emitted tokens are distributed as the target's own (filtered) samples; at temperature 0 they are
+the target's greedy tokens. Every random draw uses the one explicit `torch.Generator`.
+
+Adaptive k (spec_k_adaptive): after a round that drafted k_r tokens and accepted n: k += 1 if n == k_r,
+k −= 1 if n < 0.5·k_r, clamped to [1, 2·spec_k]. Fallback: once a row has done ≥ FALLBACK_MIN_ROUNDS rounds,
+if the acceptance rate over its last FALLBACK_WINDOW rounds is below spec_disable_below_accept, the row decodes
+target-only from then on (recorded in `stats.fallback_round`).
+
+Batches: rows are processed one after another, each with its own batch-1 caches (its left padding stripped),
+so each row accepts its own number of tokens; forward counts in the stats are summed over rows. Batched
+verification with per-row cache offsets is not done (correctness first).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.errors import StepError
+from runner.infer.config import GenerateConfig, SpeculativeConfig
+from runner.infer.decode import sync
+from runner.infer.kvcache import make_cache
+from runner.infer.sampling import process_logits
+
+PROMPT_LOOKUP = "prompt-lookup"
+LOOKUP_MAX_NGRAM = 3
+FALLBACK_MIN_ROUNDS = 4
+FALLBACK_WINDOW = 8
+
+
+@dataclass
+class SpecStats:
+    """Counts of the last `.generate()` call, summed over rows."""
+
+    rounds: int = 0  # rounds that drafted ≥ 1 token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafted tokens
+    k_history: list[list[int]] = field(default_factory=list)  # per row: k drafted in each round
+    draft_forwards: int = 0
+    target_forwards: int = 0
+    target_only_steps: int = 0  # target forwards that verified nothing (fallback, no lookup match, last token)
+    fallback_round: list[int | None] = field(default_factory=list)  # per row: round at which it fell back
+    new_tokens: list[int] = field(default_factory=list)  # per row, EOS included
+    stop_reasons: list[str] = field(default_factory=list)  # per row: eos, max_new_tokens, max_seq_len
+    seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "accepted_hist": self.accepted_hist, "k_history": self.k_history, "rounds": self.rounds,
+                "drafted": self.drafted, "accepted": self.accepted, "draft_forwards": self.draft_forwards,
+                "target_forwards": self.target_forwards, "target_only_steps": self.target_only_steps,
+                "fallback_round": self.fallback_round, "new_tokens": self.new_tokens,
+                "stop_reasons": self.stop_reasons, "seconds": self.seconds}
+
+
+class _Row:
+    """One sequence and its caches: `seq` [L] every token so far; each cache holds seq[:-1] (or less, draft)."""
+
+    def __init__(self, seq: torch.Tensor, target_cache, draft_cache):
+        self.seq, self.target_cache, self.draft_cache = seq, target_cache, draft_cache
+        self.rounds: list[tuple[int, int]] = []  # (drafted, accepted)
+
+
+def cached_len(cache) -> int:
+    return cache.get_seq_length() if cache is not None else 0
+
+
+def feed(model, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Append [t] tokens of a batch-1 row to `cache`; logits at each of them. [t] → [t,V] float32."""
+    past = cached_len(cache)
+    positions = torch.arange(past, past + tokens.shape[0], device=tokens.device)[None]
+    mask = torch.ones(1, past + tokens.shape[0], dtype=torch.long, device=tokens.device)
+    out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True)
+    return out.logits[0].float()
+
+
+def tokens_before_flush(cache, cached: int) -> int:
+    """Most draft tokens a verify chunk may hold so that no token in it completes a KIVI residual.
+
+    A KIVI layer quantizes its residual when it fills (cache index i with (i+1) % residual_len == 0). Fed one by
+    one, that index is quantized by its own forward; fed inside a chunk, earlier chunk tokens would see it (and its
+    group) quantized, and a crop across it would leave dequantized values behind: the greedy output would depend
+    on the chunking. So a chunk [pending, x_1..x_k] (indices cached..cached+k) stops before the index that flushes,
+    and that index enters alone as the pending token of a target-only step. Other kinds: no limit.
+    """
+    period = min((getattr(layer, "residual_len", 0) or 0 for layer in getattr(cache, "layers", [])), default=0)
+    if not period:
+        return 1 << 30
+    to_flush = period - 1 - cached % period  # the index cached + to_flush completes the residual
+    return max(to_flush - 1, 0)
+
+
+def crop_to(cache, length: int) -> None:
+    """Roll `cache` back to its first `length` tokens (crop takes a negative count)."""
+    extra = cached_len(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def filtered_probs(logits: torch.Tensor, seq: torch.Tensor, gcfg: GenerateConfig, vocab: int) -> torch.Tensor:
+    """[t,V'] logits → [t,vocab] probabilities after temperature/top-k/top-p (vocab aligned to the target's)."""
+    if logits.shape[-1] > vocab:
+        logits = logits[:, :vocab]
+    elif logits.shape[-1] < vocab:
+        logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
+    seen = seq[None].expand(logits.shape[0], -1)
+    return torch.softmax(process_logits(logits, seen, gcfg), dim=-1)
+
+
+def pick(probs: torch.Tensor, greedy: bool, rng: torch.Generator) -> int:
+    """[V] → one token id: argmax when greedy, else a draw."""
+    if greedy:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def lookup_proposal(seq: torch.Tensor, k: int) -> torch.Tensor:
+    """Prompt lookup: the ≤ k tokens that followed the latest earlier occurrence of the last n-gram. [L] → [≤k]."""
+    tokens = seq.tolist()
+    for n in range(min(LOOKUP_MAX_NGRAM, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return seq[start + n:start + n + k]
+    return seq[:0]
+
+
+def accept_reject(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rng: torch.Generator) -> tuple[int, int]:
+    """Rejection sampling. draft [k], q [k,V], p [k+1,V] → (accepted n, token after them or -1 for the bonus)."""
+    for i, x in enumerate(draft.tolist()):
+        u = float(torch.rand((), generator=rng))
+        if u * float(q[i, x]) < float(p[i, x]):
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        residual = residual if float(residual.sum()) > 0 else p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=rng))
+    return draft.shape[0], -1
+
+
+def accept_exact(draft: torch.Tensor, p: torch.Tensor, greedy: bool, rng: torch.Generator) -> tuple[int, int]:
+    """Exact match: y_i from p_i; accept while x_i == y_i. draft [k], p [k+1,V] → (n, y_n or -1 for the bonus)."""
+    for i, x in enumerate(draft.tolist()):
+        y = pick(p[i], greedy, rng)
+        if y != x:
+            return i, y
+    return draft.shape[0], -1
+
+
+class SpeculativeGenerator:
+    """`SpeculativeGenerator(target_model=..., draft_model=... | "prompt-lookup", config=...)`, `.generate(ids)`."""
+
+    def __init__(self, target_model, draft_model, config: SpeculativeConfig | None = None, tokenizer=None,
+                 generator: torch.Generator | None = None):
+        self.config = config or SpeculativeConfig()
+        self.device = next(target_model.parameters()).device
+        self.target = target_model.eval()
+        self.lookup = isinstance(draft_model, str)
+        if self.lookup and draft_model != PROMPT_LOOKUP:
+            raise ValueError(f"draft_model must be a model or {PROMPT_LOOKUP!r} (got {draft_model!r})")
+        self.draft = None if self.lookup else draft_model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
+        cfg = self.config
+        self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        self.vocab = target_model.get_output_embeddings().weight.shape[0]
+        self.eos_ids = _eos_ids(target_model)
+        self.stats = SpecStats()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.acceptance_rate
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,T] prompt (left-padded) → [B,T+N]: the prompt then the new tokens (pad after a row stops)."""
+        ids = input_ids.to(self.device)
+        mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
+        batch, k_max = ids.shape[0], 2 * self.config.spec_k if self.config.spec_k_adaptive else self.config.spec_k
+        self.stats = SpecStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
+                               fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch)
+        start = time.perf_counter()
+        rows = [self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch)]  # [N_r] each
+        sync(self.device)
+        self.stats.seconds = time.perf_counter() - start
+        new = torch.full((batch, max(len(r) for r in rows)), _pad_id(self.target, self.tokenizer, self.eos_ids),
+                         dtype=torch.long, device=self.device)
+        for r, tokens in enumerate(rows):
+            new[r, :len(tokens)] = tokens
+        return torch.cat([ids, new], dim=1)
+
+    def _generate_row(self, r: int, prompt: torch.Tensor) -> torch.Tensor:
+        """[T] real prompt tokens → [N] new tokens of row r, stop rules applied."""
+        cfg = self.config
+        if prompt.numel() == 0:
+            raise StepError(f"row {r} of the batch has no prompt tokens")
+        if prompt.numel() >= cfg.max_seq_len:
+            raise StepError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
+        row = _Row(prompt, make_cache(cfg.cache_kind, self.target),
+                   None if self.lookup else make_cache(cfg.cache_kind, self.draft))
+        self._prefill(row)
+        k, target_only = cfg.spec_k, False
+        while True:
+            produced = row.seq.numel() - prompt.numel()
+            room = min(cfg.max_new_tokens - produced, cfg.max_seq_len - row.seq.numel())
+            k_round = 0 if target_only else min(k, room - 1 if cfg.spec_extra_token else room)
+            k_round = min(k_round, tokens_before_flush(row.target_cache, row.seq.numel() - 1))
+            rounds_before = len(row.rounds)
+            new = self._round(r, row, k_round)  # [1..k_round+1] tokens
+            row.seq = torch.cat([row.seq, new])
+            reason = self._stop_reason(row.seq, prompt.numel(), cfg)
+            if reason:
+                out = row.seq[prompt.numel():]
+                out = out[:_first_eos(out, self.eos_ids) + 1] if reason == "eos" else out[:cfg.max_new_tokens]
+                self.stats.new_tokens[r], self.stats.stop_reasons[r] = out.numel(), reason
+                return out
+            if len(row.rounds) > rounds_before:  # this round verified draft tokens
+                k = self._adapt_k(k, *row.rounds[-1])
+                if not target_only and self._should_fall_back(row):
+                    target_only, self.stats.fallback_round[r] = True, len(row.rounds)
+
+    def _prefill(self, row: _Row) -> None:
+        """Both caches take the prompt minus its last token (that one enters with the first round)."""
+        if row.seq.numel() > 1:
+            feed(self.target, row.target_cache, row.seq[:-1])
+            self.stats.target_forwards += 1
+            if self.draft is not None:
+                feed(self.draft, row.draft_cache, row.seq[:-1])
+                self.stats.draft_forwards += 1
+
+    def _round(self, r: int, row: _Row, k: int) -> torch.Tensor:
+        """Propose ≤ k, verify in one target forward, accept, roll back. → [n+1] new tokens ([n] without bonus)."""
+        draft, q = self._propose(row, k)  # [k'], [k',V] or None
+        base = row.seq.numel()
+        p = filtered_probs(feed(self.target, row.target_cache, torch.cat([row.seq[-1:], draft])),
+                           row.seq, self.sampling, self.vocab)  # [k'+1,V]
+        self.stats.target_forwards += 1
+        if draft.numel() == 0:
+            self.stats.target_only_steps += 1
+            return torch.tensor([pick(p[0], self.config.greedy, self.rng)], device=self.device)
+        if self.config.greedy or self.config.spec_method == "greedy":
+            n, token = accept_exact(draft, p, self.config.greedy, self.rng)
+        else:
+            n, token = accept_reject(draft, q, p, self.rng)
+        if token < 0 and self.config.spec_extra_token:
+            token = pick(p[n], self.config.greedy, self.rng)
+        new = torch.cat([draft[:n], torch.tensor([token] if token >= 0 else [], dtype=torch.long,
+                                                 device=self.device)])
+        crop_to(row.target_cache, base + new.numel() - 1)
+        if row.draft_cache is not None:
+            crop_to(row.draft_cache, base + new.numel() - 1)
+        self._count(r, row, draft.numel(), n)
+        return new
+
+    def _propose(self, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k draft tokens [k] and their proposal distributions q [k,V] (None when greedy or prompt lookup)."""
+        if k <= 0:
+            return row.seq[:0], None
+        if self.lookup:
+            draft = lookup_proposal(row.seq, k)
+            q = torch.zeros(draft.numel(), self.vocab, device=self.device)
+            return draft, q.scatter_(1, draft[:, None], 1.0)
+        tokens, probs = [], []
+        logits = feed(self.draft, row.draft_cache, row.seq[cached_len(row.draft_cache):])[-1:]  # [1,V']
+        for i in range(k):
+            self.stats.draft_forwards += 1
+            q = filtered_probs(logits, row.seq, self.sampling, self.vocab)[0]  # [V]
+            tokens.append(pick(q, self.config.greedy, self.rng))
+            probs.append(q)
+            if i + 1 < k:
+                logits = feed(self.draft, row.draft_cache, torch.tensor(tokens[-1:], device=self.device))
+        return torch.tensor(tokens, device=self.device), torch.stack(probs)
+
+    def _count(self, r: int, row: _Row, drafted: int, accepted: int) -> None:
+        row.rounds.append((drafted, accepted))
+        s = self.stats
+        s.rounds, s.drafted, s.accepted = s.rounds + 1, s.drafted + drafted, s.accepted + accepted
+        if accepted >= len(s.accepted_hist):
+            s.accepted_hist.extend([0] * (accepted + 1 - len(s.accepted_hist)))
+        s.accepted_hist[accepted] += 1
+        s.k_history[r].append(drafted)
+
+    def _adapt_k(self, k: int, drafted: int, accepted: int) -> int:
+        if not self.config.spec_k_adaptive:
+            return k
+        if accepted == drafted:
+            return min(k + 1, 2 * self.config.spec_k)
+        return max(k - 1, 1) if accepted < 0.5 * drafted else k
+
+    def _should_fall_back(self, row: _Row) -> bool:
+        threshold = self.config.spec_disable_below_accept
+        if threshold <= 0 or len(row.rounds) < FALLBACK_MIN_ROUNDS:
+            return False
+        recent = row.rounds[-FALLBACK_WINDOW:]
+        return sum(a for _, a in recent) / max(sum(d for d, _ in recent), 1) < threshold
+
+    def _stop_reason(self, seq: torch.Tensor, prompt_len: int, cfg: SpeculativeConfig) -> str:
+        """[L] sequence → why the row stops now, or ""."""
+        new = seq[prompt_len:]
+        if _first_eos(new, self.eos_ids) < min(new.numel(), cfg.max_new_tokens):
+            return "eos"
+        if new.numel() >= cfg.max_new_tokens:
+            return "max_new_tokens"
+        return "max_seq_len" if seq.numel() >= cfg.max_seq_len else ""
+
+
+def _first_eos(tokens: torch.Tensor, eos_ids: set[int]) -> int:
+    """Index of the first EOS in [N] tokens, or N."""
+    hits = [i for i, t in enumerate(tokens.tolist()) if t in eos_ids]
+    return hits[0] if hits else tokens.numel()
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def _pad_id(model, tokenizer, eos_ids: set[int]) -> int:
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else min(eos_ids, default=0))

@@ -1,0 +1,178 @@
+"""Speculative decoding: token-identical to our greedy decode at temperature 0 (any draft, cache kinds with
+rollback), the target's distribution under sampling (a stated TV bound), counts, adaptive k and the fallback."""
+
+import copy
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from runner.infer.config import SpeculativeConfig
+from runner.infer.decode import generate
+from runner.infer.models import load_model
+from runner.infer.speculative import FALLBACK_MIN_ROUNDS, SpeculativeGenerator, lookup_proposal
+from tests.conftest import TINY_LLAMA
+
+PROMPTS = ["hello world, this is", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def draft_lm():
+    return load_model(config=TINY_LLAMA, device="cpu", seed=1)  # random weights, unrelated to the target
+
+
+def _drafts(tiny_lm, draft_lm):
+    return {"random": draft_lm.model, "self": tiny_lm.model, "lookup": "prompt-lookup"}
+
+
+def _spec(target, draft, ids, mask=None, **settings):
+    gen = SpeculativeGenerator(target_model=target, draft_model=draft, config=SpeculativeConfig(**settings))
+    return gen.generate(ids, mask), gen
+
+
+@pytest.mark.parametrize("which", ["random", "self", "lookup"])
+def test_greedy_matches_our_decode_on_a_padded_batch(tiny_lm, draft_lm, which):
+    enc = tiny_lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any()  # really padded
+    ref = generate(tiny_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=30, temperature=0)
+    out, gen = _spec(tiny_lm.model, _drafts(tiny_lm, draft_lm)[which], enc.input_ids, enc.attention_mask,
+                     spec_k=4, max_new_tokens=30, temperature=0)
+    assert torch.equal(out, ref)
+    assert gen.stats.drafted > 0 and gen.stats.new_tokens == [30, 30]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "kivi4", "kivi4:g8:r8", "kivi2:g8:r16"])
+@pytest.mark.parametrize("which", ["random", "self", "lookup"])
+def test_greedy_matches_our_decode_through_cache_rollback(tiny_lm, draft_lm, kind, which):
+    ids = tiny_lm.tokenizer(["The quick brown fox jumps"], return_tensors="pt").input_ids
+    ref = generate(tiny_lm.model, ids, max_new_tokens=40, temperature=0, cache_kind=kind)
+    out, gen = _spec(tiny_lm.model, _drafts(tiny_lm, draft_lm)[which], ids, spec_k=4, max_new_tokens=40,
+                     temperature=0, cache_kind=kind)
+    assert torch.equal(out, ref)
+    assert sum(gen.stats.accepted_hist[:4]) > 0 or which == "self"  # some round rejected: a crop really happened
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_target_as_its_own_draft_accepts_everything(tiny_lm, temperature):
+    k, rounds = 4, 5
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+    out, gen = _spec(tiny_lm.model, tiny_lm.model, ids, spec_k=k, max_new_tokens=rounds * (k + 1),
+                     temperature=temperature, seed=3)
+    s = gen.stats
+    assert out.shape[1] == ids.shape[1] + rounds * (k + 1)
+    assert gen.acceptance_rate == 1.0 and s.mean_accepted_length == k
+    assert s.accepted_hist == [0] * k + [rounds] and s.k_history == [[k] * rounds]
+    assert s.target_forwards == 1 + rounds  # prefill + one verify per round
+    assert s.draft_forwards == 1 + rounds * k  # prefill + k proposals per round
+
+
+def test_without_extra_token_a_full_round_yields_k_tokens(tiny_lm):
+    k = 3
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+    ref = generate(tiny_lm.model, ids, max_new_tokens=12, temperature=0)
+    out, gen = _spec(tiny_lm.model, tiny_lm.model, ids, spec_k=k, max_new_tokens=12, temperature=0,
+                     spec_extra_token=False)
+    assert torch.equal(out, ref)
+    assert gen.stats.k_history == [[k] * 4] and gen.stats.target_forwards == 1 + 4
+
+
+def test_rows_stop_at_eos_like_our_decode(tiny_lm, draft_lm):
+    enc = tiny_lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    free = generate(tiny_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20, temperature=0)
+    eos = int(free[1, enc.input_ids.shape[1] + 5])  # the 6th token of row 1 becomes EOS
+    model = copy.deepcopy(tiny_lm.model)
+    model.generation_config.eos_token_id = eos
+    ref = generate(model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20, temperature=0)
+    out, gen = _spec(model, draft_lm.model, enc.input_ids, enc.attention_mask, spec_k=4, max_new_tokens=20,
+                     temperature=0)
+    assert torch.equal(out, ref)
+    assert "eos" in gen.stats.stop_reasons and max(gen.stats.new_tokens) <= 20
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram():
+    seq = torch.tensor([5, 1, 2, 3, 9, 9, 1, 2, 3, 4, 7, 1, 2, 3])
+    assert lookup_proposal(seq, 2).tolist() == [4, 7]  # the latest earlier "1 2 3" is followed by 4 7
+    assert lookup_proposal(torch.tensor([1, 2, 3, 4]), 3).tolist() == []  # nothing repeats
+    assert lookup_proposal(torch.tensor([8, 6, 0, 8]), 3).tolist() == [6, 0, 8]  # falls back to a 1-gram
+
+
+def _vocab8(seed: int):
+    """A tiny model over 8 tokens with a sharpened head, so target and draft distributions differ a lot."""
+    lm = load_model(config={**TINY_LLAMA, "vocab_size": 8, "eos_token_id": None, "pad_token_id": 0},
+                    device="cpu", seed=seed)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(40.0)
+    return lm.model
+
+
+def _first_two_joint(model, prompt: torch.Tensor, temperature: float, top_k) -> torch.Tensor:
+    """The model's own sampling distribution of the first two tokens, [8,8], from its filtered softmax."""
+    from runner.infer.config import GenerateConfig
+    from runner.infer.sampling import process_logits
+
+    cfg = GenerateConfig(temperature=temperature, top_k=top_k)
+    with torch.no_grad():
+        ids = torch.cat([prompt.expand(8, -1), torch.arange(8)[:, None]], dim=1)  # [8,T+1]
+        logits = model(ids).logits.float()
+        first = torch.softmax(process_logits(logits[:1, -2], ids[:1], cfg), -1)[0]  # [8]
+        second = torch.softmax(process_logits(logits[:, -1], ids, cfg), -1)  # [8,8]
+    return first[:, None] * second
+
+
+@pytest.mark.parametrize("draft_kind,method", [("model", "reject_sampling"), ("model", "greedy"),
+                                               ("lookup", "reject_sampling")])
+def test_sampled_tokens_follow_the_targets_distribution(draft_kind, method):
+    """n samples of the first two tokens (64 cells). E[TV(empirical, p)] ≤ ½·Σ sqrt(p_i/n) ≤ ½·sqrt(K/n) (Cauchy-
+    Schwarz); one sample moves TV by ≤ 1/n, so P(TV > E + t) ≤ exp(−2nt²) (McDiarmid): t = 0.06 gives < 1e-6.
+    The draft's own distribution is checked to lie far beyond the bound, so sampling from q would fail."""
+    n, temperature, top_k = 2000, 0.7, 6
+    target, draft = _vocab8(0), _vocab8(1)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])  # prompt lookup finds "1 2" → proposes 3, 1, 2
+    p = _first_two_joint(target, prompt, temperature, top_k)
+    bound = 0.5 * math.sqrt(64 / n) + 0.06
+    q = _first_two_joint(draft, prompt, temperature, top_k)
+    assert 0.5 * (p - q).abs().sum() > 2 * bound  # a sampler that ignored the target would fail
+    out, gen = _spec(target, draft if draft_kind == "model" else "prompt-lookup", prompt.expand(n, -1),
+                     spec_k=2, max_new_tokens=3, temperature=temperature, top_k=top_k, spec_method=method, seed=11)
+    pairs = out[:, 5] * 8 + out[:, 6]
+    freq = torch.bincount(pairs, minlength=64).float().view(8, 8) / n
+    tv = 0.5 * (freq - p).abs().sum()
+    assert tv < bound, (tv, bound)
+    assert 0 < gen.acceptance_rate < 1  # rejections and acceptances both happened
+
+
+def test_adaptive_k_shrinks_on_rejection_and_grows_on_acceptance(tiny_lm, draft_lm):
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+    _, bad = _spec(tiny_lm.model, draft_lm.model, ids, spec_k=4, spec_k_adaptive=True, max_new_tokens=20,
+                   temperature=0)
+    assert bad.stats.k_history[0][:4] == [4, 3, 2, 1]  # k −= 1 after each round accepting < half
+    _, good = _spec(tiny_lm.model, tiny_lm.model, ids, spec_k=2, spec_k_adaptive=True, max_new_tokens=40,
+                    temperature=0)
+    assert good.stats.k_history[0][:4] == [2, 3, 4, 4]  # k += 1 after full rounds, capped at 2·spec_k
+
+
+def test_fallback_to_target_only_below_the_acceptance_threshold(tiny_lm, draft_lm):
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+    ref = generate(tiny_lm.model, ids, max_new_tokens=30, temperature=0)
+    out, gen = _spec(tiny_lm.model, draft_lm.model, ids, spec_k=3, max_new_tokens=30, temperature=0,
+                     spec_disable_below_accept=0.99)
+    assert torch.equal(out, ref)
+    assert gen.stats.fallback_round == [FALLBACK_MIN_ROUNDS] and gen.stats.rounds == FALLBACK_MIN_ROUNDS
+    assert gen.stats.target_only_steps > 0
+    _, kept = _spec(tiny_lm.model, tiny_lm.model, ids, spec_k=3, max_new_tokens=30, temperature=0,
+                    spec_disable_below_accept=0.99)
+    assert kept.stats.fallback_round == [None] and kept.stats.target_only_steps == 0
+
+
+def test_config_takes_the_seed_names_and_rejects_the_rest():
+    cfg = SpeculativeConfig(spec_k=4, spec_k_adaptive=True, spec_method="greedy", spec_extra_token=False,
+                            spec_disable_below_accept=0.3, max_new_tokens=8, temperature=0.8, top_k=5, top_p=0.9,
+                            cache_kind="q8")
+    assert cfg.spec_k == 4 and cfg.cache_kind == "q8"
+    for bad in [{"spec_kk": 4}, {"spec_method": "typical"}, {"spec_k": 0}, {"spec_disable_below_accept": 1.5},
+                {"cache_kind": "q3"}, {"cache_kind": "auto"}]:
+        with pytest.raises(ValidationError):
+            SpeculativeConfig(**bad)
+    with pytest.raises(ValueError, match="prompt-lookup"):
+        SpeculativeGenerator(target_model=torch.nn.Linear(1, 1), draft_model="lookup")
