@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner.infer.decode import Generator, generate
-from runner.infer.config import GenerateConfig
+from runner.infer.config import DEFAULT_CANDIDATES, GenerateConfig, canonical_kind
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_seed_guide_manifest_runs_as_written(tmp_path):
     selection = result["cache_selection"]
     passing = [row["kind"] for row in selection["candidates"] if row["passed"]]
     assert selection["source"] == "measured" and selection["kind"] in passing  # 1024 MB: all fit, a passing one wins
-    assert {row["kind"] for row in selection["candidates"]} == {"fp16", "q8_0", "nf4", "q4_0"}
+    assert [row["kind"] for row in selection["candidates"]] == [canonical_kind(k) for k in DEFAULT_CANDIDATES]
     assert result["metrics"]["new_tokens"] > 0 and result["model"]["content_sha256"].startswith("b179c952")
     assert (tmp_path / "plans" / "cache_plans.json").is_file()  # the default plan path, under the working dir
 
