@@ -53,7 +53,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafted tokens
-    k_history: list[list[int]] = field(default_factory=list)  # per row: k drafted in each round
+    k_history: list[list[int]] = field(default_factory=list)  # per row: tokens drafted in each round (≤ k)
     draft_forwards: int = 0
     target_forwards: int = 0
     target_only_steps: int = 0  # target forwards that verified nothing (fallback, no lookup match, last token)
@@ -91,13 +91,13 @@ def cached_len(cache) -> int:
     return cache.get_seq_length() if cache is not None else 0
 
 
-def feed(model, cache, tokens: torch.Tensor) -> torch.Tensor:
-    """Append [t] tokens of a batch-1 row to `cache`; logits at each of them. [t] → [t,V] float32."""
+def feed(model, cache, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """Append [t] tokens of a batch-1 row to `cache`; logits at the last `keep` of them. [t] → [keep,V] float32."""
     past = cached_len(cache)
     positions = torch.arange(past, past + tokens.shape[0], device=tokens.device)[None]
     mask = torch.ones(1, past + tokens.shape[0], dtype=torch.long, device=tokens.device)
     out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True)
+                use_cache=True, logits_to_keep=keep)
     return out.logits[0].float()
 
 
@@ -142,7 +142,7 @@ def pick(probs: torch.Tensor, greedy: bool, rng: torch.Generator) -> int:
 
 
 def lookup_proposal(seq: torch.Tensor, k: int) -> torch.Tensor:
-    """Prompt lookup: the ≤ k tokens that followed the latest earlier occurrence of the last n-gram. [L] → [≤k]."""
+    """Prompt lookup: the ≤ k tokens after the latest earlier occurrence of the last n-gram. [L] → [≤k]."""
     tokens = seq.tolist()
     for n in range(min(LOOKUP_MAX_NGRAM, len(tokens) - 1), 0, -1):
         tail = tokens[-n:]
@@ -185,6 +185,7 @@ class SpeculativeGenerator:
         if self.lookup and draft_model != PROMPT_LOOKUP:
             raise ValueError(f"draft_model must be a model or {PROMPT_LOOKUP!r} (got {draft_model!r})")
         self.draft = None if self.lookup else draft_model.to(self.device).eval()
+        self.draft_vocab = 0 if self.lookup else self.draft.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         cfg = self.config
@@ -251,14 +252,15 @@ class SpeculativeGenerator:
             feed(self.target, row.target_cache, row.seq[:-1])
             self.stats.target_forwards += 1
             if self.draft is not None:
-                feed(self.draft, row.draft_cache, row.seq[:-1])
+                feed(self.draft, row.draft_cache, self._for_draft(row.seq[:-1]))
                 self.stats.draft_forwards += 1
 
     def _round(self, r: int, row: _Row, k: int) -> torch.Tensor:
         """Propose ≤ k, verify in one target forward, accept, roll back. → [n+1] new tokens ([n] without bonus)."""
         draft, q = self._propose(row, k)  # [k'], [k',V] or None
         base = row.seq.numel()
-        p = filtered_probs(feed(self.target, row.target_cache, torch.cat([row.seq[-1:], draft])),
+        chunk = torch.cat([row.seq[-1:], draft])  # [k'+1]: pending, then the draft
+        p = filtered_probs(feed(self.target, row.target_cache, chunk, keep=chunk.numel()),
                            row.seq, self.sampling, self.vocab)  # [k'+1,V]
         self.stats.target_forwards += 1
         if draft.numel() == 0:
@@ -287,15 +289,20 @@ class SpeculativeGenerator:
             q = torch.zeros(draft.numel(), self.vocab, device=self.device)
             return draft, q.scatter_(1, draft[:, None], 1.0)
         tokens, probs = [], []
-        logits = feed(self.draft, row.draft_cache, row.seq[cached_len(row.draft_cache):])[-1:]  # [1,V']
+        logits = feed(self.draft, row.draft_cache, self._for_draft(row.seq[cached_len(row.draft_cache):]))  # [1,V']
         for i in range(k):
             self.stats.draft_forwards += 1
             q = filtered_probs(logits, row.seq, self.sampling, self.vocab)[0]  # [V]
             tokens.append(pick(q, self.config.greedy, self.rng))
             probs.append(q)
             if i + 1 < k:
-                logits = feed(self.draft, row.draft_cache, torch.tensor(tokens[-1:], device=self.device))
+                last = torch.tensor(tokens[-1:], device=self.device)  # [1]
+                logits = feed(self.draft, row.draft_cache, self._for_draft(last))
         return torch.tensor(tokens, device=self.device), torch.stack(probs)
+
+    def _for_draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens the draft cannot embed (a smaller vocabulary) are fed as 0: exactness holds, acceptance drops."""
+        return tokens.masked_fill(tokens >= self.draft_vocab, 0)
 
     def _count(self, r: int, row: _Row, drafted: int, accepted: int) -> None:
         row.rounds.append((drafted, accepted))

@@ -99,6 +99,16 @@ def test_rows_stop_at_eos_like_our_decode(tiny_lm, draft_lm):
     assert "eos" in gen.stats.stop_reasons and max(gen.stats.new_tokens) <= 20
 
 
+@pytest.mark.parametrize("vocab", [200, 300])
+def test_a_draft_with_another_vocab_size_is_aligned_to_the_target(tiny_lm, vocab):
+    draft = load_model(config={**TINY_LLAMA, "vocab_size": vocab, "eos_token_id": 0, "pad_token_id": 0},
+                       device="cpu", seed=2).model
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids.clamp(max=vocab - 1)
+    ref = generate(tiny_lm.model, ids, max_new_tokens=16, temperature=0)
+    out, gen = _spec(tiny_lm.model, draft, ids, spec_k=3, max_new_tokens=16, temperature=0)
+    assert torch.equal(out, ref) and gen.stats.drafted > 0
+
+
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     seq = torch.tensor([5, 1, 2, 3, 9, 9, 1, 2, 3, 4, 7, 1, 2, 3])
     assert lookup_proposal(seq, 2).tolist() == [4, 7]  # the latest earlier "1 2 3" is followed by 4 7
