@@ -218,3 +218,12 @@ def test_config_takes_the_seed_names_and_rejects_the_rest():
             SpeculativeConfig(**bad)
     with pytest.raises(ValueError, match="prompt-lookup"):
         SpeculativeGenerator(target_model=torch.nn.Linear(1, 1), draft_model="lookup")
+
+
+def test_max_seq_len_stops_where_our_decode_stops(tiny_lm, draft_lm):
+    ids = tiny_lm.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+    limit = ids.shape[1] + 7
+    ref = generate(tiny_lm.model, ids, max_new_tokens=30, temperature=0, max_seq_len=limit)
+    out, gen = _spec(tiny_lm.model, tiny_lm.model, ids, spec_k=4, max_new_tokens=30, temperature=0, max_seq_len=limit)
+    assert torch.equal(out, ref) and out.shape[1] == limit
+    assert gen.stats.stop_reasons == ["max_seq_len"]
