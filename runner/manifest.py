@@ -12,11 +12,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runner.infer.config import GenerateConfig
+from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
-MODES = ("generate", "auto-cache-select")  # speculative and bench arrive with their issues
+MODES = ("generate", "auto-cache-select", "speculative")  # bench arrives with its issue
+BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative"}  # mode → its block
 
 
 class Strict(BaseModel):
@@ -63,37 +64,75 @@ class ModelSpec(Strict):
         return value
 
 
-class GenerateSpec(GenerateConfig):
-    """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch.
-
-    `auto-cache-select` reads the same block (the cache_* settings, batch_size, max_seq_len) and no prompts.
-    """
+class PromptSource(BaseModel):
+    """Where prompts come from and how they are batched (shared by the generate and speculative blocks)."""
 
     prompts: list[str] | None = Field(None, min_length=1, description="Prompts, inline; none = one default prompt.")
     prompts_file: str | None = Field(None, description=(
         "A .txt file (one prompt per line) or .jsonl file ({\"prompt\": ...} per line), relative to the manifest."))
     batch_size: int = Field(1, ge=1, le=4096, description="Prompts decoded together (left-padded).")
-    stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
 
     @model_validator(mode="after")
-    def _one_prompt_source(self) -> "GenerateSpec":
+    def _one_prompt_source(self):
         if self.prompts is not None and self.prompts_file is not None:
             raise ValueError("give one of 'prompts' (a list) or 'prompts_file' (a .txt or .jsonl path), not both")
         if self.prompts_file is not None and Path(self.prompts_file).suffix not in {".txt", ".jsonl"}:
             raise ValueError("'prompts_file' must end in .txt (one prompt per line) or .jsonl")
+        return self
+
+
+class GenerateSpec(GenerateConfig, PromptSource):
+    """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch.
+
+    `auto-cache-select` reads the same block (the cache_* settings, batch_size, max_seq_len) and no prompts.
+    """
+
+    stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
+
+    @model_validator(mode="after")
+    def _stream_one_at_a_time(self) -> "GenerateSpec":
         if self.stream and self.batch_size != 1:
             raise ValueError("'stream' prints one sequence at a time: set batch_size: 1, or stream: false")
         return self
 
 
+class SpeculativeSpec(SpeculativeConfig, PromptSource):
+    """The `speculative` block: SpeculativeConfig's seed names, the draft, prompts, and the target-only baseline."""
+
+    draft: ModelSpec | Literal["prompt-lookup"] = Field(description=(
+        "The draft model (same tokenizer as the target), or prompt-lookup: n-gram drafting from the context."))
+    compare_target_only: bool = Field(True, description=(
+        "Also decode the same prompts with the target alone, to measure the speedup in the same step."))
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _lookup_or_model(cls, value):
+        return value if value == "prompt-lookup" else ModelSpec.model_validate(value)
+
+
 class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
-    generate: GenerateSpec = Field(description=(
+    generate: GenerateSpec | None = Field(None, description=(
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
+    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding: the draft and its settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_block(cls, data):
+        """generate and auto-cache-select may leave their block out (all defaults); speculative needs its draft."""
+        if isinstance(data, dict) and data.get("mode") in ("generate", "auto-cache-select") and "generate" not in data:
+            return {**data, "generate": {}}
+        return data
 
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> "Run":
+        block = BLOCKS.get(self.mode)
+        others = [name for name in ("generate", "speculative") if name != block and getattr(self, name) is not None]
+        if others:
+            raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
+        if getattr(self, block) is None:
+            raise ValueError(f"mode {self.mode} needs a '{block}' block")
         if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
             raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
                              f"{self.generate.cache_kind} (or use mode: generate)")

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from runner import __version__
-from runner.manifest import Manifest
+from runner.manifest import BLOCKS, Manifest
 
 
 @dataclass(frozen=True)
@@ -66,4 +66,4 @@ def make_plan(manifest: Manifest) -> Plan:
 
 
 def _block_of(mode: str) -> str:
-    return {"generate": "generate", "auto-cache-select": "generate"}[mode]
+    return BLOCKS[mode]

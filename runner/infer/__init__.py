@@ -17,6 +17,8 @@ _EXPORTS = {
     "load_model": "runner.infer.models",
     "make_cache": "runner.infer.kvcache",
     "select_cache_kind": "runner.infer.autocache",
+    "SpeculativeConfig": "runner.infer.config",
+    "SpeculativeGenerator": "runner.infer.speculative",
 }
 
 __all__ = list(_EXPORTS)

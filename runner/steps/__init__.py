@@ -7,5 +7,6 @@ result is logged to MLflow as parameters.
 
 from runner.steps.cache_select import run_cache_select
 from runner.steps.generate import run_generate
+from runner.steps.speculative import run_speculative
 
-STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select}
+STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select, "speculative": run_speculative}

@@ -1,0 +1,116 @@
+"""`mode: speculative`: the draft proposes, the target verifies; acceptance and speedup measured in one step.
+
+Owns: loading the draft (or prompt lookup), the tokenizer check, the target-only baseline on the same prompts,
+the predicted speedup and the step's metrics. The algorithm itself is runner.infer.speculative.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from runner.errors import StepError
+from runner.infer.bench import time_decode
+from runner.infer.config import GenerateConfig, SpeculativeConfig
+from runner.infer.decode import Generator
+from runner.infer.models import LoadedModel, load_model
+from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
+from runner.manifest import SpeculativeSpec
+from runner.plan import Step
+from runner.steps.generate import load_prompts
+
+
+def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+    spec = SpeculativeSpec.model_validate(step.spec)
+    config = SpeculativeConfig.model_validate(
+        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in SpeculativeConfig.model_fields}
+        | {"seed": step.seed})
+    draft = load_draft(spec, lm, step, base_dir)
+    prompts = load_prompts(spec, base_dir)
+    records, spec_s, base_s, stats = [], 0.0, 0.0, []
+    for start in range(0, len(prompts), spec.batch_size):
+        enc = lm.tokenizer(prompts[start:start + spec.batch_size], return_tensors="pt", padding=True).to(lm.device)
+        rng = torch.Generator(lm.device).manual_seed(config.seed)
+        gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng)
+        began = time.perf_counter()
+        out = gen.generate(enc.input_ids, enc.attention_mask)
+        spec_s += time.perf_counter() - began
+        stats.append(gen.stats.as_dict())
+        new = out[:, enc.input_ids.shape[1]:]
+        for row, prompt in enumerate(prompts[start:start + spec.batch_size]):
+            tokens = new[row, : gen.stats.new_tokens[row]].tolist()
+            records.append({"prompt": prompt, "output": lm.tokenizer.decode(tokens, skip_special_tokens=True),
+                            "token_ids": tokens, "stop_reason": gen.stats.stop_reasons[row]})
+        if spec.compare_target_only:
+            base_s += _target_only_seconds(lm, enc, config)
+        print(f"[{step.key}] batch {start // spec.batch_size + 1}: acceptance {gen.acceptance_rate:.2f}, "
+              f"mean accepted {gen.stats.mean_accepted_length:.2f}", file=sys.stderr, flush=True)
+    for r in records:
+        print(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}", flush=True)
+    metrics = _metrics(stats, records, spec_s, base_s, _cost_ratio(lm, draft, config), config)
+    print(f"[{step.key}] speedup vs target-only {metrics.get('speedup', float('nan')):.2f}× (predicted "
+          f"{metrics['predicted_speedup']:.2f}×), acceptance {metrics['acceptance_rate']:.2f}", flush=True)
+    return {"prompts": records, "telemetry": stats, "metrics": metrics}
+
+
+def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Path):
+    """The draft model (checked to share the target's tokenizer) or the string prompt-lookup."""
+    if spec.draft == PROMPT_LOOKUP:
+        return PROMPT_LOOKUP
+    d = spec.draft
+    print(f"[runner] loading draft {d.id or 'config model'} ({d.dtype})", file=sys.stderr, flush=True)
+    draft = load_model(d.id, config=d.config, dtype=d.dtype, device=str(lm.device), revision=d.revision,
+                       trust_remote_code=d.trust_remote_code, seed=step.model_seed, base_dir=base_dir)
+    if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
+        raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
+                        f"({len(draft.tokenizer)} vs {len(lm.tokenizer)} tokens): speculative decoding needs the same "
+                        "tokenizer (cross-tokenizer drafting is not supported); use a draft of the same family or "
+                        "draft: prompt-lookup")
+    return draft.model
+
+
+def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> float:
+    """The same prompts and settings decoded by the target alone, with our decode loop."""
+    baseline = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                              top_k=config.top_k, top_p=config.top_p, max_seq_len=config.max_seq_len,
+                              cache_kind=config.cache_kind, seed=config.seed)
+    began = time.perf_counter()
+    Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask)
+    return time.perf_counter() - began
+
+
+def _cost_ratio(lm: LoadedModel, draft, config: SpeculativeConfig) -> float:
+    """c = time of a draft forward / time of a target forward, measured on one decode of 8 steps each."""
+    if draft == PROMPT_LOOKUP:
+        return 0.0
+    prompt = torch.arange(1, 33, device=lm.device)[None]
+    target = time_decode(lm.model, prompt, 8, config.cache_kind, repeats=1).decode_tokens_per_s
+    drafted = time_decode(draft, prompt, 8, config.cache_kind, repeats=1).decode_tokens_per_s
+    return target / drafted
+
+
+def _metrics(stats: list[dict], records: list[dict], spec_s: float, base_s: float, cost: float,
+             config: SpeculativeConfig) -> dict:
+    drafted = sum(s["drafted"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    rounds = sum(s["rounds"] for s in stats)
+    alpha = accepted / drafted if drafted else 0.0
+    k = config.spec_k
+    tokens_per_call = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1  # Leviathan et al.
+    new_tokens = sum(len(r["token_ids"]) for r in records)
+    metrics = {
+        "acceptance_rate": alpha,
+        "mean_accepted_length": accepted / rounds if rounds else 0.0,
+        "draft_forwards": sum(s["draft_forwards"] for s in stats),
+        "target_forwards": sum(s["target_forwards"] for s in stats),
+        "new_tokens": new_tokens,
+        "tokens_per_s": new_tokens / spec_s if spec_s > 0 else 0.0,
+        "draft_cost_ratio": cost,
+        "predicted_speedup": tokens_per_call / (k * cost + 1),
+    }
+    if base_s > 0:
+        metrics.update(target_only_s=base_s, speculative_s=spec_s, speedup=base_s / spec_s)
+    return metrics
