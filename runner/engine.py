@@ -65,13 +65,13 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                 if mirror:
                     mirror.end(child, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 raise
-            params = result.pop("params", {})
+            params, series = result.pop("params", {}), result.get("series", {})
             folder.write_json(f"{step.key}/results.json", result)
             folder.set_step(step.key, "finished", metrics=result["metrics"])
             if mirror:
                 mirror.log(child, params={"mode": step.mode, "model": step.model, step.mode: step.spec,
                                           "seed": step.seed, "model_fingerprint": result["model"], **params},
-                           metrics=result["metrics"], artifacts=folder.path / step.key)
+                           metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
                 mirror.end(child, "FINISHED")
         state = "FAILED" if outcome.failed else "FINISHED"
     finally:

@@ -83,14 +83,17 @@ class MlflowMirror:
         return run.info.run_id
 
     def log(self, run_id: str, params: dict | None = None, metrics: dict | None = None,
-            artifacts: Path | None = None, artifact_path: str | None = None) -> None:
+            artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
+        """`series`: name → list of values, logged as one metric's history (step = index), e.g. k per round."""
         from mlflow.entities import Metric, Param
 
         now = int(datetime.now(timezone.utc).timestamp() * 1000)
+        history = [Metric(k, float(v), now, step) for k, values in (series or {}).items()
+                   for step, v in enumerate(values)]
         self.client.log_batch(
             run_id,
             params=[Param(k, _param_value(v)) for k, v in flatten(params or {}).items()],
-            metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None],
+            metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history,
         )
         if artifacts is not None:
             self.client.log_artifacts(run_id, str(artifacts), artifact_path)

@@ -2,7 +2,7 @@
 
 A runner is called as `run(step, lm, base_dir, out_dir)`: `base_dir` is the manifest's folder (relative
 paths), `out_dir` the step's results folder for tables and plots. An optional `params` entry of the
-result is logged to MLflow as parameters.
+result is logged to MLflow as parameters, and an optional `series` (name → list) as metric histories.
 """
 
 from runner.steps.cache_select import run_cache_select

@@ -53,7 +53,15 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) 
     metrics = _metrics(stats, records, spec_s, base_s, _cost_ratio(lm, draft, config), config)
     print(f"[{step.key}] speedup vs target-only {metrics.get('speedup', float('nan')):.2f}× (predicted "
           f"{metrics['predicted_speedup']:.2f}×), acceptance {metrics['acceptance_rate']:.2f}", flush=True)
-    return {"prompts": records, "telemetry": stats, "metrics": metrics}
+    series = {"spec_k": [k for s in stats for row in s["k_history"] for k in row],  # k per round, rows in turn
+              "accepted_length_hist": [sum(h) for h in _padded_hists(stats)]}  # rounds that accepted n (step n)
+    return {"prompts": records, "telemetry": stats, "metrics": metrics, "series": series}
+
+
+def _padded_hists(stats: list[dict]) -> list[tuple[int, ...]]:
+    """Per accepted length n: the counts of every batch (histograms of different lengths aligned)."""
+    longest = max((len(s["accepted_hist"]) for s in stats), default=0)
+    return list(zip(*[s["accepted_hist"] + [0] * (longest - len(s["accepted_hist"])) for s in stats]))
 
 
 def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Path):

@@ -41,6 +41,8 @@ def test_speculative_greedy_equals_generate_and_reports_telemetry(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     child = next(r for r in runs if r.info.run_name == "tiny/spec")
     assert child.data.metrics["acceptance_rate"] == metrics["acceptance_rate"]
+    k_over_time = [m.value for m in client.get_metric_history(child.info.run_id, "spec_k")]
+    assert k_over_time == [k for row in spec["telemetry"][0]["k_history"] for k in row] and len(k_over_time) > 1
 
 
 def test_speculative_needs_its_block_and_reads_no_other(tmp_path):
