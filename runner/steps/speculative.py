@@ -106,7 +106,7 @@ def _metrics(stats: list[dict], records: list[dict], spec_s: float, base_s: floa
     accepted = sum(s["accepted"] for s in stats)
     rounds = sum(s["rounds"] for s in stats)
     alpha = accepted / drafted if drafted else 0.0
-    k = config.spec_k
+    k = drafted / rounds if rounds else config.spec_k  # the mean drafted per round (adaptive k moves it)
     tokens_per_call = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1  # Leviathan et al.
     new_tokens = sum(len(r["token_ids"]) for r in records)
     metrics = {
@@ -117,6 +117,7 @@ def _metrics(stats: list[dict], records: list[dict], spec_s: float, base_s: floa
         "new_tokens": new_tokens,
         "tokens_per_s": new_tokens / spec_s if spec_s > 0 else 0.0,
         "draft_cost_ratio": cost,
+        "mean_k": k,
         "predicted_speedup": tokens_per_call / (k * cost + 1),
     }
     if base_s > 0:
