@@ -78,3 +78,39 @@ def test_q8_0_cache_keeps_quality_on_the_real_model(smollm):
     q8, q4 = (compare(reference, run_probe(smollm.model, probe, kind)) for kind in ("q8_0", "q4_0"))
     assert abs(q8["delta_nll"]) < 0.01 and q8["ppl_ratio"] < 1.01 and q8["mean_kl"] < 0.01
     assert q4["mean_kl"] > q8["mean_kl"] and q4["ppl_ratio"] > q8["ppl_ratio"]
+
+
+def test_speculative_lookup_manifest_runs_and_is_exact(tmp_path):
+    """Prompt lookup on SmolLM2: greedy output equals the target's own; lookup drafts are accepted."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "speculative_lookup.yaml"),
+                           "tracking.mlflow=false"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    result = json.loads((folder / "smollm2" / "lookup" / "results.json").read_text())
+    assert result["metrics"]["acceptance_rate"] > 0.2 and result["metrics"]["speedup"] > 0
+    from runner.infer.models import load_model
+
+    lm = load_model("zoo:smollm2-135m", device="cpu")
+    for record in result["prompts"]:
+        ids = lm.tokenizer(record["prompt"], return_tensors="pt").input_ids
+        greedy = generate(lm.model, ids, max_new_tokens=48, temperature=0)[0, ids.shape[1]:].tolist()
+        assert record["token_ids"] == greedy[:len(record["token_ids"])] and len(record["token_ids"]) > 0
+
+
+def test_a_draft_with_another_tokenizer_is_a_clear_error(tmp_path):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("""targets:
+  - name: smollm2
+    runs:
+      - id: spec
+        mode: speculative
+        speculative: {draft: {config: {model_type: llama, hidden_size: 32, intermediate_size: 64,
+                      num_hidden_layers: 1, num_attention_heads: 2}}, prompts: ["hi"], max_new_tokens: 4}
+""")
+    done = subprocess.run([sys.executable, "-m", "runner", str(manifest), "tracking.mlflow=false"],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path,
+                          timeout=900)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "has a different tokenizer from the target" in done.stderr
