@@ -175,6 +175,13 @@ class Manifest(Strict):
         return targets
 
 
+def library_config(block: BaseModel, config_class: type[BaseModel], **updates) -> BaseModel:
+    """The library's config (GenerateConfig, SpeculativeConfig) inside a manifest block: what the user set,
+    plus `updates`; the block's own keys (prompts, draft, ...) stay behind."""
+    fields = block.model_dump(exclude_unset=True).items()
+    return config_class.model_validate({k: v for k, v in fields if k in config_class.model_fields} | updates)
+
+
 def _reject_duplicates(names: list[str], what: str) -> None:
     seen = {n for n in names if names.count(n) > 1}
     if seen:

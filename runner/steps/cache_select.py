@@ -15,7 +15,7 @@ import pandas as pd
 from runner.infer.autocache import Selection, select_cache_kind
 from runner.infer.config import GenerateConfig
 from runner.infer.models import LoadedModel
-from runner.manifest import GenerateSpec
+from runner.manifest import GenerateSpec, library_config
 from runner.plan import Step
 
 COLUMNS = {  # row key → table heading
@@ -27,14 +27,8 @@ COLUMNS = {  # row key → table heading
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    selection = select_for(step, spec, config_of(spec), lm, base_dir, out_dir)
+    selection = select_for(step, spec, library_config(spec, GenerateConfig), lm, base_dir, out_dir)
     return {"selection": describe(selection), "metrics": selection_metrics(selection), "params": params(selection)}
-
-
-def config_of(spec: GenerateSpec, **updates) -> GenerateConfig:
-    """The library's GenerateConfig inside a manifest's generate block (what the user set, plus `updates`)."""
-    return GenerateConfig.model_validate(
-        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in GenerateConfig.model_fields} | updates)
 
 
 def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,

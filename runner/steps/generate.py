@@ -17,16 +17,16 @@ from runner.errors import StepError
 from runner.infer.config import GenerateConfig
 from runner.infer.decode import Generator
 from runner.infer.models import LoadedModel
-from runner.manifest import GenerateSpec
+from runner.manifest import GenerateSpec, PromptSource, library_config
 from runner.plan import Step
-from runner.steps.cache_select import config_of, describe, params, select_for
+from runner.steps.cache_select import describe, params, select_for
 
 DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    config = config_of(spec, seed=step.seed)
+    config = library_config(spec, GenerateConfig, seed=step.seed)
     extra = {}
     if config.cache_kind == "auto":
         selection = select_for(step, spec, config, lm, base_dir, out_dir)
@@ -52,7 +52,7 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> 
     return {"prompts": records, "metrics": _totals(records, batches), **extra}
 
 
-def load_prompts(spec: GenerateSpec, base_dir: Path) -> list[str]:
+def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     if spec.prompts is not None:
         return list(spec.prompts)
     if spec.prompts_file is None:

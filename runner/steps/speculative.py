@@ -18,16 +18,14 @@ from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.decode import Generator
 from runner.infer.models import LoadedModel, load_model
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
-from runner.manifest import SpeculativeSpec
+from runner.manifest import SpeculativeSpec, library_config
 from runner.plan import Step
 from runner.steps.generate import load_prompts
 
 
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = SpeculativeSpec.model_validate(step.spec)
-    config = SpeculativeConfig.model_validate(
-        {k: v for k, v in spec.model_dump(exclude_unset=True).items() if k in SpeculativeConfig.model_fields}
-        | {"seed": step.seed})
+    config = library_config(spec, SpeculativeConfig, seed=step.seed)
     draft = load_draft(spec, lm, step, base_dir)
     prompts = load_prompts(spec, base_dir)
     records, spec_s, base_s, stats = [], 0.0, 0.0, []
