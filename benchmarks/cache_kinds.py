@@ -7,7 +7,8 @@ Prints, per kind:
              (targets: q8_0 ≤ 0.54; q4_0, nf4 ≤ 0.29; kivi4 ≤ 0.32 and kivi2 ≤ 0.19 with the
              full-precision residual excluded, reported beside), and whether the estimator agrees exactly
   quality    --windows windows of a --prompt-len prefill then --decode-steps teacher-forced steps through
-             the cache: ΔNLL (nats, target q8_0 ≤ 0.01, kivi4 ≤ 0.01), mean KL(reference ‖ kind) (kivi4 ≤ 0.01),
+             the cache: ΔNLL (nats, target q8_0 ≤ 0.01, kivi4 ≤ 0.01),
+             mean KL(reference ‖ kind) (kivi4 ≤ 0.01),
              top-1 agreement with the reference; PPL ratio over --bytes-context tokens. The reference
              is the model's own dtype in transformers' DynamicCache.
   speed      median decode tokens/s at each of --contexts tokens of context, relative to fp16: one prefill

@@ -86,7 +86,8 @@ def main() -> None:
                 out = outputs[name]
                 accept = f"{out.acceptance:7.2f}" if hasattr(out, "acceptance") else f"{'':>7}"
                 same = torch.equal(out[:, :reference.shape[1]], reference[:, :out.shape[1]])
-                print(f"{p_index:>6} {k:>2} {name:>18} {speed[name]:7.1f} {speed[name] / speed['ours target-only']:8.2f} "
+                vs_ours = speed[name] / speed["ours target-only"]
+                print(f"{p_index:>6} {k:>2} {name:>18} {speed[name]:7.1f} {vs_ours:8.2f} "
                       f"{speed[name] / speed['hf generate']:6.2f} {accept} {same}")
 
 

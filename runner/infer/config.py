@@ -178,9 +178,11 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    spec_k: int = Field(4, ge=1, le=64, description="Tokens the draft proposes per round (the start value when adaptive).")
+    spec_k: int = Field(4, ge=1, le=64, description=(
+        "Tokens the draft proposes per round (the start value when adaptive)."))
     spec_k_adaptive: bool = Field(False, description=(
-        "Adapt k each round: +1 after a fully accepted round, -1 after one with acceptance < 0.5, within [1, 2·spec_k]."))
+        "Adapt k each round: +1 after a fully accepted round, -1 after one with acceptance < 0.5, "
+        "within [1, 2·spec_k]."))
     spec_method: Literal["reject_sampling", "greedy"] = Field("reject_sampling", description=(
         "Verification: reject_sampling (accept with min(1, p/q), resample from norm(max(p-q, 0))) or greedy "
         "(exact match: accept while the draft token equals the target's own choice)."))

@@ -120,7 +120,8 @@ def test_generator_with_auto_selects_then_decodes(tiny_lm, tmp_path):
 
 def test_choose_takes_the_fastest_survivor_or_the_first_without_benchmark(tmp_path):
     rows = [{"kind": "fp16", "passed": True, "tokens_per_s": 10.0}, {"kind": "q8_0", "passed": False},
-            {"kind": "nf4", "passed": True, "tokens_per_s": 12.0}, {"kind": "q4_0", "passed": True, "tokens_per_s": 9.0}]
+            {"kind": "nf4", "passed": True, "tokens_per_s": 12.0},
+            {"kind": "q4_0", "passed": True, "tokens_per_s": 9.0}]
     reference = {"kind": "fp32", "fits": True, "verdict": ""}
     assert choose(rows, GenerateConfig(), reference)[:2] == ("nf4", "measured")
     assert choose(rows, GenerateConfig(cache_auto_benchmark=False), reference)[:2] == ("fp16", "measured")

@@ -30,7 +30,8 @@ def test_speculative_greedy_equals_generate_and_reports_telemetry(tmp_path):
     assert [r["token_ids"] for r in spec["prompts"]] == expected  # greedy: the target's own output, any draft
     assert [r["token_ids"] for r in lookup["prompts"]] == expected
     metrics = spec["metrics"]
-    assert metrics["draft_forwards"] > 0 and metrics["target_forwards"] > 0 and metrics["new_tokens"] == sum(len(t) for t in expected)
+    assert metrics["draft_forwards"] > 0 and metrics["target_forwards"] > 0
+    assert metrics["new_tokens"] == sum(len(t) for t in expected)
     assert 0.0 <= metrics["acceptance_rate"] <= 1.0 and metrics["speedup"] > 0 and metrics["predicted_speedup"] > 0
     assert lookup["metrics"]["draft_forwards"] == 0 and lookup["metrics"]["draft_cost_ratio"] == 0.0
     assert spec["telemetry"][0]["k_history"]  # k over time, per row
