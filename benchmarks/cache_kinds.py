@@ -34,39 +34,28 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from runner.infer.autocache import select_cache_kind  # noqa: E402
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.decode import decode_one_token, forward_last, positions_for, sync  # noqa: E402
-from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
+from runner.infer.bench import greedy_prefill, greedy_steps  # noqa: E402
+from runner.infer.decode import sync  # noqa: E402
+from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, residual_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2"]
 
 
-@torch.inference_mode()
-def prefilled(model, ids: torch.Tensor, kind: str):
-    """(cache holding ids, first greedy token, mask)."""
-    cache, mask = make_cache(kind, model), torch.ones_like(ids)
-    token = forward_last(model, ids, mask, positions_for(None, mask), cache).argmax(-1)
-    return cache, token, mask
-
-
-@torch.inference_mode()
 def timed_decode(model, start, steps: int) -> float:
-    """Seconds for `steps` greedy steps from a copy of a prefilled cache."""
+    """Seconds for `steps` greedy steps from a copy of a prefilled cache (the prefill is not repeated)."""
     cache, token, mask = copy.deepcopy(start[0]), start[1], start[2]
     sync(token.device)
     began = time.perf_counter()
-    for _ in range(steps):
-        positions = mask.sum(-1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+    greedy_steps(model, cache, token, mask, steps)
     sync(token.device)
     return time.perf_counter() - began
 
 
 def speeds(model, ids: torch.Tensor, steps: int, repeats: int) -> dict[str, float]:
     """Median decode tokens/s per kind at ids' context; kinds interleaved, order reversed every other round."""
-    starts = {kind: prefilled(model, ids, kind) for kind in KINDS}
+    starts = {kind: greedy_prefill(model, ids, kind) for kind in KINDS}
     for kind in KINDS:
         timed_decode(model, starts[kind], steps)  # warm-up
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -98,7 +87,7 @@ def main() -> None:
           f"contexts={args.contexts} speed_steps={args.speed_steps} repeats={args.repeats}", flush=True)
 
     ids = torch.tensor(token_windows(lm.tokenizer, text, n, 1), device=lm.device)
-    sizes = {kind: cache_bytes(prefilled(model, ids, kind)[0]) for kind in KINDS}
+    sizes = {kind: cache_bytes(greedy_prefill(model, ids, kind)[0]) for kind in KINDS}
     agree = {kind: sizes[kind] == estimate_cache_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
     residual = {kind: residual_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
 

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.config import GenerateConfig  # noqa: E402
+from runner.infer.config import KIND_NAMES, GenerateConfig  # noqa: E402
 from runner.infer.decode import Generator  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--cache-kind", default=None, choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--cache-kind", default=None, choices=KIND_NAMES)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)

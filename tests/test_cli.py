@@ -18,10 +18,10 @@ RUNS = """      - id: greedy
 """
 
 
-def run_cli(*args, cwd=None):
+def run_cli(*args, cwd=None, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "runner", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+                          cwd=cwd, env=env, timeout=timeout)
 
 
 def test_check_is_fast_and_imports_no_torch(tmp_path):

@@ -1,9 +1,6 @@
 """The real embedded default model (zoo:smollm2-135m): downloaded once from PyPI, then cached."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +8,7 @@ import torch
 
 from runner.infer.decode import Generator, generate
 from runner.infer.config import DEFAULT_CANDIDATES, GenerateConfig, canonical_kind
+from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +37,7 @@ def test_second_turn_continues_the_conversation(smollm):
 
 
 def test_quickstart_manifest_runs_end_to_end(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "quickstart.yaml"),
-                           f"tracking.runs_dir={tmp_path / 'runs'}"], capture_output=True, text=True, env=env,
-                          timeout=900)
+    done = run_cli(ROOT / "manifests" / "quickstart.yaml", f"tracking.runs_dir={tmp_path / 'runs'}", timeout=900)
     assert done.returncode == 0, done.stderr
     assert "The capital of France is Paris" in done.stdout
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("quickstart")]
@@ -52,10 +47,7 @@ def test_quickstart_manifest_runs_end_to_end(tmp_path):
 
 def test_seed_guide_manifest_runs_as_written(tmp_path):
     """The seed guide's `cache_kind: auto` example: the default model, one default prompt, a 1024 MB budget."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "seed_guide.yaml"),
-                           "tracking.mlflow=false"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=900)
+    done = run_cli(ROOT / "manifests" / "seed_guide.yaml", "tracking.mlflow=false", cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     result = json.loads((folder / "generate_test" / "generate" / "results.json").read_text())
@@ -82,10 +74,8 @@ def test_q8_0_cache_keeps_quality_on_the_real_model(smollm):
 
 def test_speculative_lookup_manifest_runs_and_is_exact(tmp_path):
     """Prompt lookup on SmolLM2: greedy output equals the target's own; lookup drafts are accepted."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "runner", str(ROOT / "manifests" / "speculative_lookup.yaml"),
-                           "tracking.mlflow=false"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=900)
+    done = run_cli(ROOT / "manifests" / "speculative_lookup.yaml", "tracking.mlflow=false", cwd=tmp_path,
+                   timeout=900)
     assert done.returncode == 0, done.stderr
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     result = json.loads((folder / "smollm2" / "lookup" / "results.json").read_text())
@@ -109,8 +99,6 @@ def test_a_draft_with_another_tokenizer_is_a_clear_error(tmp_path):
         speculative: {draft: {config: {model_type: llama, hidden_size: 32, intermediate_size: 64,
                       num_hidden_layers: 1, num_attention_heads: 2}}, prompts: ["hi"], max_new_tokens: 4}
 """)
-    done = subprocess.run([sys.executable, "-m", "runner", str(manifest), "tracking.mlflow=false"],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path,
-                          timeout=900)
+    done = run_cli(manifest, "tracking.mlflow=false", cwd=tmp_path, timeout=900)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "has a different tokenizer from the target" in done.stderr

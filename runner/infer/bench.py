@@ -35,22 +35,31 @@ class DecodeTiming:
 
 
 @torch.inference_mode()
-def greedy_decode_once(model, prompt: torch.Tensor, steps: int, kind: str | None) -> tuple[float, float]:
-    """Prefill `prompt` [B,P] into a fresh cache of `kind`, then `steps` greedy steps → (prefill s, decode s)."""
-    device = prompt.device
-    mask = torch.ones_like(prompt)
-    cache = make_cache(kind, model)
-    start = time.perf_counter()
-    logits = forward_last(model, prompt, mask, positions_for(None, mask), cache)
-    token = logits.argmax(-1)
-    sync(device)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
+def greedy_prefill(model, prompt: torch.Tensor, kind: str | None):
+    """Prefill `prompt` [B,P] into a fresh cache of `kind` → (cache, first greedy token [B], mask [B,P])."""
+    cache, mask = make_cache(kind, model), torch.ones_like(prompt)
+    token = forward_last(model, prompt, mask, positions_for(None, mask), cache).argmax(-1)
+    return cache, token, mask
+
+
+@torch.inference_mode()
+def greedy_steps(model, cache, token: torch.Tensor, mask: torch.Tensor, steps: int) -> None:
+    """`steps` greedy one-token steps into `cache` (it grows; the caller's `mask` is left as it was)."""
     for _ in range(steps):
         positions = mask.sum(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
-    sync(device)
+
+
+def greedy_decode_once(model, prompt: torch.Tensor, steps: int, kind: str | None) -> tuple[float, float]:
+    """Prefill `prompt` [B,P] into a fresh cache of `kind`, then `steps` greedy steps → (prefill s, decode s)."""
+    start = time.perf_counter()
+    cache, token, mask = greedy_prefill(model, prompt, kind)
+    sync(prompt.device)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    greedy_steps(model, cache, token, mask, steps)
+    sync(prompt.device)
     return prefill_s, time.perf_counter() - start
 
 
