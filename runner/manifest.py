@@ -12,12 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runner.infer.config import GenerateConfig, SpeculativeConfig
+from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
-MODES = ("generate", "auto-cache-select", "speculative")  # bench arrives with its issue
-BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative"}  # mode → its block
+MODES = ("generate", "auto-cache-select", "speculative", "bench")
+BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
+          "bench": "bench"}  # mode → its block
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 class Strict(BaseModel):
@@ -31,7 +33,7 @@ class ModelSpec(Strict):
         "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
     config: dict | None = Field(None, description=(
         "A transformers config (model_type + sizes) built with random weights from the seed."))
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
+    dtype: Literal[DTYPES] = Field("float32", description="Weights and compute dtype.")
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
@@ -96,18 +98,71 @@ class GenerateSpec(GenerateConfig, PromptSource):
         return self
 
 
-class SpeculativeSpec(SpeculativeConfig, PromptSource):
-    """The `speculative` block: SpeculativeConfig's seed names, the draft, prompts, and the target-only baseline."""
+class DraftSource(BaseModel):
+    """Where draft tokens come from (the speculative block, and a bench matrix's speculative axis)."""
 
     draft: ModelSpec | Literal["prompt-lookup"] = Field(description=(
         "The draft model (same tokenizer as the target), or prompt-lookup: n-gram drafting from the context."))
-    compare_target_only: bool = Field(True, description=(
-        "Also decode the same prompts with the target alone, to measure the speedup in the same step."))
 
     @field_validator("draft", mode="before")
     @classmethod
     def _lookup_or_model(cls, value):
         return value if value == "prompt-lookup" else ModelSpec.model_validate(value)
+
+
+class SpeculativeSpec(SpeculativeConfig, PromptSource, DraftSource):
+    """The `speculative` block: SpeculativeConfig's seed names, the draft, prompts, and the target-only baseline."""
+
+    compare_target_only: bool = Field(True, description=(
+        "Also decode the same prompts with the target alone, to measure the speedup in the same step."))
+
+
+class BenchDraft(Strict, DraftSource):
+    """Speculative decoding as one more axis of a bench matrix: every cell also runs with it on."""
+
+    spec_k: int = Field(4, ge=1, le=64, description="Draft tokens proposed per round.")
+    spec_k_adaptive: bool = Field(False, description="Adapt k to the acceptance rate.")
+
+
+class BenchSpec(Strict):
+    """The `bench` block: a matrix of cells, each timed with warm-up, repeats and (by default) transformers'
+    own generate() beside it. Every list also takes a single value."""
+
+    batch_sizes: list[int] = Field([1], min_length=1, description="Prompts decoded together.")
+    prompt_lens: list[int] = Field([128], min_length=1, description="Prompt tokens, cut from the eval text.")
+    max_new_tokens: list[int] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
+    cache_kinds: list[str] | None = Field(None, min_length=1, description=(
+        "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi2); default: the model's dtype."))
+    dtypes: list[Literal[DTYPES]] | None = Field(None, min_length=1, description=(
+        "Weight dtypes (the model is reloaded for each); default: the target's."))
+    speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
+    repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
+    warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
+    baseline: Literal["hf", "none"] = Field("hf", description=(
+        "hf: also time transformers' model.generate() on the same model, inputs and cache; ratios beside."))
+    roofline: bool = Field(True, description=(
+        "Measure the memory bandwidth once and report the fraction of the bandwidth bound reached by decode."))
+    data: str = Field("pydoc", min_length=1, description=(
+        "Text the prompts are cut from: pydoc, shakespeare, britannica, a .txt file or hf:OWNER/REPO/PATH."))
+
+    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):
+        return [value] if value is not None and not isinstance(value, list) else value
+
+    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens")
+    @classmethod
+    def _positive(cls, values: list[int]) -> list[int]:
+        if any(v < 1 or v > 1_000_000 for v in values):
+            raise ValueError("every value must be between 1 and 1000000")
+        return values
+
+    @field_validator("cache_kinds")
+    @classmethod
+    def _known_kinds(cls, values: list[str] | None) -> list[str] | None:
+        for kind in values or []:
+            parse_kind(kind)  # ValueError names the known kinds
+        return values
 
 
 class Run(Strict):
@@ -116,19 +171,21 @@ class Run(Strict):
     generate: GenerateSpec | None = Field(None, description=(
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding: the draft and its settings.")
+    bench: BenchSpec | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
 
     @model_validator(mode="before")
     @classmethod
     def _default_block(cls, data):
-        """generate and auto-cache-select may leave their block out (all defaults); speculative needs its draft."""
-        if isinstance(data, dict) and data.get("mode") in ("generate", "auto-cache-select") and "generate" not in data:
-            return {**data, "generate": {}}
+        """generate, auto-cache-select and bench may leave their block out (all defaults); speculative needs its draft."""
+        block = BLOCKS.get(data.get("mode")) if isinstance(data, dict) and isinstance(data.get("mode"), str) else None
+        if block in ("generate", "bench") and block not in data:
+            return {**data, block: {}}
         return data
 
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> "Run":
         block = BLOCKS.get(self.mode)
-        others = [name for name in ("generate", "speculative") if name != block and getattr(self, name) is not None]
+        others = [name for name in ("generate", "speculative", "bench") if name != block and getattr(self, name) is not None]
         if others:
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
         if getattr(self, block) is None:

@@ -103,6 +103,15 @@ class MlflowMirror:
         self.client.set_terminated(run_id, state)
 
 
+def quiet_mlflow() -> None:
+    """No artifact progress bars, no alembic/mlflow info chatter."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow  # noqa: F401  (sets its own logger levels on import: override them after)
+
+    for noisy in ("alembic", "mlflow"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 def default_tracking_uri(runs_dir: str | Path) -> str:
     return f"sqlite:///{Path(runs_dir).resolve() / 'mlflow.db'}"
 

@@ -11,6 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 
 from runner.infer.decode import decode_one_token, forward_last, positions_for, sync
@@ -43,12 +45,15 @@ def greedy_prefill(model, prompt: torch.Tensor, kind: str | None):
 
 
 @torch.inference_mode()
-def greedy_steps(model, cache, token: torch.Tensor, mask: torch.Tensor, steps: int) -> None:
-    """`steps` greedy one-token steps into `cache` (it grows; the caller's `mask` is left as it was)."""
+def greedy_steps(model, cache, token: torch.Tensor, mask: torch.Tensor, steps: int,
+                 tick: Callable[[], None] = lambda: None) -> None:
+    """`steps` greedy one-token steps into `cache` (it grows; the caller's `mask` is left as it was);
+    `tick()` after each token."""
     for _ in range(steps):
         positions = mask.sum(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+        tick()
 
 
 def greedy_decode_once(model, prompt: torch.Tensor, steps: int, kind: str | None) -> tuple[float, float]:

@@ -5,8 +5,10 @@ paths), `out_dir` the step's results folder for tables and plots. An optional `p
 result is logged to MLflow as parameters, and an optional `series` (name → list) as metric histories.
 """
 
+from runner.steps.bench import run_bench
 from runner.steps.cache_select import run_cache_select
 from runner.steps.generate import run_generate
 from runner.steps.speculative import run_speculative
 
-STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select, "speculative": run_speculative}
+STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select, "speculative": run_speculative,
+                "bench": run_bench}

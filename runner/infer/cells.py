@@ -1,0 +1,146 @@
+"""One bench cell: a model, a batch of equal-length prompts, a token count and a cache kind, timed three ways.
+
+    measure_ours         our prefill + greedy decode chain (runner.infer.decode), a tick per token
+    measure_hf           transformers' own model.generate() on the same model, inputs and cache kind
+    measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only
+    measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way
+
+Greedy with EOS ignored, so every repeat of every side makes exactly `new_tokens` tokens. Each side
+returns a flat dict of figures (medians, p90s, spreads, peak memory, measured KV bytes, the fraction
+of the copy-bandwidth bound reached while decoding). Does not know about manifests or tables.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from runner.infer.bench import greedy_prefill, greedy_steps
+from runner.infer.decode import sync
+from runner.infer.kvcache import cache_bytes, make_cache
+from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_ticks
+
+MIB = 2**20
+
+
+def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                 bandwidth: float | None = None) -> dict:
+    """ids [B,P] (no padding) → figures of our decode chain."""
+    last: dict = {}
+
+    @torch.inference_mode()
+    def run_once(tick: Callable[[], None]) -> None:
+        cache, token, mask = greedy_prefill(model, ids, kind)
+        tick()
+        greedy_steps(model, cache, token, mask, new_tokens - 1, tick)
+        last["cache"] = cache
+
+    return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+
+
+def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+               bandwidth: float | None = None) -> dict:
+    """The same cell through transformers' model.generate(); a streamer ticks per token."""
+    from transformers.generation.streamers import BaseStreamer
+
+    last: dict = {}
+
+    class TickStreamer(BaseStreamer):
+        def __init__(self, tick):
+            self.tick, self.prompt_seen = tick, False
+
+        def put(self, value):
+            if self.prompt_seen:  # generate() puts the prompt first, then each new token
+                self.tick()
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    def run_once(tick: Callable[[], None]) -> None:
+        cache = make_cache(kind, model)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, past_key_values=cache,
+                       streamer=TickStreamer(tick), pad_token_id=0)
+        last["cache"] = cache
+
+    return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+
+
+def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
+                        adaptive: bool, repeats: int, warmup: int) -> dict:
+    """Greedy speculative decoding of the cell (rows one after another): tokens/s and acceptance."""
+    from runner.infer.config import SpeculativeConfig
+    from runner.infer.speculative import SpeculativeGenerator
+
+    config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
+                               cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2)
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config)
+    figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))
+    return {**figures, "acceptance": gen.stats.acceptance_rate}
+
+
+def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
+                        repeats: int, warmup: int) -> dict:
+    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens."""
+    if ids.shape[0] != 1:
+        raise ValueError("transformers' assisted generation takes batch size 1")
+    drafting = {"prompt_lookup_num_tokens": spec_k} if isinstance(draft, str) else {
+        "assistant_model": draft, "num_assistant_tokens": spec_k}
+    produced = {}
+
+    def run_once() -> None:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             past_key_values=make_cache(kind, model), pad_token_id=0, **drafting)
+        produced["tokens"] = out.shape[1] - ids.shape[1]
+
+    return _measure_whole(run_once, ids, repeats, warmup, lambda: produced["tokens"])
+
+
+def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens: Callable[[], int]) -> dict:
+    """Whole-generation time only (speculative rounds make several tokens at once: no per-token ticks)."""
+    with PeakMemory(ids.device) as peak:
+        marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, sync=lambda: sync(ids.device))
+    seconds = Summary.of([m[-1] for m in marks])
+    rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
+    return {"tok_s": rates.median, "tok_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
+            "total_ms_p90": seconds.p90 * 1e3, "peak_mib": peak.bytes / MIB}
+
+
+def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last) -> dict:
+    with PeakMemory(ids.device) as peak:
+        marks = time_ticks(run_once, repeats, warmup, sync=lambda: sync(ids.device))
+    timing = TokenTiming.of(marks, ids.shape[0])
+    kv = cache_bytes(last["cache"])
+    figures = {
+        "ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
+        "ttft_ms_spread": timing.ttft_s.spread * 1e3,
+        "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
+        "itl_ms_spread": timing.itl_s.spread * 1e3,
+        "decode_tok_s": timing.decode_tokens_per_s.median, "decode_tok_s_spread": timing.decode_tokens_per_s.spread,
+        "tok_s": timing.tokens_per_s.median, "tok_s_spread": timing.tokens_per_s.spread,
+        "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB,
+    }
+    if bandwidth:
+        figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], new_tokens, timing.itl_s.median,
+                                                    bandwidth)
+    return figures
+
+
+def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: int, step_s: float,
+                       bandwidth: float) -> float:
+    """Achieved fraction of the memory-bandwidth bound while decoding: every step reads all the weights and the
+    cache as it stands at mid-decode (measured bytes at the end, scaled by length). An untied input embedding
+    table is not counted: a step reads only its batch's rows of it."""
+    if not step_s or step_s <= 0 or math.isnan(step_s):
+        return math.nan
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != embedding.data_ptr():
+        weights -= embedding.numel() * embedding.element_size()
+    kv_mid = kv_bytes_end * (prompt_len + new_tokens / 2) / (prompt_len + new_tokens)
+    return (weights + kv_mid) / step_s / bandwidth
+

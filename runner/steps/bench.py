@@ -1,0 +1,257 @@
+"""`mode: bench`: time a matrix of cells (batch × prompt length × new tokens × cache kind × dtype × speculative)
+with our decode chain and, beside each, transformers' own generate() on the same model, inputs and cache.
+
+Owns the matrix, real prompts cut from the eval text, failure per cell (recorded with its reason; the others
+go on), the table (CSV, parquet when pyarrow is present, markdown printed at the end), the plots and the
+metrics. Timing itself is runner.infer.cells and runner.infer.timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from runner.errors import RunnerError
+from runner.infer.cells import measure_hf, measure_hf_assisted, measure_ours, measure_speculative
+from runner.infer.data import load_text, token_windows
+from runner.infer.models import LoadedModel, load_model
+from runner.infer.timing import copy_bandwidth
+from runner.manifest import BenchSpec
+from runner.plan import Step
+from runner.steps.speculative import load_draft
+
+AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens")
+DTYPE_KIND = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+HEADLINE = ("tok_s", "decode_tok_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction", "acceptance")
+
+
+def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+    spec = BenchSpec.model_validate(step.spec)
+    cells = matrix(spec, step.model["dtype"])
+    text = load_text(spec.data, base_dir)
+    bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
+    if bandwidth:
+        print(f"[{step.key}] memory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+    draft = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else None
+    rows, bar = [], tqdm(total=len(cells), desc=step.key, unit="cell", file=sys.stderr)
+    for dtype, group in itertools.groupby(cells, key=lambda c: c["dtype"]):
+        model = lm.model if dtype == step.model["dtype"] else _reload(step, dtype, base_dir)
+        for cell in group:
+            bar.set_postfix_str(_label(cell))
+            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth))
+            if "ours_tok_s" in rows[-1]:
+                bar.set_postfix_str(f"{_label(cell)} {rows[-1]['ours_tok_s']:.1f} tok/s")
+            bar.update()
+        del model
+    bar.close()
+    table = with_spec_speedup(pd.DataFrame(rows))
+    write_table(table, out_dir)
+    plot_throughput(table, out_dir / "throughput_vs_batch.png")
+    plot_latency(table, out_dir / "latency_vs_prompt_len.png")
+    print(f"\n[{step.key}] bench results (ours; hf = transformers generate(); ratio = ours / hf):\n"
+          f"{markdown(summary_columns(table))}", flush=True)
+    return {"cells": rows, "bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+            "metrics": metrics(table, bandwidth), "params": {"bench.cells": len(rows)}}
+
+
+def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
+    """Every cell, grouped by dtype (one reload each); cache kinds default to the dtype's own."""
+    dtypes = spec.dtypes or [model_dtype]
+    speculative = ["off", "on"] if spec.speculative else ["off"]
+    return [dict(zip(AXES, values)) for dtype in dtypes for values in itertools.product(
+        [dtype], spec.cache_kinds or [DTYPE_KIND[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
+        spec.max_new_tokens)]
+
+
+def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None) -> dict:
+    """One row of the table: the cell's axes, our figures (ours_*), the baseline's (hf_*) and their ratios.
+    A failure (out of memory, an unsupported combination) is the row's `error`; the matrix goes on."""
+    row = {**cell, "status": "ok", "error": ""}
+    try:
+        ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
+        kind, n = cell["cache_kind"], cell["new_tokens"]
+        if cell["speculative"] == "on":
+            row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, spec.speculative.spec_k,
+                                                         spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup))
+        else:
+            row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth))
+    except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        return _failed(row, exc)
+    if spec.baseline == "hf":
+        try:
+            if cell["speculative"] == "on":
+                hf = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
+                                         spec.warmup)
+            else:
+                hf = measure_hf(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
+            row |= _prefixed("hf", hf)
+            row |= {f"ratio_{name}": row[f"ours_{name}"] / hf[name] for name in ("tok_s", "decode_tok_s", "ttft_ms")
+                    if name in hf and f"ours_{name}" in row and hf[name]}
+        except (RunnerError, RuntimeError, ValueError) as exc:
+            row["hf_error"] = _reason(exc)
+    return row
+
+
+def with_spec_speedup(table: pd.DataFrame) -> pd.DataFrame:
+    """Speculative rows get `spec_speedup`: their tokens/s over the same cell's without speculation."""
+    if "ours_tok_s" not in table or not (table["speculative"] == "on").any():
+        return table
+    keys = [a for a in AXES if a != "speculative"]
+    plain = table[table["speculative"] == "off"].set_index(keys)["ours_tok_s"]
+    on = table["speculative"] == "on"
+    table.loc[on, "spec_speedup"] = [
+        row["ours_tok_s"] / plain.get(tuple(row[k] for k in keys), math.nan) for _, row in table[on].iterrows()]
+    return table
+
+
+def prompt_batch(tokenizer, text, batch: int, prompt_len: int, device) -> torch.Tensor:
+    """[batch, prompt_len] ids: different windows of the eval text, so no row is padded."""
+    return torch.tensor(token_windows(tokenizer, text, prompt_len, batch), device=device)
+
+
+def write_table(table: pd.DataFrame, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / "bench.csv", index=False)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return
+    table.to_parquet(out_dir / "bench.parquet", index=False)
+
+
+def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
+    """The columns people read first, in the order they read them."""
+    wanted = [*AXES, "ours_tok_s", "hf_tok_s", "ratio_tok_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms",
+              "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "spec_speedup", "error",
+              "hf_error"]
+    present = [c for c in wanted if c in table.columns]
+    frame = table[present].copy()
+    for column in ("error", "hf_error"):
+        if column in frame and not frame[column].fillna("").astype(bool).any():
+            frame = frame.drop(columns=column)
+    return frame
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A GitHub markdown table (no tabulate dependency): floats to 3 significant digits (whole numbers from 100
+    up), NaN as '-'."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "-" if math.isnan(value) else f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        return "-" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
+    """Per cell `<cell>.<figure>` (with `<figure>_spread` beside, for run compare), and a few headline figures."""
+    out = {"cells": float(len(table)), "cells_failed": float((table["status"] != "ok").sum())}
+    if bandwidth:
+        out["bandwidth_gbs"] = bandwidth / 1e9
+    for row in table.to_dict("records"):
+        if row["status"] != "ok":
+            continue
+        name = metric_name(row)
+        for figure in HEADLINE:
+            for side in ("ours", "hf"):
+                value = row.get(f"{side}_{figure}")
+                if _number(value):
+                    out[f"{name}.{side}_{figure}"] = value
+                spread = row.get(f"{side}_{figure}_spread")
+                if _number(spread):
+                    out[f"{name}.{side}_{figure}_spread"] = spread
+        for ratio in ("ratio_tok_s", "ratio_decode_tok_s", "ratio_ttft_ms", "spec_speedup"):
+            if _number(row.get(ratio)):
+                out[f"{name}.{ratio}"] = row[ratio]
+    ratios = table["ratio_tok_s"].dropna() if "ratio_tok_s" in table else pd.Series(dtype=float)
+    if len(ratios):
+        out["median_ratio_tok_s"] = float(ratios.median())
+    return out
+
+
+def metric_name(row: dict) -> str:
+    """MLflow-safe cell name, e.g. b1_p128_n64_q8_0_float32 (kivi options: kivi4-g32-r32)."""
+    name = f"b{row['batch']}_p{row['prompt_len']}_n{row['new_tokens']}_{row['cache_kind']}_{row['dtype']}"
+    name += "_spec" if row["speculative"] == "on" else ""
+    return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
+
+
+def plot_throughput(table: pd.DataFrame, path: Path) -> None:
+    """Tokens/s against batch size, one line per cache kind (hf dashed), one panel per prompt length."""
+    _plot(table, path, x="batch", y="tok_s", panel="prompt_len", xlabel="batch size", ylabel="tokens/s",
+          title="prompt {} tokens")
+
+
+def plot_latency(table: pd.DataFrame, path: Path) -> None:
+    """Time to first token against prompt length, one line per cache kind (hf dashed), at each batch size."""
+    _plot(table, path, x="prompt_len", y="ttft_ms", panel="batch", xlabel="prompt tokens",
+          ylabel="time to first token (ms)", title="batch {}")
+
+
+def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: str, ylabel: str, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    ok = table[(table["status"] == "ok") & (table["speculative"] == "off")] if len(table) else table
+    if ok.empty or f"ours_{y}" not in ok:
+        return
+    panels = sorted(ok[panel].unique())
+    fig = Figure(figsize=(4.5 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    colours = {}
+    for ax, value in zip(axes, panels):
+        for (kind, dtype), lines in ok[ok[panel] == value].groupby(["cache_kind", "dtype"]):
+            lines = lines.groupby(x)[[c for c in (f"ours_{y}", f"hf_{y}") if c in lines]].median().reset_index()
+            colour = colours.setdefault((kind, dtype), f"C{len(colours) % 10}")
+            ax.plot(lines[x], lines[f"ours_{y}"], marker="o", color=colour, label=f"{kind} {dtype}")
+            if f"hf_{y}" in lines:
+                ax.plot(lines[x], lines[f"hf_{y}"], marker="x", linestyle="--", color=colour, label=f"{kind} hf")
+        ax.set_xticks(sorted(ok[x].unique()))
+        ax.set_title(title.format(value), fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    fig.suptitle("ours (solid) vs transformers generate() (dashed); medians", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _reload(step: Step, dtype: str, base_dir: Path):
+    spec = step.model
+    print(f"[{step.key}] loading {spec.get('id') or 'config model'} as {dtype}", file=sys.stderr, flush=True)
+    return load_model(spec.get("id"), config=spec.get("config"), dtype=dtype, device=spec["device"],
+                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"],
+                      seed=step.model_seed, base_dir=base_dir).model
+
+
+def _prefixed(side: str, figures: dict) -> dict:
+    return {f"{side}_{name}": value for name, value in figures.items()}
+
+
+def _failed(row: dict, exc: Exception) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"[bench] {_label(row)} failed: {_reason(exc)}", file=sys.stderr, flush=True)
+    return {**row, "status": "failed", "error": _reason(exc)}
+
+
+def _reason(exc: Exception) -> str:
+    kind = "out of memory" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+    return f"{kind}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _label(cell: dict) -> str:
+    spec = " spec" if cell["speculative"] == "on" else ""
+    return f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}{spec}"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -1,0 +1,90 @@
+"""The timing harness on a fake clock: warm-up excluded, sync before every clock read, percentiles right."""
+
+import random
+
+import numpy as np
+import pytest
+
+from runner.infer.timing import PeakMemory, Summary, TokenTiming, percentile, time_ticks
+
+
+class FakeDevice:
+    """A clock that advances only when work is done, and a log of syncs and clock reads."""
+
+    def __init__(self):
+        self.now, self.events, self.runs = 0.0, [], 0
+
+    def clock(self) -> float:
+        self.events.append("clock")
+        return self.now
+
+    def sync(self) -> None:
+        self.events.append("sync")
+
+    def generation(self, prefill: float, step: float, tokens: int):
+        def run_once(tick):
+            self.runs += 1
+            self.now += prefill + self.runs  # every run slower by 1 s: tells repeats apart
+            tick()
+            for _ in range(tokens - 1):
+                self.now += step
+                tick()
+        return run_once
+
+
+def test_warmup_runs_are_not_timed():
+    device = FakeDevice()
+    marks = time_ticks(device.generation(prefill=10, step=2, tokens=3), repeats=2, warmup=3,
+                       clock=device.clock, sync=device.sync)
+    assert device.runs == 5
+    # repeat 1 is run 4 (prefill 10 + 4), repeat 2 is run 5
+    assert marks == [[14, 16, 18], [15, 17, 19]]
+
+
+def test_every_clock_read_follows_a_sync():
+    device = FakeDevice()
+    time_ticks(device.generation(prefill=1, step=1, tokens=4), repeats=3, warmup=1, clock=device.clock,
+               sync=device.sync)
+    reads = [i for i, e in enumerate(device.events) if e == "clock"]
+    assert len(reads) == 3 * (1 + 4)  # start of each repeat + one per token; the warm-up reads nothing
+    assert all(device.events[i - 1] == "sync" for i in reads)
+
+
+def test_token_timing_splits_prefill_from_decode():
+    marks = [[10.0, 12.0, 14.0, 16.0], [11.0, 12.0, 13.0, 20.0]]
+    timing = TokenTiming.of(marks, batch=2)
+    assert timing.ttft_s.median == 10.5
+    assert timing.itl_s.median == 2.0 and timing.itl_s.n == 6  # gaps 2,2,2 and 1,1,7 pooled
+    assert timing.decode_s.median == 7.5  # 6 and 9
+    assert timing.decode_tokens_per_s.median == pytest.approx((2 * 3 / 6 + 2 * 3 / 9) / 2)
+    assert timing.tokens_per_s.median == pytest.approx((8 / 16 + 8 / 20) / 2)
+
+
+def test_uneven_repeats_are_refused():
+    with pytest.raises(ValueError, match="same number of tokens"):
+        TokenTiming.of([[1.0, 2.0], [1.0]], batch=1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_percentiles_match_numpy(seed):
+    rng = random.Random(seed)
+    values = [rng.uniform(0, 100) for _ in range(rng.randint(1, 40))]
+    for q in (0, 10, 50, 90, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    summary = Summary.of(values)
+    assert summary.median == pytest.approx(np.median(values))
+    assert summary.p90 == pytest.approx(np.percentile(values, 90))
+    assert summary.spread == pytest.approx(max(values) - min(values))
+
+
+def test_peak_memory_sees_an_allocation_inside_the_block():
+    import torch
+
+    with PeakMemory(torch.device("cpu")) as small:
+        pass
+    with PeakMemory(torch.device("cpu")) as big:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    if small.scope == "block":  # Linux: the high-water mark was reset on entry
+        assert big.bytes - small.bytes > 48 * 2**20
+    assert big.bytes > 64 * 2**20
