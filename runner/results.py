@@ -11,6 +11,7 @@ its steps: their metrics are compared as `<step>/<metric>`. A difference is flag
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from pathlib import Path
@@ -48,8 +49,10 @@ class Store:
             return found
         chosen = [e for e in found if e.name == name]
         if not chosen:
-            raise RunnerError(f"no experiment {name!r} in {self.uri}; there are: "
-                              f"{', '.join(sorted(e.name for e in found)) or 'none'}")
+            names = sorted(e.name for e in found)
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RunnerError(f"no experiment {name!r} in {self.uri}; {hint}there are: {', '.join(names) or 'none'}")
         return chosen
 
     def runs(self, experiment: str | None = None, filter_string: str = "", limit: int = 1000) -> list:

@@ -76,7 +76,7 @@ def params(selection: Selection) -> dict:
 
 
 def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) -> None:
-    """Three panels per candidate: memory against the budget, ΔNLL against its gate, decode speed."""
+    """Per candidate: memory against the budget, ΔNLL against its gate, decode speed; then quality vs memory."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
     rows = selection.rows
@@ -85,13 +85,22 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
     panels = [("estimated_mb", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
               ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
               ("tokens_per_s", "decode tokens/s", None)]
-    fig = Figure(figsize=(12, 3.6))
-    axes = fig.subplots(1, 3)
+    fig = Figure(figsize=(16, 3.6))
+    axes = fig.subplots(1, 4)
     for ax, (name, label, limit) in zip(axes, panels):
         ax.bar(kinds, [r.get(name) or 0.0 for r in rows], color=colours)
         if limit is not None:
             ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
+    measured = [(r.get("estimated_mb"), r.get("delta_nll"), r["kind"], c) for r, c in zip(rows, colours)]
+    measured = [m for m in measured if m[0] is not None and m[1] is not None]
+    ax = axes[3]
+    ax.scatter([m[0] for m in measured], [m[1] for m in measured], c=[m[3] for m in measured])
+    for mib, nll, kind, _ in measured:
+        ax.annotate(kind, (mib, nll), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("cache MiB")
+    ax.set_ylabel("ΔNLL")
+    ax.set_title("quality vs memory", fontsize=10)
     fig.suptitle(f"cache selection: {selection.kind} ({selection.source}); green = chosen, grey = dropped",
                  fontsize=10)
     fig.tight_layout()
