@@ -102,3 +102,20 @@ def test_a_draft_with_another_tokenizer_is_a_clear_error(tmp_path):
     done = run_cli(manifest, "tracking.mlflow=false", cwd=tmp_path, timeout=900)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "has a different tokenizer from the target" in done.stderr
+
+
+def test_bench_manifest_runs_on_the_real_model(tmp_path):
+    """manifests/bench.yaml as CI runs it: every cell measured, ours beside transformers' generate()."""
+    done = run_cli(ROOT / "manifests" / "bench.yaml", cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-bench")]
+    import pandas as pd
+
+    table = pd.read_csv(folder / "smollm2" / "matrix" / "bench.csv")
+    assert len(table) == 8 and (table["status"] == "ok").all()
+    assert (table["ratio_tok_s"] > 0.2).all()  # same work on both sides: far off means a broken measurement
+    assert (table["ours_bw_fraction"].between(0, 1)).all()
+    q8, fp32 = (table[table["cache_kind"] == k].set_index(["batch", "prompt_len"]) for k in ("q8_0", "fp32"))
+    assert ((q8["ours_kv_mib"] / fp32["ours_kv_mib"]).between(0.25, 0.3)).all()  # int8 + scale per 32 vs fp32
+    listed = run_cli("results", "--runs-dir", tmp_path / "runs", "--mode", "bench", cwd=tmp_path)
+    assert listed.returncode == 0 and "smollm2/matrix" in listed.stdout

@@ -103,3 +103,18 @@ def test_metric_names_are_mlflow_safe_and_failed_cells_are_counted():
 def test_markdown_rounds_and_marks_missing_values():
     text = markdown(pd.DataFrame([{"kind": "q8|0", "tok_s": 1234.56, "ratio": 0.98765, "x": float("nan")}]))
     assert text.splitlines() == ["| kind | tok_s | ratio | x |", "|---|---|---|---|", "| q8\\|0 | 1235 | 0.988 | - |"]
+
+
+def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
+    runs = """      - id: dtypes
+        mode: bench
+        bench: {batch_sizes: 1, prompt_lens: 16, max_new_tokens: 3, dtypes: [float32, bfloat16], repeats: 1,
+                baseline: none, roofline: false}
+"""
+    done = run_cli(tiny_manifest(tmp_path, runs), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "loading config model as bfloat16" in done.stderr
+    table = pd.read_csv(next((tmp_path / "runs").glob("*-t")) / "tiny" / "dtypes" / "bench.csv")
+    assert list(table["cache_kind"]) == ["fp32", "bf16"] and (table["status"] == "ok").all()
+    assert "hf_tok_s" not in table and "ours_bw_fraction" not in table
+    assert table["ours_kv_mib"].iloc[1] * 2 == pytest.approx(table["ours_kv_mib"].iloc[0])
