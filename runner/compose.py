@@ -17,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from runner.errors import ManifestError, Problem
 from runner.manifest import Manifest
+from runner.paths import missing_paths
+from runner.yamlsafe import compose_checked
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
 
@@ -32,7 +34,10 @@ def load_manifest(path: str | Path, overrides: list[str] | tuple = ()) -> tuple[
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ManifestError([Problem("", f"not UTF-8 text (byte {exc.start})", file)], file) from None
+        before = path.read_bytes()[:exc.start]
+        line, column = before.count(b"\n") + 1, exc.start - before.rfind(b"\n")
+        raise ManifestError([Problem("", f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x})",
+                                     f"{file}:{line}:{column}")], file) from None
     locations = yaml_locations(text, file)
     raw = _compose(path, list(overrides), locations)
     raw.setdefault("name", path.stem)
@@ -40,18 +45,17 @@ def load_manifest(path: str | Path, overrides: list[str] | tuple = ()) -> tuple[
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
         raise ManifestError(problems_from(exc, file, locations, overrides), file) from None
+    missing = missing_paths(manifest, path.parent)
+    if missing:
+        override_locs = {_override_loc(o): o for o in overrides}
+        raise ManifestError([Problem(format_loc(loc), message, _source(loc, file, locations, override_locs))
+                             for loc, message in missing], file)
     return manifest, raw
 
 
 def yaml_locations(text: str, file: str) -> dict[Loc, tuple[int, int]]:
     """Map each key path to its 1-based (line, column); YAML syntax errors become a ManifestError."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else file
-        reason = getattr(exc, "problem", None) or str(exc)
-        raise ManifestError([Problem("", f"YAML syntax error: {reason}", where)], file) from None
+    root = compose_checked(text, file)
     if root is None:
         raise ManifestError([Problem("", "the file is empty; a manifest needs at least 'targets'", file)], file)
     if not isinstance(root, yaml.MappingNode):
@@ -88,7 +92,7 @@ def _compose(path: Path, overrides: list[str], locations: dict) -> dict:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
             cfg = compose(config_name=path.stem, overrides=hydra_overrides)
         raw = OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+    except (HydraException, OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:  # YAML: a defaults fragment
         raise ManifestError([Problem(_omegaconf_key(exc), _first_line(exc), _hydra_source(exc, file, overrides))],
                             file) from None
     finally:
@@ -136,7 +140,8 @@ def _describe(err: dict, loc: Loc) -> tuple[str, str]:
         valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
         close = difflib.get_close_matches(err["input"], valid, n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else ""
-    if "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"], (dict, list)):
+    shown = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"], (dict, list))
+    if shown and not (kind == "value_error" and str(err["input"]) in message):  # our own messages name it already
         message += f" (got {err['input']!r})"
     return message, hint
 

@@ -153,8 +153,9 @@ class BenchSpec(Strict):
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
-        if any(v < 1 or v > 1_000_000 for v in values):
-            raise ValueError("every value must be between 1 and 1000000")
+        bad = [v for v in values if v < 1 or v > 1_000_000]
+        if bad:
+            raise ValueError(f"every value must be between 1 and 1000000 (got {bad[0]})")
         return values
 
     @field_validator("cache_kinds")
@@ -217,13 +218,20 @@ class Tracking(Strict):
 
 
 class Manifest(Strict):
-    version: Literal[1] = Field(1, description="Manifest format version.")
+    version: int = Field(1, description="Manifest format version (this runner reads 1).")
     name: str = Field(pattern=NAME_PATTERN, description="Names the run folder; default: the file's stem.")
     seed: int = Field(0, ge=0, description="Seeds weights of config models and every sampler.")
     tracking: Tracking = Field(default_factory=Tracking, description="Where results are mirrored.")
     models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
         "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
     targets: list[Target] = Field(min_length=1, description="Models and the runs to do on each.")
+
+    @field_validator("version")
+    @classmethod
+    def _supported_version(cls, version: int) -> int:
+        if version != 1:
+            raise ValueError(f"unsupported manifest version {version}: this runner reads version 1")
+        return version
 
     @field_validator("targets")
     @classmethod

@@ -103,11 +103,11 @@ def test_greedy_rerun_of_the_resolved_manifest_gives_identical_tokens(tmp_path):
 
 
 def test_a_failing_step_is_recorded_and_the_others_run(tmp_path):
-    runs = RUNS.replace('generate: {prompts: ["hi"]', 'generate: {prompts_file: missing.txt')
+    runs = RUNS.replace('generate: {prompts: ["hi"]', 'generate: {prompts: ["far too long"], max_seq_len: 3')
     path = tiny_manifest(tmp_path, runs)
     done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "missing.txt" in done.stderr
+    assert "does not fit max_seq_len=3" in done.stderr
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     status = json.loads((folder / "status.json").read_text())
     assert status["steps"]["tiny/greedy"]["state"] == "finished"
@@ -121,7 +121,7 @@ def test_unknown_local_model_is_a_clear_error(tmp_path):
     path.write_text(text + "\n")
     done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "'./no-such-model' not found" in done.stderr
+    assert f"model path './no-such-model' does not exist (looked for {tmp_path / 'no-such-model'})" in done.stderr
 
 
 def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_path):

@@ -1,0 +1,97 @@
+"""Read a manifest's YAML as plain data only, before anything constructs it.
+
+PyYAML's safe composer gives the node tree with line numbers; on it we refuse, each with the line:
+  - tags that would construct objects (`!!python/object/apply:os.system`) or anything not plain data;
+  - duplicate keys in a mapping (YAML loaders silently keep the last one);
+  - alias bombs ("billion laughs") and recursive aliases: the tree is sized with aliases expanded,
+    in time linear in the file, and refused past MAX_VALUES.
+Hydra reads the file again afterwards; by then it is known to be small, plain and unambiguous.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from runner.errors import ManifestError, Problem
+
+MAX_VALUES = 100_000  # a manifest expanded: scalars, lists and mappings counted
+PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map",
+                                                         "seq", "merge", "timestamp")}
+
+
+def compose_checked(text: str, file: str) -> yaml.Node | None:
+    """The root node of `text` (None when empty), or a ManifestError naming the file, line and column."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        reason = getattr(exc, "problem", None) or str(exc)
+        if "'\\t'" in reason:
+            reason += " (YAML indents with spaces, never tabs)"
+        raise ManifestError([Problem("", f"YAML syntax error: {reason}", _at(file, mark))], file) from None
+    if root is not None:
+        _check_size(root, file)
+        _check_nodes(root, file)
+    return root
+
+
+def _check_size(root: yaml.Node, file: str) -> None:
+    """Values with aliases expanded, each shared node sized once (memo): linear time however deep the bomb."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise ManifestError([Problem("", "recursive YAML alias: a value contains itself",
+                                         _at(file, node.start_mark))], file)
+        open_nodes.add(id(node))
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_VALUES:
+                raise ManifestError([Problem("", f"the YAML expands to more than {MAX_VALUES:,} values (through "
+                                             "aliases?): a manifest is small", _at(file, node.start_mark))], file)
+        open_nodes.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    size(root)
+
+
+def _check_nodes(root: yaml.Node, file: str) -> None:
+    """Tags and duplicate keys, each node visited once (aliases point at nodes already seen)."""
+    from runner.compose import format_loc
+
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    while stack:
+        node, loc = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag not in PLAIN_TAGS:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ManifestError([Problem(format_loc(loc), f"YAML tag {tag!r} is not allowed: a manifest holds plain data "
+                                         "(strings, numbers, booleans, lists, mappings)", _at(file, node.start_mark))],
+                                file)
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else None
+                if name is not None and name in first:
+                    raise ManifestError([Problem(
+                        format_loc(loc + (name,)), f"duplicate key (first at line {first[name].start_mark.line + 1}); YAML would "
+                        "silently keep only the last one", _at(file, key.start_mark))], file)
+                if name is not None:
+                    first[name] = key
+                stack += [(key, loc), (value, loc + (name,))]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(item, loc + (i,)) for i, item in enumerate(node.value)]
+
+
+def _at(file: str, mark) -> str:
+    return f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file
