@@ -59,25 +59,32 @@ class RunFolder:
 
 
 class MlflowMirror:
-    """Parent run per invocation, child run per step; explicit client, no global active run."""
+    """Parent run per invocation, child run per step; explicit client, no global active run.
+
+    Every call to the store holds a file lock beside it: processes sharing one sqlite store (parallel
+    sweep points, runs started side by side) would otherwise race its creation and migrations."""
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path):
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        from filelock import FileLock
+
+        quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
-        for noisy in ("alembic", "mlflow"):  # after the import: mlflow sets its own levels
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
-            experiment, artifact_location=artifact_root.resolve().as_uri())
+        artifact_root.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = FileLock(str(artifact_root.parent / ".mlflow.lock"))
+        with self.lock:  # the client creates (and migrates) the store
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+                experiment, artifact_location=artifact_root.resolve().as_uri())
         self.parent_id: str | None = None
 
     def start(self, name: str, tags: dict, parent: bool = False) -> str:
         if not parent:
             tags = {**tags, "mlflow.parentRunId": self.parent_id}
-        run = self.client.create_run(self.experiment_id, run_name=name, tags={k: str(v) for k, v in tags.items()})
+        with self.lock:
+            run = self.client.create_run(self.experiment_id, run_name=name,
+                                         tags={k: str(v) for k, v in tags.items()})
         if parent:
             self.parent_id = run.info.run_id
         return run.info.run_id
@@ -90,17 +97,20 @@ class MlflowMirror:
         now = int(datetime.now(timezone.utc).timestamp() * 1000)
         history = [Metric(k, float(v), now, step) for k, values in (series or {}).items()
                    for step, v in enumerate(values)]
-        self.client.log_batch(
-            run_id,
-            params=[Param(k, _param_value(v)) for k, v in flatten(params or {}).items()],
-            metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history,
-        )
-        if artifacts is not None:
-            self.client.log_artifacts(run_id, str(artifacts), artifact_path)
+        params = [Param(k, _param_value(v)) for k, v in flatten(params or {}).items()]
+        metrics = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history
+        with self.lock:
+            for start in range(0, len(params), 100):  # MLflow takes at most 100 params and 1000 metrics a call
+                self.client.log_batch(run_id, params=params[start:start + 100])
+            for start in range(0, len(metrics), 1000):
+                self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
+            if artifacts is not None:
+                self.client.log_artifacts(run_id, str(artifacts), artifact_path)
 
     def end(self, run_id: str, state: str) -> None:
         """state: FINISHED, FAILED or KILLED."""
-        self.client.set_terminated(run_id, state)
+        with self.lock:
+            self.client.set_terminated(run_id, state)
 
 
 def quiet_mlflow() -> None:
