@@ -8,7 +8,9 @@ user-facing reason (RunnerError) is recorded and the others go on; a bug is reco
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +68,13 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                     mirror.end(child, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 raise
             params, series = result.pop("params", {}), result.get("series", {})
-            folder.write_json(f"{step.key}/results.json", result)
+            try:
+                folder.write_json(f"{step.key}/results.json", result)
+            except ResourceError as exc:
+                if mirror:
+                    mirror.end(child, "FAILED")
+                raise ResourceError(f"{exc}; the step's results were saved to {_rescue(step, result)} instead") \
+                    from None
             folder.set_step(step.key, "finished", metrics=result["metrics"])
             if mirror:
                 mirror.log(child, params={"mode": step.mode, "model": step.model, step.mode: step.spec,
@@ -75,11 +83,22 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                 mirror.end(child, "FINISHED")
         state = "FAILED" if outcome.failed else "FINISHED"
     finally:
-        folder.finish({"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"))
+        try:
+            folder.finish({"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"))
+        except ResourceError as exc:  # the folder stopped taking writes: say so, keep the first error
+            print(f"[runner] {exc}", file=sys.stderr, flush=True)
         if mirror:
             mirror.log(parent, params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
             mirror.end(parent, state)
     return outcome
+
+
+def _rescue(step: Step, result: dict) -> Path:
+    """Where a step's results go when the run folder cannot take them: the system's temporary folder."""
+    handle, name = tempfile.mkstemp(prefix=f"runner-{step.key.replace('/', '-')}-", suffix=".json")
+    with os.fdopen(handle, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, default=str)
+    return Path(name)
 
 
 def _mirror(manifest: Manifest) -> MlflowMirror | None:
@@ -98,9 +117,6 @@ def _load(step: Step, base_dir: Path):
     spec = step.model
     print(f"[runner] loading {spec.get('id') or 'config model'} ({spec['dtype']}, {spec['device']})",
           file=sys.stderr, flush=True)
-    if spec["trust_remote_code"]:
-        print("[runner] WARNING: trust_remote_code is ON: code shipped with this model will run here",
-              file=sys.stderr, flush=True)
     return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
                       revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"],
                       seed=step.model_seed, base_dir=base_dir)

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runner import __version__
-from runner.errors import RunnerError
+from runner.errors import ResourceError, RunnerError
 
 
 class RunFolder:
@@ -43,10 +43,14 @@ class RunFolder:
 
     def write_text(self, relative: str, text: str) -> Path:
         target = self.path / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ResourceError(f"cannot write {target}: {exc.strerror or exc} (disk full or not writable?)") from None
         return target
 
     def set_step(self, key: str, state: str, **info) -> None:

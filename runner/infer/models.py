@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ def load_model(
 ) -> LoadedModel:
     """Load `source` (or build `config` with random weights) in `dtype` on `device`."""
     torch_dtype, target = DTYPES[dtype], resolve_device(device)
+    if trust_remote_code:
+        print(f"[runner] WARNING: trust_remote_code is ON for {source or 'config model'}: code shipped with this "
+              "model will run here", file=sys.stderr, flush=True)
     try:
         if config is not None:
             model, tokenizer, identity = _from_config(config, seed)

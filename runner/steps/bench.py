@@ -46,6 +46,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dic
         for cell in group:
             bar.set_postfix_str(_label(cell))
             rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth))
+            write_table(pd.DataFrame(rows), out_dir)  # after every cell: an interrupted matrix keeps what it measured
             if "ours_tok_s" in rows[-1]:
                 bar.set_postfix_str(f"{_label(cell)} {rows[-1]['ours_tok_s']:.1f} tok/s")
             bar.update()
