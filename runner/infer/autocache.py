@@ -89,7 +89,13 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
     bar.update()
     for row in fitting:
         bar.set_postfix_str(row["kind"])
-        metrics = compare(reference, run_probe(model, probe, row["kind"]))
+        try:
+            metrics = compare(reference, run_probe(model, probe, row["kind"]))
+        except torch.OutOfMemoryError as exc:  # this kind only: the others are still measured
+            _release(device)
+            row.update(passed=False, verdict=f"out of memory: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+            bar.update()
+            continue
         bar.update()
         row.update(metrics, measured_mb=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
         failures = gate_failures(metrics, config)
@@ -105,6 +111,11 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
             timing = timings[row["kind"]]
             row.update(tokens_per_s=timing.decode_tokens_per_s, prefill_ms=timing.prefill_ms)
     return rows
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def candidates(config: GenerateConfig) -> list[str]:

@@ -62,6 +62,23 @@ def test_a_candidate_made_to_fail_the_kl_gate_fails_it(tiny_lm, tmp_path):
     assert rows["fp32"]["passed"] and selection.kind == "fp32"  # the model's own dtype: KL exactly 0
 
 
+def test_out_of_memory_in_one_candidate_rejects_only_that_one(tiny_lm, tmp_path, monkeypatch):
+    """Fault injection (a CPU cannot be made to run out of memory on cue): the q8_0 probe raises OOM."""
+    real_probe = autocache.run_probe
+
+    def probe(model, probe, kind):
+        if kind == "q8_0":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_probe(model, probe, kind)
+
+    monkeypatch.setattr(autocache, "run_probe", probe)
+    selection = _select(tiny_lm, _config(tmp_path, cache_candidates=["q8_0", "fp16"]))
+    rows = {row["kind"]: row for row in selection.rows}
+    assert not rows["q8_0"]["passed"]
+    assert rows["q8_0"]["verdict"] == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert rows["fp16"]["passed"] and selection.kind == "fp16"
+
+
 def test_no_survivor_follows_the_on_fail_policy(tiny_lm, tmp_path):
     strict = dict(cache_candidates=["q4_0", "nf4"], cache_quality_max_mean_kl=0.0)
     config = _config(tmp_path, **strict, cache_quality_on_fail="reference")
