@@ -58,7 +58,8 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dic
     plot_latency(table, out_dir / "latency_vs_prompt_len.png")
     print(f"\n[{step.key}] bench results (ours; hf = transformers generate(); ratio = ours / hf):\n"
           f"{markdown(summary_columns(table))}", flush=True)
-    return {"cells": rows, "bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
+    cells_json = table.astype(object).where(table.notna(), None).to_dict("records")  # NaN → null
+    return {"cells": cells_json, "bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
             "metrics": metrics(table, bandwidth), "params": {"bench.cells": len(rows)}}
 
 
