@@ -83,6 +83,9 @@ def _browse(command: str, argv: list[str]) -> int:
         parser.add_argument("--experiment", help="only this MLflow experiment (default: all)")
         parser.add_argument("--name", help="only runs whose name contains this")
         parser.add_argument("--mode", help="only steps of this mode (generate, bench, ...)")
+        parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                            help="only runs whose metric, param or tag KEY equals VALUE (repeatable), "
+                            "e.g. --where sweep.temperature=0.7")
         parser.add_argument("--columns", help="comma-separated metrics, params or tags to show "
                             "(e.g. tokens_per_s,params.generate.temperature)")
         parser.add_argument("--limit", type=int, default=50, help="most rows (default 50)")
@@ -100,7 +103,8 @@ def _browse(command: str, argv: list[str]) -> int:
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
-        frame = results.results_table(store, args.experiment, args.name, args.mode, columns, args.limit, args.all)
+        frame = results.results_table(store, args.experiment, args.name, args.mode, columns, args.limit, args.all,
+                                      args.where)
         results.print_frame(frame, f"no runs in {store.uri} match")
         return 0
     frame = results.compare_table(store, args.a, args.b)

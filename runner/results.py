@@ -1,6 +1,6 @@
 """`run results` and `run compare`: read past runs back from MLflow (tracking.py writes them).
 
-    run results [--experiment E] [--name SUBSTRING] [--mode MODE] [--columns a,b] [--limit N]
+    run results [--experiment E] [--name SUBSTRING] [--mode MODE] [--where KEY=VALUE] [--columns a,b] [--limit N]
     run compare A B [--all] [--fail-on-regression]
 
 Runs are named by MLflow run id (a unique prefix is enough). A parent run (one invocation) stands for
@@ -75,8 +75,10 @@ class Store:
 
 
 def results_table(store: Store, experiment: str | None = None, name: str | None = None, mode: str | None = None,
-                  columns: list[str] | None = None, limit: int = 50, all_runs: bool = False) -> pd.DataFrame:
-    """One row per run, newest first: steps only (runs with a mode) unless `all_runs`."""
+                  columns: list[str] | None = None, limit: int = 50, all_runs: bool = False,
+                  where: list[str] = ()) -> pd.DataFrame:
+    """One row per run, newest first: steps only (runs with a mode) unless `all_runs`; `where` holds
+    KEY=VALUE conditions on a metric, param or tag (e.g. sweep.temperature=0.7)."""
     clauses = []
     if mode:
         clauses.append(f"tags.`runner.mode` = '{_quoted(mode)}'")
@@ -85,6 +87,9 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
     runs = store.runs(experiment, " and ".join(clauses), limit=10_000)
     if not all_runs:
         runs = [r for r in runs if "runner.mode" in r.data.tags]
+    for condition in where:
+        key, _, wanted = condition.partition("=")
+        runs = [r for r in runs if _matches(_value(r, key.strip()), wanted.strip())]
     runs = runs[:limit]
     names = {e.experiment_id: e.name for e in store.experiments(None)}
     rows = [{"run_id": r.info.run_id[:12], "experiment": names.get(r.info.experiment_id, r.info.experiment_id),
@@ -107,6 +112,15 @@ def _value(run, column: str):
         if column in source:
             return source[column]
     return None
+
+
+def _matches(value, wanted: str) -> bool:
+    if value is None:
+        return False
+    try:
+        return float(value) == float(wanted)  # 0.7 matches "0.7" and 0.70
+    except ValueError:
+        return str(value) == wanted
 
 
 def compare_table(store: Store, a: str, b: str) -> pd.DataFrame:

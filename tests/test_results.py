@@ -48,6 +48,10 @@ def test_results_lists_steps_newest_first_and_filters(store):
     chosen = results_table(s, mode="generate", columns=["tokens_per_s", "generate.temperature"])
     assert list(chosen["tokens_per_s"]) == [35.0, 40.0]
     assert list(chosen["generate.temperature"]) == ["0.8", "0.0"]
+    assert list(results_table(s, where=["generate.temperature=0.80"])["name"]) == ["smol/sampled"]
+    matched = results_table(s, where=["runner.mode=bench", "b4.ours_tok_s=330"], columns=["b1.ours_tok_s"])
+    assert list(matched["b1.ours_tok_s"]) == [90.0]  # the second bench run, not the first
+    assert results_table(s, where=["no.such.key=1"]).empty
 
 
 def test_unknown_experiment_names_the_ones_there(store):
