@@ -55,14 +55,14 @@ def _dispatch(command: str, argv: list[str]) -> int:
     hydra_args = [o for o in args.overrides if is_hydra_override(o)]
     overrides = [o for o in args.overrides if not is_hydra_override(o)]
     fixed, swept = split_sweep(overrides, str(path))
-    if swept and not args.multirun:
+    manifest, resolved = load_manifest(path, fixed)
+    if args.multirun or manifest.sweep:  # a manifest with a sweep: block is a sweep without -m
+        return _sweep(command, args, path, manifest, overrides, hydra_args)
+    if swept:
         raise RunnerError(f"override '{swept[0]}' is a sweep: add -m (multirun) to run every value, "
                           f"or give one value")
-    if hydra_args and not args.multirun:
+    if hydra_args:
         raise RunnerError(f"override '{hydra_args[0]}' configures Hydra's launcher: add -m (multirun)")
-    manifest, resolved = load_manifest(path, fixed)
-    if args.multirun or manifest.sweep:
-        return _sweep(command, args, path, manifest, overrides, hydra_args)
     return _single(command, args, path, manifest, resolved)
 
 

@@ -33,7 +33,8 @@ class RunFolder:
 
     @classmethod
     def create(cls, runs_dir: str | Path, name: str) -> "RunFolder":
-        return cls(new_folder(runs_dir, name), {"state": "running", "started": _now(), "steps": {}})
+        return cls(new_folder(runs_dir, name), {"state": "running", "started": _now(), "pid": os.getpid(),
+                                                "steps": {}})
 
     @classmethod
     def at(cls, path: Path) -> "RunFolder":
@@ -41,10 +42,10 @@ class RunFolder:
         status_file = path / "status.json"
         if status_file.is_file():
             status = json.loads(status_file.read_text(encoding="utf-8"))
-            status.update(state="running", resumed=_now())
+            status.update(state="running", resumed=_now(), pid=os.getpid())
         else:
             path.mkdir(parents=True, exist_ok=True)
-            status = {"state": "running", "started": _now(), "steps": {}}
+            status = {"state": "running", "started": _now(), "pid": os.getpid(), "steps": {}}
         return cls(path, status)
 
     def finished(self, key: str, step_hash: str) -> bool:
