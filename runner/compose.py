@@ -1,4 +1,4 @@
-"""Manifest file + overrides → validated Manifest. The only importer of hydra and omegaconf.
+"""Manifest file + overrides → validated Manifest. With sweep.py, the only importer of hydra and omegaconf.
 
 Hydra composes (a `defaults:` list may pull fragments from folders beside the manifest, and
 `key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so we
