@@ -135,7 +135,8 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
     (folder / "STOP").unlink(missing_ok=True)
     print(f"[runner] sweep of {len(points)} points: {folder}", file=sys.stderr, flush=True)
     task = partial(run_point, {"manifest": str(path.resolve()), "name": path.stem, "points": points,
-                               "sweep_run": sweep_run, "tags": tags, "stop_file": str((folder / "STOP").resolve())})
+                               "sweep_run": sweep_run, "tags": tags, "stop_file": str((folder / "STOP").resolve()),
+                               "on_failure": manifest.on_failure})
     overrides = [f"hydra.sweep.dir={folder.resolve()}", *HYDRA_SETTINGS, *hydra_args, *arguments]
     outcome, state = SweepOutcome(folder), "KILLED"
     GlobalHydra.instance().clear()
@@ -157,6 +158,8 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
             entry["state"] = outcome.states.get(entry["index"], "not started")
         _write_json(folder / "sweep.json", record)
         if mirror:
+            if state == "KILLED":  # parallel workers stopped mid-step cannot end their own runs
+                mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
             mirror.log(sweep_run, params={"manifest": manifest.name, "sweep.points": len(points),
                                           "sweep.keys": sorted(points[0].values)})
             mirror.end(sweep_run, state)
@@ -184,16 +187,23 @@ def run_point(context: dict, cfg) -> dict:
     raw = OmegaConf.to_container(cfg, resolve=True)
     raw.setdefault("name", context["name"])
     raw.pop("sweep", None)  # the point's resolved manifest runs just this point again
-    manifest = Manifest.model_validate(raw)
     manifest_path = Path(context["manifest"])
     print(f"[runner] point {point.index}: {point.label}", file=sys.stderr, flush=True)
     tags = {**context["tags"], "runner.sweep_point": point.index, **{f"sweep.{k}": v for k, v in point.values.items()}}
-    outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
-                      mlflow_parent=context["sweep_run"], tags=tags, run_name=f"{manifest.name}[{point.index}] "
-                      f"{point.label}")
-    if (outcome.failed or outcome.skipped) and manifest.on_failure == "stop":
+    try:
+        manifest = Manifest.model_validate(raw)  # validated before the launch; again where the job runs
+        outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
+                          mlflow_parent=context["sweep_run"], tags=tags,
+                          run_name=f"{manifest.name}[{point.index}] {point.label}")
+        failed = bool(outcome.failed)
+    except (RunnerError, ValueError) as exc:  # a point that cannot start fails alone; the others go on
+        print(f"[runner] point {point.index} failed: {exc}", file=sys.stderr, flush=True)
+        folder.set(name=context["name"], error=str(exc))
+        folder.finish("failed")
+        failed = True
+    if failed and context["on_failure"] == "stop":
         Path(context["stop_file"]).touch()
-    return {"index": point.index, "state": "failed" if outcome.failed else "finished"}
+    return {"index": point.index, "state": "failed" if failed else "finished"}
 
 
 def _resumable(folder: Path, points: list[Point]) -> dict:

@@ -85,19 +85,22 @@ def test_interrupted_run_resumes_skipping_finished_steps_without_duplicates_in_m
     assert again.returncode == 2 and "no unfinished run of 't'" in again.stderr
 
 
-def test_killed_sweep_resumes_the_unfinished_point_only(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_interrupted_sweep_resumes_the_unfinished_point_only(tmp_path, sig):
     runs = RUNS.split("      - id: long")[0]
     path = tiny_manifest(tmp_path, runs.replace("max_new_tokens: 4, temperature: 0",
                                                 "max_new_tokens: 4, max_seq_len: 100000, eos_token_id: []"))
     sweep = ["-m", "targets.0.runs.0.generate.max_new_tokens=4,1500"]
     proc = _start(path, *sweep, cwd=tmp_path)
     _wait_for("*/1/status.json", "tiny/first", tmp_path)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == (130 if sig == signal.SIGINT else -9) and "Traceback" not in err
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
-    assert json.loads((folder / "sweep.json").read_text())["state"] == "running"
-    # point 0 and its step finished; the sweep, point 1 and its step were running when killed
-    assert sorted(sum(_runs_by_name(tmp_path).values(), [])) == ["FINISHED"] * 2 + ["RUNNING"] * 3
+    state, left = ("interrupted", "KILLED") if sig == signal.SIGINT else ("running", "RUNNING")
+    assert json.loads((folder / "sweep.json").read_text())["state"] == state
+    # point 0 and its step finished; the sweep, point 1 and its step were running when interrupted
+    assert sorted(sum(_runs_by_name(tmp_path).values(), [])) == ["FINISHED"] * 2 + [left] * 3
     done = run_cli(path, *sweep, "--resume", cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr
     assert f"resuming {folder}" in done.stderr and "[runner] point 1:" in done.stderr
