@@ -166,3 +166,30 @@ def test_example_launcher_configs_compose_with_the_sweep_manifest(launcher, targ
         assert cfg.hydra.launcher[expected[0]] == expected[1]
     else:
         assert cfg.hydra.launcher.ray.init.address == "auto"
+
+
+def test_the_example_sweep_manifest_has_four_valid_points():
+    from runner.compose import load_manifest
+
+    path = ROOT / "manifests" / "sweep.yaml"
+    manifest, _ = load_manifest(path)
+    points = expand(sweep_arguments(manifest.sweep, []), str(path))
+    validate_points(path, points)
+    top_p = "targets.0.runs.0.generate.top_p"
+    assert [p.values for p in points] == [{TEMP: t, top_p: p} for t in ("0.7", "1.0") for p in ("0.8", "0.95")]
+
+
+@pytest.mark.slow
+def test_example_sweep_on_smollm2_reproduces_a_sampled_point_from_its_resolved_manifest(tmp_path):
+    short = ["targets.0.runs.0.generate.max_new_tokens=6", "tracking.mlflow=false"]
+    done = run_cli(ROOT / "manifests" / "sweep.yaml", *short, f"tracking.runs_dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("[runner] loading") == 1  # the points share the model in one process
+    (folder,) = (tmp_path / "a").iterdir()
+    again = run_cli(folder / "3" / "manifest.resolved.yaml", f"tracking.runs_dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    (second,) = (tmp_path / "b").iterdir()
+    a, b = (json.loads((f / "smollm2" / "sample" / "results.json").read_text()) for f in (folder / "3", second))
+    assert a["spec"]["temperature"] == 1.0 and a["spec"]["top_p"] == 0.95
+    assert [r["token_ids"] for r in a["prompts"]] == [r["token_ids"] for r in b["prompts"]]
+    assert all(0 < len(r["token_ids"]) <= 6 for r in a["prompts"])
