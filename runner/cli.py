@@ -101,6 +101,7 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     points = sweep.expand(arguments, str(path))
     sweep.validate_points(path, points)
+    sweep.validate_launcher(path, arguments, hydra_args)
     if command == "check":
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
         return 0

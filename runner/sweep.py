@@ -103,6 +103,27 @@ def validate_points(path: Path, points: list[Point]) -> None:
         raise ManifestError(problems, f"{path} (sweep of {len(points)} points; nothing ran)")
 
 
+def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -> None:
+    """Compose the multirun config as the launch will (launcher choice and settings), before anything runs."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
+            GlobalHydra.instance().hydra.compose_config(path.stem, [*HYDRA_SETTINGS, *hydra_args, *arguments],
+                                                        run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+    except (HydraException, OmegaConfBaseException) as exc:
+        named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
+        where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
+        raise ManifestError([Problem("hydra", str(exc).strip().splitlines()[0], where)], str(path)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list[Point], hydra_args: list[str],
               resume: Path | None = None) -> SweepOutcome:
     """Launch every point through Hydra into one sweep folder; `resume`: an interrupted sweep's folder.

@@ -193,3 +193,15 @@ def test_example_sweep_on_smollm2_reproduces_a_sampled_point_from_its_resolved_m
     assert a["spec"]["temperature"] == 1.0 and a["spec"]["top_p"] == 0.95
     assert [r["token_ids"] for r in a["prompts"]] == [r["token_ids"] for r in b["prompts"]]
     assert all(0 < len(r["token_ids"]) <= 6 for r in a["prompts"])
+
+
+def test_an_unknown_launcher_or_launcher_setting_is_named_before_anything_runs():
+    from runner.sweep import validate_launcher
+
+    path = ROOT / "manifests" / "sweep.yaml"
+    validate_launcher(path, [], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=3"])
+    for bad, message in (("hydra/launcher=jobib", "Could not find 'hydra/launcher/jobib'"),
+                         ("hydra.launcher.n_jobz=3", "Could not override 'hydra.launcher.n_jobz'")):
+        with pytest.raises(ManifestError) as caught:
+            validate_launcher(path, [], ["hydra/launcher=joblib", bad] if "n_jobz" in bad else [bad])
+        assert f"override '{bad}'" in str(caught.value) and message in str(caught.value)
