@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted: the run folder's status.json says what finished", file=sys.stderr)
+        print("\ninterrupted: status.json (sweep.json for a sweep) says what finished; go on with --resume",
+              file=sys.stderr)
         return 130
 
 

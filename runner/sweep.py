@@ -177,6 +177,8 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
         record.update(state={"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"), ended=_now())
         for entry in record["points"]:
             entry["state"] = outcome.states.get(entry["index"], "not started")
+            if entry["state"] == "running":  # its worker was stopped before it could say so
+                entry["state"] = outcome.states[entry["index"]] = "interrupted"
         _write_json(folder / "sweep.json", record)
         if mirror:
             if state == "KILLED":  # parallel workers stopped mid-step cannot end their own runs
