@@ -100,7 +100,7 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
     from runner import sweep
 
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
-    points = sweep.expand(arguments, str(path))
+    points = sweep.expand(arguments, str(path), list(manifest.sweep))
     sweep.validate_points(path, points)
     sweep.validate_launcher(path, arguments, hydra_args)
     if command == "check":

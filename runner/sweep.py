@@ -71,8 +71,11 @@ def sweep_arguments(manifest_sweep: dict, overrides: list[str]) -> list[str]:
     return from_manifest + [hydra_override(o) for o in overrides]
 
 
-def expand(arguments: list[str], file: str) -> list[Point]:
-    """Hydra's own expansion (BasicSweeper.split_arguments), in the order its launcher numbers the jobs."""
+def expand(arguments: list[str], file: str, from_manifest: list[str] | None = None) -> list[Point]:
+    """Hydra's own expansion (BasicSweeper.split_arguments), in the order its launcher numbers the jobs.
+
+    `from_manifest`: the keys of the manifest's sweep:, recorded as swept even with a single value.
+    """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -82,12 +85,22 @@ def expand(arguments: list[str], file: str) -> list[Point]:
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
     except HydraException as exc:
         raise ManifestError([Problem("", str(exc).strip().splitlines()[0], "sweep")], file) from None
-    swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()]
+    swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
+    parser = OverridesParser.create()
     points = []
     for index, combination in enumerate(combinations):
-        values = {_key(o): o.split("=", 1)[1] for o in combination if _key(o) in swept}
+        values = {_key(o): _text(parser.parse_override(o).value()) for o in combination if _key(o) in swept}
         points.append(Point(index, tuple(combination), values))
     return points
+
+
+def _text(value) -> str:
+    """A swept value as tags and labels show it: unquoted, YAML spelling for null and booleans."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def validate_points(path: Path, points: list[Point]) -> None:

@@ -30,6 +30,14 @@ def test_hydra_grammar_lists_ranges_and_choice_expand_in_order():
     assert len({p.overrides for p in points}) == 8
 
 
+def test_manifest_sweep_values_of_any_type_reach_the_points_unquoted():
+    sweep = {"targets.0.model.dtype": ["float32", "bfloat16"], "x": ["a b", "it's", None, True], "one": [1]}
+    points = expand(sweep_arguments(sweep, []), "m.yaml", list(sweep))
+    assert len(points) == 8 and points[0].values == {"targets.0.model.dtype": "float32", "x": "a b", "one": "1"}
+    assert [p.values["x"] for p in points[:4]] == ["a b", "it's", "null", "true"]
+    assert points[1].overrides == ("++targets.0.model.dtype='float32'", "++x='it\\'s'", "++one=1")
+
+
 def test_command_line_wins_over_the_manifests_sweep_for_the_same_key():
     points = expand(sweep_arguments({TEMP: [0.0, 0.7]}, [f"{TEMP}=0.1,0.2,0.3"]), "m.yaml")
     assert [p.values[TEMP] for p in points] == ["0.1", "0.2", "0.3"]
