@@ -56,11 +56,14 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path,
             print(f"[runner] step {step.key} finished earlier (hash {step.hash[:12]}): skipped", file=sys.stderr)
         else:
             todo.append(step)
-    if not todo:
-        folder.finish("finished")
-        return outcome
     tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
     mirror = mirror_for(manifest)
+    if not todo:  # killed after its last step: its MLflow run may still say RUNNING
+        if mirror and folder.status.get("mlflow_run_id") in mirror.end_stale("runner.run_folder",
+                                                                              tags["runner.run_folder"]):
+            mirror.end(folder.status["mlflow_run_id"], "FINISHED")
+        folder.finish("finished")
+        return outcome
     parent = _open_parent(mirror, folder, run_name or manifest.name, tags, mlflow_parent) if mirror else None
     state = "KILLED"
     try:
