@@ -58,9 +58,9 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path,
             todo.append(step)
     tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
     mirror = mirror_for(manifest)
-    if not todo:  # killed after its last step: its MLflow run may still say RUNNING
-        if mirror and folder.status.get("mlflow_run_id") in mirror.end_stale("runner.run_folder",
-                                                                              tags["runner.run_folder"]):
+    if not todo:  # resumed after its last step finished: its MLflow run may still say RUNNING (or KILLED)
+        if mirror and folder.status.get("mlflow_run_id"):
+            mirror.end_stale("runner.run_folder", tags["runner.run_folder"])
             mirror.end(folder.status["mlflow_run_id"], "FINISHED")
         folder.finish("finished")
         return outcome
