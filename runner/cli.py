@@ -1,8 +1,10 @@
 """The `run` command: argv → compose → plan → execute. A RunnerError prints its message and exits 2.
 
     run MANIFEST.yaml [key=value ...]         run every step of the manifest
-    run check MANIFEST.yaml [key=value ...]   validate only (no torch import)
-    run plan MANIFEST.yaml [key=value ...]    print the plan with each step's hash
+    run MANIFEST.yaml -m key=a,b other=x,y    a sweep (Hydra's multirun grammar); also a manifest's `sweep:`
+    run MANIFEST.yaml ... --resume            go on with the latest unfinished run (or sweep) of this manifest
+    run check MANIFEST.yaml [key=value ...]   validate only (no torch import); every sweep point
+    run plan MANIFEST.yaml [key=value ...]    print the plan with each step's hash; per sweep point
     run schema                                print the manifest's JSON Schema
     run results [--experiment E] [--mode M]   a table of past runs from MLflow
     run compare A B                           two runs' metrics side by side, regressions flagged
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted: the run folder's status.json says what finished", file=sys.stderr)
+        print("\ninterrupted: status.json (sweep.json for a sweep) says what finished; go on with --resume",
+              file=sys.stderr)
         return 130
 
 
@@ -49,26 +52,49 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "check": "Validate a manifest and its overrides; exits 2 with every problem listed.",
         "plan": "Print the plan: one line per step, with its content hash.",
     }
-    args = _parser(command, descriptions[command]).parse_args(argv)
+    args = _parser(command, descriptions[command]).parse_intermixed_args(argv)
     from runner.compose import load_manifest
+    from runner.sweep import is_hydra_override, split_sweep
+
+    path = Path(args.manifest)
+    hydra_args = [o for o in args.overrides if is_hydra_override(o)]
+    overrides = [o for o in args.overrides if not is_hydra_override(o)]
+    fixed, swept = split_sweep(overrides, str(path))
+    manifest, resolved = load_manifest(path, fixed)
+    if args.multirun or manifest.sweep:  # a manifest with a sweep: block is a sweep without -m
+        return _sweep(command, args, path, manifest, overrides, hydra_args)
+    if swept:
+        raise RunnerError(f"override '{swept[0]}' is a sweep: add -m (multirun) to run every value, "
+                          f"or give one value")
+    if hydra_args:
+        raise RunnerError(f"override '{hydra_args[0]}' configures Hydra's launcher: add -m (multirun)")
+    return _single(command, args, path, manifest, resolved)
+
+
+def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
     from runner.plan import make_plan
 
-    manifest, resolved = load_manifest(args.manifest, args.overrides)
-    plan = make_plan(manifest)
+    plan = make_plan(manifest, path.parent)
     if command == "check":
-        print(f"{args.manifest}: ok ({len(plan.steps)} step{'s' if len(plan.steps) != 1 else ''})")
+        print(f"{path}: ok ({_count(len(plan.steps), 'step')})")
         return 0
     if command == "plan":
         print(plan.describe())
         return 0
     from runner.engine import execute
+    from runner.tracking import RunFolder
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background, where SIGINT is ignored
-        signal.signal(sig, _interrupt)
-    outcome = execute(manifest, resolved, plan, Path(args.manifest))
+    previous = _resume_folder(args, manifest, "status.json")
+    folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
+    _catch_signals()
+    outcome = execute(manifest, resolved, plan, path, folder)
     print(f"[runner] results: {outcome.folder}", file=sys.stderr)
+    if outcome.reused:
+        print(f"[runner] resumed: {_count(len(outcome.reused), 'step')} finished earlier, "
+              f"{len(plan.steps) - len(outcome.reused)} run now", file=sys.stderr)
     if outcome.failed:
-        print(f"error: {len(outcome.failed)} of {len(plan.steps)} steps failed: {', '.join(outcome.failed)}",
+        skipped = f"; skipped (on_failure: stop): {', '.join(outcome.skipped)}" if outcome.skipped else ""
+        print(f"error: {len(outcome.failed)} of {len(plan.steps)} steps failed: {', '.join(outcome.failed)}{skipped}",
               file=sys.stderr)
         return RunnerError.exit_code
     return 0
@@ -115,6 +141,65 @@ def _browse(command: str, argv: list[str]) -> int:
     return 1 if regressions and args.fail_on_regression else 0
 
 
+def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
+    from runner import sweep
+
+    arguments = sweep.sweep_arguments(manifest.sweep, overrides)
+    points = sweep.expand(arguments, str(path), list(manifest.sweep))
+    sweep.validate_points(path, points)
+    sweep.validate_launcher(path, arguments, hydra_args)
+    if command == "check":
+        print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
+        return 0
+    if command == "plan":
+        from runner.compose import load_manifest
+        from runner.plan import make_plan
+
+        for point in points:
+            print(f"point {point.index}: {point.label}")
+            print(make_plan(load_manifest(path, list(point.overrides))[0], path.parent).describe())
+        return 0
+    previous = _resume_folder(args, manifest, "sweep.json")
+    _catch_signals()
+    outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous)
+    print(sweep.describe(outcome, points), file=sys.stderr)
+    if outcome.failed:
+        print(f"error: {len(outcome.failed)} of {len(points)} points failed: "
+              f"{', '.join(str(i) for i in outcome.failed)}", file=sys.stderr)
+        return RunnerError.exit_code
+    return 0
+
+
+def _resume_folder(args, manifest, record: str) -> Path | None:
+    """--resume-from FOLDER, or --resume: the newest unfinished folder of this manifest's name."""
+    from runner.tracking import latest_unfinished
+
+    if args.resume_from:
+        folder = Path(args.resume_from)
+        if not (folder / record).is_file():
+            what = "sweep folder (sweep.json)" if record == "sweep.json" else "run folder (status.json)"
+            raise RunnerError(f"--resume-from {folder}: not a {what}")
+        return folder
+    if not args.resume:
+        return None
+    folder = latest_unfinished(manifest.tracking.runs_dir, manifest.name, record)
+    if folder is None:
+        kind = "sweep" if record == "sweep.json" else "run"
+        raise RunnerError(f"--resume: no unfinished {kind} of '{manifest.name}' under "
+                          f"{Path(manifest.tracking.runs_dir).resolve()}; run without --resume")
+    print(f"[runner] resuming {folder}", file=sys.stderr, flush=True)
+    return folder
+
+
+def _catch_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background, where SIGINT is ignored
+        signal.signal(sig, _interrupt)
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -128,7 +213,13 @@ def _parser(command: str, description: str, manifest: bool = True) -> argparse.A
     if manifest:
         parser.add_argument("manifest", help="path to a manifest .yaml file")
         parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seed=1 "
-                            "targets.0.runs.0.generate.temperature=0.7")
+                            "targets.0.runs.0.generate.temperature=0.7; with -m, sweeps: key=a,b key=range(1,4) "
+                            "and Hydra's launcher: hydra/launcher=joblib hydra.launcher.n_jobs=2")
+        parser.add_argument("-m", "--multirun", action="store_true", help=(
+            "run every combination of the sweep overrides (and the manifest's sweep:) through Hydra's launcher"))
+        parser.add_argument("--resume", action="store_true", help=(
+            "go on with the newest unfinished run (or sweep) of this manifest: finished steps are skipped by hash"))
+        parser.add_argument("--resume-from", metavar="FOLDER", help="go on with this run (or sweep) folder")
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Manifest file + overrides → validated Manifest. The only importer of hydra and omegaconf.
+"""Manifest file + overrides → validated Manifest. With sweep.py, the only importer of hydra and omegaconf.
 
 Hydra composes (a `defaults:` list may pull fragments from folders beside the manifest, and
 `key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so we
@@ -86,7 +86,7 @@ def _compose(path: Path, overrides: list[str], locations: dict) -> dict:
 
     file = str(path)
     # `key=value` sets or adds the key; typos are then caught by the schema, with a suggestion.
-    hydra_overrides = [o if o[:1] in "+~" else "++" + o for o in overrides]
+    hydra_overrides = [hydra_override(o) for o in overrides]
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
@@ -99,6 +99,11 @@ def _compose(path: Path, overrides: list[str], locations: dict) -> dict:
         GlobalHydra.instance().clear()
     raw.pop("hydra", None)
     return raw
+
+
+def hydra_override(override: str) -> str:
+    """`key=value` sets the key or adds it (`++`); `+key`/`~key` keep Hydra's meaning."""
+    return override if override[:1] in "+~" else "++" + override
 
 
 def _omegaconf_key(exc: Exception) -> str:

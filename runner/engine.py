@@ -1,8 +1,10 @@
-"""Executes a Plan: run folder, MLflow mirror, model reuse between steps, failure bookkeeping.
+"""Executes a Plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
 
 Each step's result is written as soon as it exists, and `status.json` is updated before and after
-every step, so a crash or Ctrl-C leaves a folder that says what finished. A step that fails for a
-user-facing reason (RunnerError) is recorded and the others go on; a bug is recorded and re-raised.
+every step, so a crash, Ctrl-C or kill -9 leaves a folder that says what finished; executing the plan
+again into that folder skips the steps that finished with the same hash (`--resume`). A step that
+fails for a user-facing reason (RunnerError) is recorded and the others go on (`on_failure: continue`)
+or the rest are skipped (`on_failure: stop`); a bug is recorded and re-raised.
 """
 
 from __future__ import annotations
@@ -26,40 +28,65 @@ from runner.tracking import MlflowMirror, RunFolder, default_tracking_uri, envir
 class Outcome:
     folder: Path
     failed: dict[str, str] = field(default_factory=dict)  # step key → reason
+    reused: list[str] = field(default_factory=list)  # finished in an earlier (interrupted) invocation
+    skipped: list[str] = field(default_factory=list)  # not run: on_failure: stop after a failure
 
 
-def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path) -> Outcome:
+_LOADED: list = []  # [(model spec json, LoadedModel)]: one model in memory, kept across the points of a sweep
+
+
+def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path, folder: RunFolder,
+            mlflow_parent: str | None = None, tags: dict | None = None, run_name: str | None = None) -> Outcome:
+    """Run the plan's steps into `folder`, skipping steps that already finished there with the same hash.
+
+    `mlflow_parent`: the sweep's run, when this is one point of a sweep; `tags` go on every MLflow run.
+    """
     import torch  # noqa: F401  (imported here: planning and checking never pay for it)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    folder = RunFolder(manifest.tracking.runs_dir, manifest.name)
     folder.write_text("manifest.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
     folder.write_json("plan.json", plan.to_json())
     folder.write_json("env.json", environment())
+    folder.set(name=manifest.name)
     print(f"[runner] run folder: {folder.path}", file=sys.stderr, flush=True)
-    mirror = _mirror(manifest)
-    parent = mirror.start(manifest.name, {"runner.manifest": str(manifest_path)}, parent=True) if mirror else None
     outcome = Outcome(folder.path)
-    loaded: tuple[str, object] | None = None  # (model spec json, LoadedModel): one model in memory at a time
+    todo = []
+    for step in plan.steps:
+        if folder.finished(step.key, step.hash):
+            outcome.reused.append(step.key)
+            print(f"[runner] step {step.key} finished earlier (hash {step.hash[:12]}): skipped", file=sys.stderr)
+        else:
+            todo.append(step)
+    tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
+    mirror = mirror_for(manifest)
+    if not todo:  # resumed after its last step finished: its MLflow run may still say RUNNING (or KILLED)
+        if mirror and folder.status.get("mlflow_run_id"):
+            mirror.end_stale("runner.run_folder", tags["runner.run_folder"])
+            mirror.end(folder.status["mlflow_run_id"], "FINISHED")
+        folder.finish("finished")
+        return outcome
+    parent = _open_parent(mirror, folder, run_name or manifest.name, tags, mlflow_parent) if mirror else None
     state = "KILLED"
     try:
-        for step in plan.steps:
-            folder.set_step(step.key, "running", hash=step.hash)
-            tags = {"runner.step_hash": step.hash, "runner.mode": step.mode}
-            child = mirror.start(step.key, tags) if mirror else None
+        for n, step in enumerate(todo):
+            child = mirror.start(step.key, {**tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
+                                 parent=parent) if mirror else None
+            folder.set_step(step.key, "running", hash=step.hash, mlflow_run_id=child)
             try:
-                spec_key = json.dumps([step.model, step.model_seed], sort_keys=True)
-                if loaded is None or loaded[0] != spec_key:
-                    loaded = None  # free the previous model before loading the next
-                    loaded = (spec_key, _load(step, manifest_path.parent))
-                result = _run_step(step, loaded[1], manifest_path.parent, folder.path / step.key)
+                result = _run_step(step, _model_for(step, manifest_path.parent), manifest_path.parent,
+                                   folder.path / step.key)
             except RunnerError as exc:
                 outcome.failed[step.key] = str(exc)
                 folder.set_step(step.key, "failed", error=str(exc))
                 print(f"[runner] step {step.key} failed: {exc}", file=sys.stderr, flush=True)
                 if mirror:
                     mirror.end(child, "FAILED")
+                if manifest.on_failure == "stop":
+                    outcome.skipped = [s.key for s in todo[n + 1:]]
+                    for key in outcome.skipped:
+                        folder.set_step(key, "skipped", reason=f"on_failure: stop after {step.key} failed")
+                    break
                 continue
             except BaseException as exc:
                 folder.set_step(step.key, "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed",
@@ -81,7 +108,7 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path)
                                           "seed": step.seed, "model_fingerprint": result["model"], **params},
                            metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
                 mirror.end(child, "FINISHED")
-        state = "FAILED" if outcome.failed else "FINISHED"
+        state = "FAILED" if outcome.failed or outcome.skipped else "FINISHED"
     finally:
         try:
             folder.finish({"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"))
@@ -101,7 +128,26 @@ def _rescue(step: Step, result: dict) -> Path:
     return Path(name)
 
 
-def _mirror(manifest: Manifest) -> MlflowMirror | None:
+def _open_parent(mirror: MlflowMirror, folder: RunFolder, name: str, tags: dict, sweep_run: str | None) -> str:
+    """The folder's MLflow run: the one it had before when resumed (its killed children end KILLED first)."""
+    mirror.end_stale("runner.run_folder", tags["runner.run_folder"])
+    previous = folder.status.get("mlflow_run_id")
+    run_id = mirror.reopen(previous) if previous else None
+    if run_id is None:
+        run_id = mirror.start(name, tags, parent=sweep_run)
+    folder.set(mlflow_run_id=run_id)
+    return run_id
+
+
+def _model_for(step: Step, base_dir: Path):
+    spec_key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
+    if not _LOADED or _LOADED[0][0] != spec_key:
+        _LOADED.clear()  # free the previous model before loading the next
+        _LOADED.append((spec_key, _load(step, base_dir)))
+    return _LOADED[0][1]
+
+
+def mirror_for(manifest: Manifest) -> MlflowMirror | None:
     tracking = manifest.tracking
     if not tracking.mlflow:
         return None

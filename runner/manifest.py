@@ -225,6 +225,20 @@ class Manifest(Strict):
     models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
         "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
     targets: list[Target] = Field(min_length=1, description="Models and the runs to do on each.")
+    on_failure: Literal["continue", "stop"] = Field("continue", description=(
+        "When a step (or a sweep point) fails: continue with the others and report failures at the end, "
+        "or stop at the first."))
+    sweep: dict[str, list[str | int | float | bool | None] | str] = Field(default_factory=dict, description=(
+        "Sweep: key path → values, a list or Hydra's sweep grammar ('0.1,0.5', 'range(1,4)', 'choice(a,b)'); "
+        "every combination runs as one point (e.g. targets.0.runs.0.generate.temperature: [0.0, 0.7])."))
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_values(cls, sweep: dict) -> dict:
+        for key, values in sweep.items():
+            if isinstance(values, list) and not values:
+                raise ValueError(f"sweep key {key!r} has no values")
+        return sweep
 
     @field_validator("version")
     @classmethod

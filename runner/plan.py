@@ -1,14 +1,22 @@
 """Manifest → Plan: an ordered, frozen, printable list of steps, each with a content hash.
 
-Pure: no torch, no disk. The hash covers everything that decides a step's output (model spec,
-run spec, seed, runner version), so equal hashes mean the step would compute the same thing.
+No torch. The hash covers everything that decides a step's output: the model spec, the run spec,
+the seeds, the content of input files the spec names (prompts_file), the code (a hash of runner's
+source) and the environment (Python, torch, transformers versions, OS and machine), so equal hashes
+mean the step would compute the same thing, and `--resume` may skip a finished step by its hash.
+Model weights named by a local path are identified at load time (the fingerprint in results.json).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import platform
+import sys
 from dataclasses import asdict, dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
 
 from runner import __version__
 from runner.manifest import BLOCKS, Manifest
@@ -36,9 +44,11 @@ class Step:
 class Plan:
     name: str
     steps: tuple[Step, ...]
+    environment: dict  # code and environment fingerprint, part of every step's hash
 
     def to_json(self) -> dict:
-        return {"name": self.name, "runner_version": __version__, "steps": [asdict(s) for s in self.steps]}
+        return {"name": self.name, "runner_version": __version__, "environment": self.environment,
+                "steps": [asdict(s) for s in self.steps]}
 
     def describe(self) -> str:
         lines = [f"plan '{self.name}': {len(self.steps)} step{'s' if len(self.steps) != 1 else ''}"]
@@ -51,7 +61,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(manifest: Manifest) -> Plan:
+def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> Plan:
+    """`base_dir`: where the manifest's relative input files are (the manifest's folder)."""
+    env = environment_fingerprint()
     steps = []
     for target in manifest.targets:
         model = target.model.model_dump(mode="json")
@@ -59,10 +71,39 @@ def make_plan(manifest: Manifest) -> Plan:
             spec = getattr(run, _block_of(run.mode)).model_dump(mode="json", exclude_none=True)
             seed = spec.get("seed", manifest.seed)
             content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "model_seed": manifest.seed,
-                       "runner": __version__}
+                       "files": _input_files(spec, Path(base_dir)), "environment": env}
             digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
             steps.append(Step(len(steps), target.name, run.id, run.mode, model, spec, seed, manifest.seed, digest))
-    return Plan(manifest.name, tuple(steps))
+    return Plan(manifest.name, tuple(steps), env)
+
+
+@lru_cache(maxsize=1)
+def environment_fingerprint() -> dict:
+    """What besides the manifest decides the output: the code and the numeric stack (no torch import)."""
+    source = Path(__file__).resolve().parent
+    code = hashlib.sha256()
+    for path in sorted(source.rglob("*.py")):
+        code.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes())
+    return {"runner": __version__, "code": code.hexdigest()[:16], "python": sys.version.split()[0],
+            "torch": _version("torch"), "transformers": _version("transformers"),
+            "system": f"{platform.system()}-{platform.machine()}"}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _input_files(spec: dict, base_dir: Path) -> dict:
+    """sha256 of each input file the spec names; a missing file hashes as None (the step reports it)."""
+    out = {}
+    for key in ("prompts_file",):
+        if spec.get(key):
+            path = base_dir / spec[key]
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return out
 
 
 def _block_of(mode: str) -> str:

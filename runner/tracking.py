@@ -21,22 +21,42 @@ from runner.errors import ResourceError, RunnerError
 
 
 class RunFolder:
-    """`<runs_dir>/<utc-stamp>-<name>/` with atomic JSON writes."""
+    """`<runs_dir>/<utc-stamp>-<name>/` (or a given folder, e.g. a sweep point's) with atomic JSON writes.
 
-    def __init__(self, runs_dir: str | Path, name: str):
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        base = Path(runs_dir)
-        try:
-            base.mkdir(parents=True, exist_ok=True)
-            path, n = base / f"{stamp}-{name}", 1
-            while path.exists():
-                n += 1
-                path = base / f"{stamp}-{name}-{n}"
-            path.mkdir()
-        except OSError as exc:
-            raise RunnerError(f"cannot create the run folder under {base.resolve()}: {exc.strerror}") from None
+    `status.json` holds the folder's state, each step's state and hash, and the MLflow run ids, so
+    `open()` can resume it after Ctrl-C, kill -9 or a crash.
+    """
+
+    def __init__(self, path: Path, status: dict):
         self.path = path
-        self.status = {"state": "running", "started": _now(), "steps": {}}
+        self.status = status
+
+    @classmethod
+    def create(cls, runs_dir: str | Path, name: str) -> "RunFolder":
+        return cls(new_folder(runs_dir, name), {"state": "running", "started": _now(), "pid": os.getpid(),
+                                                "steps": {}})
+
+    @classmethod
+    def at(cls, path: Path) -> "RunFolder":
+        """The folder at `path`: reopened with its status when it has one, else started empty."""
+        status_file = path / "status.json"
+        if status_file.is_file():
+            status = json.loads(status_file.read_text(encoding="utf-8"))
+            status.update(state="running", resumed=_now(), pid=os.getpid())
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            status = {"state": "running", "started": _now(), "pid": os.getpid(), "steps": {}}
+        return cls(path, status)
+
+    def finished(self, key: str, step_hash: str) -> bool:
+        """The step `key` with this exact hash finished here before (status and results on disk)."""
+        entry = self.status["steps"].get(key, {})
+        return (entry.get("state") == "finished" and entry.get("hash") == step_hash
+                and (self.path / key / "results.json").is_file())
+
+    def set(self, **info) -> None:
+        self.status.update(info)
+        self.write_json("status.json", self.status)
 
     def write_json(self, relative: str, data) -> Path:
         return self.write_text(relative, json.dumps(data, indent=2, default=str) + "\n")
@@ -63,7 +83,7 @@ class RunFolder:
 
 
 class MlflowMirror:
-    """Parent run per invocation, child run per step; explicit client, no global active run.
+    """Runs nested as sweep → manifest (or sweep point) → step; explicit client, no global active run.
 
     Every call to the store holds a file lock beside it: processes sharing one sqlite store (parallel
     sweep points, runs started side by side) would otherwise race its creation and migrations."""
@@ -76,22 +96,41 @@ class MlflowMirror:
 
         artifact_root.parent.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(str(artifact_root.parent / ".mlflow.lock"))
-        with self.lock:  # the client creates (and migrates) the store
+        with self.lock:  # the client creates (and migrates) the store; one process creates the experiment
             self.client = MlflowClient(tracking_uri=tracking_uri)
             found = self.client.get_experiment_by_name(experiment)
             self.experiment_id = found.experiment_id if found else self.client.create_experiment(
                 experiment, artifact_location=artifact_root.resolve().as_uri())
-        self.parent_id: str | None = None
 
-    def start(self, name: str, tags: dict, parent: bool = False) -> str:
-        if not parent:
-            tags = {**tags, "mlflow.parentRunId": self.parent_id}
+    def start(self, name: str, tags: dict, parent: str | None = None) -> str:
+        """A new run, nested under `parent` (a run id) when given."""
+        if parent:
+            tags = {**tags, "mlflow.parentRunId": parent}
         with self.lock:
             run = self.client.create_run(self.experiment_id, run_name=name,
                                          tags={k: str(v) for k, v in tags.items()})
-        if parent:
-            self.parent_id = run.info.run_id
         return run.info.run_id
+
+    def reopen(self, run_id: str) -> str | None:
+        """A resumed folder's run goes on in the same MLflow run instead of a duplicate; None if this
+        store does not have it (e.g. the tracking URI changed since)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            with self.lock:
+                self.client.update_run(run_id, status="RUNNING")
+        except MlflowException:
+            return None
+        return run_id
+
+    def end_stale(self, tag: str, value: str) -> list[str]:
+        """Runs tagged `tag=value` still RUNNING (their process was killed, e.g. kill -9) end KILLED."""
+        with self.lock:
+            runs = self.client.search_runs([self.experiment_id], filter_string=(
+                f"attributes.status = 'RUNNING' and tags.`{tag}` = '{value}'"), max_results=10_000)
+            for run in runs:
+                self.client.set_terminated(run.info.run_id, "KILLED")
+        return [run.info.run_id for run in runs]
 
     def log(self, run_id: str, params: dict | None = None, metrics: dict | None = None,
             artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
@@ -124,6 +163,38 @@ def quiet_mlflow() -> None:
 
     for noisy in ("alembic", "mlflow"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def new_folder(runs_dir: str | Path, name: str) -> Path:
+    """A fresh `<runs_dir>/<utc-stamp>-<name>[-N]`; mkdir is the claim, so parallel processes never share one."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(runs_dir)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            path = base / (f"{stamp}-{name}" if n == 1 else f"{stamp}-{name}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise RunnerError(f"cannot create the run folder under {base.resolve()}: {exc.strerror}") from None
+    raise RunnerError(f"cannot create the run folder under {base.resolve()}: too many folders named {stamp}-{name}")
+
+
+def latest_unfinished(runs_dir: str | Path, name: str, record: str) -> Path | None:
+    """The newest folder directly under `runs_dir` whose `record` file (status.json or sweep.json) names
+    `name` and whose state is not finished: what `--resume` without a folder picks."""
+    found = []
+    for path in Path(runs_dir).glob(f"*-{name}*"):
+        try:
+            data = json.loads((path / record).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("name") == name and data.get("state") != "finished":
+            found.append((data.get("started", ""), path.name, path))
+    return max(found)[2] if found else None
 
 
 def default_tracking_uri(runs_dir: str | Path) -> str:

@@ -155,3 +155,15 @@ def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_
     runs_by_name = {r.info.run_name: r.info.status
                     for r in client.search_runs([client.get_experiment_by_name("t").experiment_id])}
     assert runs_by_name == {"t": "KILLED", "tiny/greedy": "FINISHED", "tiny/long": "KILLED"}
+
+
+def test_on_failure_stop_skips_the_steps_after_a_failure(tmp_path):
+    runs = RUNS.replace('generate: {prompts: ["hello", "a longer prompt"]', "generate: {prompts_file: missing.txt")
+    path = tiny_manifest(tmp_path, runs, extra="on_failure: stop")
+    done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "skipped (on_failure: stop): tiny/sampled" in done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    status = json.loads((folder / "status.json").read_text())
+    assert {k: v["state"] for k, v in status["steps"].items()} == {"tiny/greedy": "failed", "tiny/sampled": "skipped"}
+    assert not (folder / "tiny" / "sampled").exists()

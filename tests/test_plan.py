@@ -35,3 +35,25 @@ def test_hash_is_stable_and_changes_with_any_input(tmp_path):
     assert reseeded.steps[1].seed == 5 and reseeded.steps[1].model_seed == 1
     other_dtype = make_plan(load_manifest(path, ["targets.0.model.dtype=bfloat16"])[0])
     assert all(a.hash != b.hash for a, b in zip(other_dtype.steps, base.steps))
+
+
+def test_hash_covers_the_prompts_files_content_and_the_environment(tmp_path):
+    (tmp_path / "p.txt").write_text("hello\n")
+    path = tiny_manifest(tmp_path, RUNS.replace("prompts: [x]", "prompts_file: p.txt"))
+    base = make_plan(load_manifest(path)[0], tmp_path)
+    (tmp_path / "p.txt").write_text("hello there\n")
+    edited = make_plan(load_manifest(path)[0], tmp_path)
+    assert edited.steps[0].hash != base.steps[0].hash and edited.steps[1].hash == base.steps[1].hash
+    env = base.to_json()["environment"]
+    assert {"runner", "code", "python", "torch", "transformers", "system"} <= set(env) and env["torch"]
+
+
+def test_hash_changes_with_the_code(tmp_path, monkeypatch):
+    import runner.plan as plan_module
+
+    path = tiny_manifest(tmp_path, RUNS)
+    base = make_plan(load_manifest(path)[0])
+    other = {**plan_module.environment_fingerprint(), "code": "0" * 16}
+    monkeypatch.setattr(plan_module, "environment_fingerprint", lambda: other)
+    changed = make_plan(load_manifest(path)[0])
+    assert all(a.hash != b.hash for a, b in zip(base.steps, changed.steps))

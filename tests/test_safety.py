@@ -43,7 +43,7 @@ def test_remote_code_is_off_unless_asked_and_loud_when_on(tmp_path):
 
 
 def test_a_write_that_fails_is_a_clear_error_and_leaves_no_temporary_file(tmp_path):
-    folder = RunFolder(tmp_path, "w")
+    folder = RunFolder.create(tmp_path, "w")
     (folder.path / "results.json").mkdir()  # the target cannot be replaced by a file
     with pytest.raises(ResourceError, match=r"cannot write .*results\.json: .*\(disk full or not writable\?\)"):
         folder.write_json("results.json", {"a": 1})
