@@ -158,7 +158,8 @@ def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_
 
 
 def test_on_failure_stop_skips_the_steps_after_a_failure(tmp_path):
-    runs = RUNS.replace('generate: {prompts: ["hello", "a longer prompt"]', "generate: {prompts_file: missing.txt")
+    runs = RUNS.replace('generate: {prompts: ["hello", "a longer prompt"]', 'generate: {prompts: ["far too long"], '
+                        'max_seq_len: 3')
     path = tiny_manifest(tmp_path, runs, extra="on_failure: stop")
     done = run_cli(path, "tracking.mlflow=false", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr

@@ -137,7 +137,7 @@ def test_joblib_launcher_runs_points_in_separate_processes_without_collisions(tm
 def test_on_failure_stop_skips_the_remaining_points_and_continue_runs_them(tmp_path):
     runs = RUNS.replace('prompts: ["hello", "a longer prompt"]', "prompts_file: p.txt")
     (tmp_path / "p.txt").write_text("hello\n")
-    sweep = "targets.0.runs.0.generate.prompts_file=missing.txt,p.txt,p.txt"
+    sweep = "targets.0.runs.0.generate.max_seq_len=3,2048,2048"  # point 0: the prompt does not fit
     for policy, states in (("stop", ["failed", "skipped", "skipped"]), ("continue", ["failed", "finished", "finished"])):
         path = tiny_manifest(tmp_path, runs, extra=f"on_failure: {policy}")
         done = run_cli(path, "-m", sweep, f"tracking.runs_dir={tmp_path / policy}", "tracking.mlflow=false",
