@@ -190,7 +190,7 @@ class GenerateConfig(AutoCacheConfig):
             off = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "typical_p": (None, 1.0),
                    "penalty_alpha": (None, 0.0)}
             sampling = [k for k, values in off.items() if getattr(self, k) not in values]
-            if "temperature" in self.model_fields_set and self.temperature != 0.0:
+            if self.temperature not in (0.0, 1.0):  # 0 and 1 leave the log-probabilities as they are
                 sampling.insert(0, "temperature")
             if sampling:
                 raise ValueError(f"beam search (num_beams > 1) is deterministic: remove {', '.join(sampling)} "
@@ -201,7 +201,7 @@ class GenerateConfig(AutoCacheConfig):
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) cannot exceed num_beams "
                              f"({self.num_beams})")
         if self.contrastive:
-            if "temperature" in self.model_fields_set and self.temperature != 0.0:
+            if self.temperature not in (0.0, 1.0):
                 raise ValueError("contrastive search (penalty_alpha with top_k) is deterministic: remove temperature")
             if self.top_p not in (None, 1.0) or self.min_p or self.typical_p not in (None, 1.0):
                 raise ValueError("contrastive search takes top_k candidates: remove top_p, min_p and typical_p")
