@@ -111,3 +111,23 @@ def trim_mask(mask: torch.Tensor, cache: Cache) -> torch.Tensor:
     if not isinstance(layer, WindowMixin):
         return mask
     return keep_slots(mask, layer.sinks, layer.window, dim=1)
+
+
+@torch.inference_mode()
+def planned_nll(model, ids: torch.Tensor, prompt_len: int, plan: DecodePlan, kind: str | None = None) -> float:
+    """The decode-time quality of a plan: prefill ids[:, :prompt_len] as planned, then feed the rest one token at
+    a time through the planned cache; mean NLL (nats) of each true next token predicted during decoding. [1,T]."""
+    from runner.infer.decode import decode_one_token, prefill
+
+    cache = make_planned_cache(kind, model, plan)
+    ones = torch.ones_like(ids)
+    logits, mask, _ = prefill(model, ids[:, :prompt_len], None, ones[:, :prompt_len],
+                              torch.arange(prompt_len, device=ids.device)[None], cache, plan.q_chunk)
+    nll = []
+    for pos in range(prompt_len, ids.shape[1]):
+        nll.append(-torch.log_softmax(logits.float(), dim=-1)[0, ids[0, pos]])
+        if pos + 1 < ids.shape[1]:
+            mask = torch.cat([mask, ones[:, :1]], dim=1)
+            logits = decode_one_token(model, ids[:, pos], mask, torch.tensor([pos], device=ids.device), cache)
+            mask = trim_mask(mask, cache)
+    return float(torch.stack(nll).mean())

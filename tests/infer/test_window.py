@@ -135,3 +135,16 @@ def test_decode_plan_buckets():
 def test_decode_plan_settings_that_do_not_combine_are_rejected(settings, message):
     with pytest.raises(ValueError, match=message):
         GenerateConfig(**settings)
+
+
+def test_planned_nll_measures_the_window(tiny_lm):
+    """Without a window it equals the quality module's teacher-forced NLL; a small window changes it."""
+    from runner.infer.quality import teacher_forced_logprobs
+    from runner.infer.window import DecodePlan, planned_nll
+
+    ids = _tokens(tiny_lm, 48, seed=5)
+    logprobs = teacher_forced_logprobs(tiny_lm.model, ids, 24, None, score_prefill=True)[0]  # [24, V]
+    reference = float(-logprobs.gather(-1, ids[0, 24:, None]).mean())
+    full = planned_nll(tiny_lm.model, ids, 24, DecodePlan("fixed", "fixed", 48, 5, None, 0))
+    windowed = planned_nll(tiny_lm.model, ids, 24, DecodePlan("fixed", "fixed", 48, 5, 6, 2))
+    assert abs(full - reference) < 1e-4 and abs(windowed - full) > 1e-3
