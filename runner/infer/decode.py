@@ -140,7 +140,7 @@ class Generator:
         for token in self.steps(input_ids, attention_mask):
             yield int(token[0])
 
-    def _start(self, ids: torch.Tensor, new_mask: torch.Tensor, batch_for_kind: int) -> None:
+    def _start(self, ids: torch.Tensor, batch_for_kind: int) -> None:
         """Plan this call and make the cache if there is none yet."""
         if self.length + ids.shape[1] >= self.config.max_seq_len:
             raise StepError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
@@ -184,7 +184,7 @@ class Generator:
         if self.pending is not None:  # continue: the last token of the previous turn enters the cache first
             ids = torch.cat([self.pending[:, None], ids], dim=1)
             new_mask = torch.cat([torch.ones_like(self.pending[:, None]), new_mask], dim=1)
-        self._start(ids, new_mask, ids.shape[0])
+        self._start(ids, ids.shape[0])
         batch = ids.shape[0]
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
                                  stop_reasons=[""] * batch, plan=self.plan)
@@ -230,7 +230,7 @@ class Generator:
         ids = input_ids.to(self.device).repeat_interleave(cfg.num_beams, dim=0)  # [B·K,T]: every beam, as transformers
         new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         new_mask = new_mask.repeat_interleave(cfg.num_beams, dim=0)
-        self._start(ids, new_mask, ids.shape[0])
+        self._start(ids, ids.shape[0])
         max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
         search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self._pad_id(), max_len)
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
@@ -272,7 +272,7 @@ class Generator:
     def _finished_rows(self, token: torch.Tensor, done: torch.Tensor, step: int) -> torch.Tensor:
         """[B] bool: rows that stop after this token; records how many tokens each row made and why."""
         finished = torch.zeros_like(done)
-        full = self.length + 1 >= self.config.max_seq_len
+        full = self.length + (self.pending is not None) >= self.config.max_seq_len  # tokens so far
         for row in range(token.shape[0]):
             if done[row]:
                 continue

@@ -81,3 +81,12 @@ def test_beam_search_does_not_stream(tiny_lm):
 def test_beam_settings_that_do_not_combine_are_rejected(settings, message):
     with pytest.raises(ValueError, match=message):
         GenerateConfig(**settings)
+
+
+@pytest.mark.slow
+def test_beam_search_equals_transformers_on_smollm2(smollm):
+    enc = smollm.tokenizer(["The capital of France is", "def fibonacci(n):"], return_tensors="pt", padding=True)
+    settings = dict(max_new_tokens=12, num_beams=3, num_return_sequences=2, length_penalty=1.0)
+    ours = generate(smollm.model, enc.input_ids, attention_mask=enc.attention_mask, **settings)
+    hf = smollm.model.generate(**enc, do_sample=False, **settings)
+    assert torch.equal(ours, hf)

@@ -74,3 +74,11 @@ def test_contrastive_rejects_a_batch_and_sampling_settings(tiny_lm):
         GenerateConfig(penalty_alpha=0.5)
     with pytest.raises(ValueError, match="top_p"):
         GenerateConfig(penalty_alpha=0.5, top_k=4, top_p=0.9)
+
+
+def test_contrastive_stops_at_max_seq_len_like_greedy(tiny_lm):
+    ids = tiny_lm.tokenizer("abcdef", return_tensors="pt").input_ids  # 6 tokens
+    for settings in (dict(temperature=0), dict(penalty_alpha=0.5, top_k=3)):
+        gen = Generator(tiny_lm.model, GenerateConfig(max_new_tokens=50, eos_token_id=[], max_seq_len=10, **settings))
+        out = gen.generate(ids)
+        assert out.shape[1] == 10 and gen.stats.stop_reasons == ["max_seq_len"]
