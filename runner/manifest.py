@@ -116,7 +116,9 @@ class GenerateSpec(GenerateConfig, PromptSource):
         return self
 
     def strategy_configs(self, **updates) -> dict[str, GenerateConfig]:
-        """Strategy name → its GenerateConfig (the block's settings, then the strategy's); no strategies → {"": block}."""
+        """Strategy name → its GenerateConfig (the block's settings, then the strategy's).
+
+        No strategies → {"": the block's own GenerateConfig}."""
         if not self.strategies:
             return {"": library_config(self, GenerateConfig, **updates)}
         try:

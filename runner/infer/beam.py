@@ -78,7 +78,8 @@ class BeamSearch:
 
         self.cur_len += 1
         self.improvable = self._can_improve()
-        go_on = bool(self.improvable.any()) and not (bool(self.is_finished.all()) and self.config.early_stopping is True)
+        all_done = bool(self.is_finished.all()) and self.config.early_stopping is True
+        go_on = bool(self.improvable.any()) and not all_done
         return parents.view(-1), go_on and not bool(hits.all())
 
     def next_tokens(self) -> torch.Tensor:

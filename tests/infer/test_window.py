@@ -94,7 +94,8 @@ def test_window_bounds_the_bytes_of_every_supported_kind(tiny_lm, kind):
     sizes = {}
     for window in (None, 8):
         cfg = GenerateConfig(max_new_tokens=20, temperature=0, eos_token_id=[], cache_kind=kind,
-                             decode_plan="fixed" if window else "none", decode_local_window=window, decode_sink_tokens=2,
+                             decode_plan="fixed" if window else "none", decode_local_window=window,
+                             decode_sink_tokens=2,
                              decode_q_chunk=None)
         gen = Generator(tiny_lm.model, cfg)
         with warnings.catch_warnings(record=True) as caught:

@@ -77,4 +77,5 @@ def test_unknown_strategy_key_names_the_closest(tmp_path):
         generate: {prompts: ["a"], strategies: {b: {num_beam: 2}}}
 """)
     done = run_cli("check", path)
-    assert done.returncode == 2 and "strategies.b.num_beam" in done.stderr and "did you mean 'num_beams'?" in done.stderr
+    assert done.returncode == 2 and "strategies.b.num_beam" in done.stderr
+    assert "did you mean 'num_beams'?" in done.stderr
