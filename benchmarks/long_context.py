@@ -112,6 +112,9 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--windows", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window-chunk", type=int, default=None, help="prefill chunk before the window's "
+                        "decode steps (default: the first of --chunks)")
+    parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-window", action="store_true")
     args = parser.parse_args()
 
@@ -120,9 +123,10 @@ def main() -> None:
     ids = torch.tensor(token_windows(lm.tokenizer, load_text("pydoc"), args.context, 1), device=lm.device)
     print(f"{args.model} {args.dtype} on {lm.device}, torch threads {torch.get_num_threads()}, "
           f"max_position_embeddings {getattr(lm.model.config, 'max_position_embeddings', '?')}")
-    prefill_table(lm.model, ids, args.chunks, args.repeats)
+    if not args.skip_prefill:
+        prefill_table(lm.model, ids, args.chunks, args.repeats)
     if not args.skip_window:
-        window_table(lm.model, ids, args.decode_steps, args.windows, args.sinks, args.chunks[0])
+        window_table(lm.model, ids, args.decode_steps, args.windows, args.sinks, args.window_chunk or args.chunks[0])
 
 
 if __name__ == "__main__":
