@@ -5,7 +5,8 @@
 Prints:
   prefill   whole vs chunked prefill of --context tokens of real text (pydoc): median seconds and peak memory
             added by the prefill (CPU: peak RSS, reset through /proc/self/clear_refs; CUDA: peak allocated),
-            each as a ratio to the whole prefill; variants interleaved, order reversed every other repeat.
+            each as a ratio to the whole prefill; variants interleaved, order reversed every other repeat,
+            after a warm-up of each on the first 256 tokens.
             Also the largest |Δ logit| of the chunked prefill against the whole one.
   window    ΔNLL of the sliding window against the full cache: prefill --context − --decode-steps tokens
             (chunked), then --decode-steps teacher-forced one-token steps through each cache; mean NLL of the
@@ -71,8 +72,8 @@ def prefill_table(model, ids: torch.Tensor, chunks: list[int], repeats: int) -> 
     times: dict = {v: [] for v in variants}
     peaks: dict = {v: [] for v in variants}
     logits: dict = {}
-    for v in variants:  # warm-up
-        measured_prefill(model, ids, v)
+    for v in variants:  # warm-up on a short prefix: first-call costs, not the long prefill again
+        measured_prefill(model, ids[:, :256], v)
     for repeat in range(repeats):
         for v in variants if repeat % 2 == 0 else reversed(variants):
             seconds, peak, logits[v] = measured_prefill(model, ids, v)
