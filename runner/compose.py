@@ -195,7 +195,7 @@ def _model_in(annotation) -> tuple[type[BaseModel] | None, bool]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     container = origin in (list, dict)
     for arg in args:
-        found, _ = _model_in(arg)
+        found, inner = _model_in(arg)
         if found is not None:
-            return found, container
+            return found, container or inner  # dict[str, X] | None: the key sits inside the optional
     return None, False

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
@@ -83,6 +83,15 @@ class PromptSource(BaseModel):
         return self
 
 
+STRATEGY_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
+                 "penalty_alpha", "seed", "decode_plan", "decode_q_chunk", "decode_local_window", "decode_sink_tokens")
+Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys, each overriding the block's
+    "Strategy", __config__=ConfigDict(extra="forbid", frozen=True),
+    **{key: (GenerateConfig.model_fields[key].annotation | None,
+             Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
+
+
 class GenerateSpec(GenerateConfig, PromptSource):
     """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch.
 
@@ -90,12 +99,37 @@ class GenerateSpec(GenerateConfig, PromptSource):
     """
 
     stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
+    strategies: dict[str, Strategy] | None = Field(None, min_length=1, description=(
+        "Decode the same prompts once per named strategy (each overrides the block's decoding keys); outputs "
+        "side by side in the results and outputs.csv."))
 
     @model_validator(mode="after")
     def _stream_one_at_a_time(self) -> "GenerateSpec":
-        if self.stream and self.batch_size != 1:
-            raise ValueError("'stream' prints one sequence at a time: set batch_size: 1, or stream: false")
+        for name, config in self.strategy_configs().items():
+            where = f"strategy {name!r}: " if self.strategies else ""
+            if self.stream and self.batch_size != 1:
+                raise ValueError("'stream' prints one sequence at a time: set batch_size: 1, or stream: false")
+            if self.stream and config.num_beams > 1:
+                raise ValueError(f"{where}beam search decides its tokens at the end and cannot stream: "
+                                 f"remove stream or num_beams")
+            if config.contrastive and self.batch_size != 1:
+                raise ValueError(f"{where}contrastive search (penalty_alpha) decodes one prompt at a time: "
+                                 f"set batch_size: 1")
         return self
+
+    def strategy_configs(self, **updates) -> dict[str, GenerateConfig]:
+        """Strategy name → its GenerateConfig (the block's settings, then the strategy's).
+
+        No strategies → {"": the block's own GenerateConfig}."""
+        if not self.strategies:
+            return {"": library_config(self, GenerateConfig, **updates)}
+        try:
+            return {name: library_config(self, GenerateConfig, **strategy.model_dump(exclude_none=True) | updates)
+                    for name, strategy in self.strategies.items()}
+        except ValidationError as exc:
+            name = next(n for n, st in self.strategies.items()  # the first strategy that does not validate
+                        if not _validates(self, st.model_dump(exclude_none=True) | updates))
+            raise ValueError(f"strategy {name!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
 class DraftSource(BaseModel):
@@ -259,6 +293,14 @@ def library_config(block: BaseModel, config_class: type[BaseModel], **updates) -
     plus `updates`; the block's own keys (prompts, draft, ...) stay behind."""
     fields = block.model_dump(exclude_unset=True).items()
     return config_class.model_validate({k: v for k, v in fields if k in config_class.model_fields} | updates)
+
+
+def _validates(block: BaseModel, updates: dict) -> bool:
+    try:
+        library_config(block, GenerateConfig, **updates)
+    except ValidationError:
+        return False
+    return True
 
 
 def _reject_duplicates(names: list[str], what: str) -> None:

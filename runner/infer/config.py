@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2")
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
@@ -144,11 +144,80 @@ class GenerateConfig(AutoCacheConfig):
     seed: int | None = Field(
         None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description=(
+        "Keep tokens whose probability is at least min_p × the top token's (unset or 0 = off)."))
+    typical_p: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Locally typical sampling mass: keep the tokens closest to the distribution's entropy (unset or 1 = off)."))
+    no_repeat_ngram_size: int = Field(0, ge=0, le=1024, description=(
+        "Never repeat an n-gram of this size already in the sequence (0 = off)."))
+    num_beams: int = Field(1, ge=1, le=64, description="Beam search with this many beams (1 = no beam search).")
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description=(
+        "Beam search: a finished beam scores sum(logprobs) / new_tokens ** length_penalty (> 0 favours longer)."))
+    early_stopping: bool | Literal["never"] = Field(False, description=(
+        "Beam search: true = stop once num_beams beams have finished; false = stop when no running beam can "
+        "plausibly improve (transformers' heuristic); never = only when none can improve at all."))
+    num_return_sequences: int = Field(1, ge=1, le=64, description=(
+        "Beam search: the best sequences returned per prompt (at most num_beams)."))
+    penalty_alpha: float | None = Field(None, ge=0.0, le=1.0, description=(
+        "Contrastive search (with top_k > 1): score = (1 − α)·p(token) − α·max cosine similarity of its hidden "
+        "state to the previous ones (unset or 0 = off)."))
+    decode_plan: Literal["auto", "fixed", "none"] = Field("none", description=(
+        "Long-context plan: none = whole prefill, full cache; fixed = always decode_q_chunk and "
+        "decode_local_window; auto = by prompt + max_new_tokens: ≤ decode_bucket_short as none, ≤ "
+        "decode_bucket_mid chunked prefill only, longer chunked prefill + sliding window. Printed and recorded."))
+    decode_bucket_short: int = Field(512, ge=1, le=10_000_000, description=(
+        "decode_plan auto: sequences up to this many tokens use no chunking and the full cache."))
+    decode_bucket_mid: int = Field(2048, ge=1, le=10_000_000, description=(
+        "decode_plan auto: sequences up to this many tokens use chunked prefill and the full cache; longer "
+        "ones also the sliding window."))
+    decode_q_chunk: int | None = Field(128, ge=1, le=10_000_000, description=(
+        "Prefill the prompt in chunks of this many tokens (lower peak memory, same logits); unset = whole."))
+    decode_local_window: int | None = Field(512, ge=1, le=10_000_000, description=(
+        "Sliding-window cache: keep only the newest this many tokens (plus decode_sink_tokens); lossy; "
+        "unset = full cache."))
+    decode_sink_tokens: int = Field(4, ge=0, le=10_000_000, description=(
+        "Attention-sink tokens: the first cache slots kept forever when the sliding window is on."))
 
     @field_validator("cache_kind")
     @classmethod
     def _known_kind(cls, value: str | None) -> str | None:
         return _checked_kind(value)
+
+    @model_validator(mode="after")
+    def _strategies_combine(self) -> "GenerateConfig":
+        """Settings that contradict each other are an error here, not a surprise in the middle of a run."""
+        if self.num_beams > 1:
+            off = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "typical_p": (None, 1.0),
+                   "penalty_alpha": (None, 0.0)}
+            sampling = [k for k, values in off.items() if getattr(self, k) not in values]
+            if self.temperature not in (0.0, 1.0):  # 0 and 1 leave the log-probabilities as they are
+                sampling.insert(0, "temperature")
+            if sampling:
+                raise ValueError(f"beam search (num_beams > 1) is deterministic: remove {', '.join(sampling)} "
+                                 f"(beam sampling is not supported)")
+            if self.stop_strings:
+                raise ValueError("stop_strings are not supported with beam search: use eos_token_id")
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) cannot exceed num_beams "
+                             f"({self.num_beams})")
+        if self.contrastive:
+            if self.temperature not in (0.0, 1.0):
+                raise ValueError("contrastive search (penalty_alpha with top_k) is deterministic: remove temperature")
+            if self.top_p not in (None, 1.0) or self.min_p or self.typical_p not in (None, 1.0):
+                raise ValueError("contrastive search takes top_k candidates: remove top_p, min_p and typical_p")
+        elif self.penalty_alpha and not (self.top_k and self.top_k > 1):
+            raise ValueError("penalty_alpha (contrastive search) needs top_k > 1 candidates, e.g. top_k: 4")
+        if self.decode_bucket_mid < self.decode_bucket_short:
+            raise ValueError(f"decode_bucket_mid ({self.decode_bucket_mid}) must be ≥ decode_bucket_short "
+                             f"({self.decode_bucket_short})")
+        if self.decode_plan != "none" and self.cache_kind and self.cache_kind.startswith("kivi"):
+            raise ValueError("the sliding window (decode_plan) does not support KIVI cache kinds: use fp16, q8_0, "
+                             "q4_0, q4_1 or nf4, or decode_plan: none")
+        return self
+
+    @property
+    def contrastive(self) -> bool:
+        return bool(self.penalty_alpha) and bool(self.top_k and self.top_k > 1)
 
     @field_validator("eos_token_id")
     @classmethod

@@ -1,15 +1,19 @@
 """Our prefill + decode loop over a transformers Cache: batches, streaming, stop rules, continuation.
 
 The chain, in call order (shapes in comments):
-    positions_for → forward_last (prefill) → next_token → decode_one_token → ... → finished_rows
+    plan_decode → positions_from → prefill (chunked when planned) → choose (next_token, or the contrastive
+    look-ahead) → decode_one_token → ... → finished_rows
 `Generator` keeps the cache between calls, so a second `.generate()` continues the conversation.
 Rows of a left-padded batch are independent: a finished row keeps being fed a masked pad token.
+Beam search (beam.py) has its own loop over the same prefill and decode functions.
 Does not know about manifests, tracking or printing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -17,8 +21,8 @@ import torch
 
 from runner.errors import StepError
 from runner.infer.config import GenerateConfig
-from runner.infer.kvcache import make_cache
 from runner.infer.sampling import next_token
+from runner.infer.window import DecodePlan, make_planned_cache, plan_decode, trim_mask
 
 
 @dataclass
@@ -30,6 +34,8 @@ class DecodeStats:
     prompt_tokens: int = 0  # real (unpadded) tokens prefilled, summed over rows
     new_tokens: list[int] = field(default_factory=list)  # per row, EOS included
     stop_reasons: list[str] = field(default_factory=list)  # per row: eos, stop_string, max_new_tokens, max_seq_len
+    plan: DecodePlan | None = None  # the decode plan that applied (chunked prefill, sliding window)
+    scores: list[float] = field(default_factory=list)  # beam search: length-penalised score per returned sequence
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -37,22 +43,50 @@ class DecodeStats:
         return steps * len(self.new_tokens) / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
 
 
-def positions_for(past_mask: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each new token = real tokens before it in its row. [B,P], [B,T] → [B,T]."""
-    before = past_mask.sum(-1, keepdim=True) if past_mask is not None else 0
+def positions_from(count: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each new token = real tokens before it in its row. [B] count so far, [B,T] → [B,T]."""
+    before = count[:, None] if count is not None else 0
     return (before + new_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def positions_for(past_mask: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
+    """As positions_from, counting the real tokens of `past_mask` [B,P]."""
+    return positions_from(past_mask.sum(-1) if past_mask is not None else None, new_mask)
+
+
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+            hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `ids` [B,T] into `cache` → logits of the last position [B,V] and, if asked, the last layer's hidden
+    states of every position [B,T,H]."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
+    return out.logits[:, -1, :], out.hidden_states[-1] if hidden else None
 
 
 def forward_last(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """Run `ids` through the model into `cache`; logits of the last position. [B,T] → [B,V]."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :]
+    return forward(model, ids, mask, positions, cache)[0]
 
 
 def decode_one_token(model, token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """[B] token, full mask [B,P+1], positions [B] → [B,V] logits."""
     return forward_last(model, token[:, None], mask, positions[:, None], cache)
+
+
+def prefill(model, ids: torch.Tensor, past_mask: torch.Tensor | None, new_mask: torch.Tensor,
+            positions: torch.Tensor, cache, q_chunk: int | None = None, hidden: bool = False):
+    """Feed the prompt [B,T] in chunks of `q_chunk` tokens (None = at once) → (last logits [B,V], the mask of what
+    the cache now holds [B,n], hidden states [B,T,H] or None). Chunks bound the activations and attention scores
+    to q_chunk rows; the logits equal the whole prefill's up to float rounding."""
+    step = q_chunk or ids.shape[1]
+    mask, states = past_mask, []
+    for start in range(0, ids.shape[1], step):
+        part = slice(start, start + step)
+        mask = new_mask[:, part] if mask is None else torch.cat([mask, new_mask[:, part]], dim=1)
+        logits, h = forward(model, ids[:, part], mask, positions[:, part], cache, hidden)
+        mask = trim_mask(mask, cache)
+        states.append(h)
+    return logits, mask, torch.cat(states, dim=1) if hidden else None
 
 
 def sync(device: torch.device) -> None:
@@ -78,17 +112,24 @@ class Generator:
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         self.eos_ids = self._eos_ids()
         self.stats = DecodeStats()
+        self.plan: DecodePlan | None = None  # the decode plan of the last call
         self.reset()
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts from an empty cache."""
         self.cache = None
-        self.mask: torch.Tensor | None = None  # [B,P] mask of what is in the cache
-        self.sequence: torch.Tensor | None = None  # [B,P+1] every token so far (repetition penalty)
+        self.mask: torch.Tensor | None = None  # [B,n] mask of what the cache holds (n < length with a window)
+        self.seen: torch.Tensor | None = None  # [B] real tokens fed so far: the next position
+        self.length = 0  # columns (tokens and pads) fed so far, for max_seq_len
+        self.sequence: torch.Tensor | None = None  # [B,P+1] every token so far (penalties)
         self.pending: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
+        self.search = None  # ContrastiveSearch state (hidden states of the context) when penalty_alpha is set
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B,T] prompt (left-padded) → [B,T+N]: the prompt then this turn's tokens (pad after a row stops)."""
+        """[B,T] prompt (left-padded) → [B,T+N]: the prompt then this turn's tokens (pad after a row stops).
+        Beam search: [B·R,T+N], the R = num_return_sequences best per prompt, best first."""
+        if self.config.num_beams > 1:
+            return self._beam_search(input_ids, attention_mask)
         new = torch.stack(list(self.steps(input_ids, attention_mask)), dim=1)  # max_new_tokens ≥ 1
         return torch.cat([input_ids.to(self.device), new], dim=1)
 
@@ -99,49 +140,124 @@ class Generator:
         for token in self.steps(input_ids, attention_mask):
             yield int(token[0])
 
+    def _start(self, ids: torch.Tensor, batch_for_kind: int) -> None:
+        """Plan this call and make the cache if there is none yet."""
+        if self.length + ids.shape[1] >= self.config.max_seq_len:
+            raise StepError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
+                            f"max_seq_len={self.config.max_seq_len}")
+        self.plan = plan_decode(self.config, self.length + ids.shape[1])
+        if self.cache is not None:  # a continued conversation keeps the cache (and window) of its first call
+            window = getattr(self.cache.layers[0], "window", None) if self.cache.layers else None
+            self.plan = dataclasses.replace(self.plan, local_window=window)
+        if self.plan.local_window:
+            warnings.warn(self.plan.describe(), stacklevel=3)
+        if self.cache is None:
+            self.cache = make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan)
+
+    def _prefill(self, ids: torch.Tensor, new_mask: torch.Tensor, hidden: bool = False):
+        positions = positions_from(self.seen, new_mask)
+        self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
+        self.length += ids.shape[1]
+        logits, self.mask, states = prefill(self.model, ids, self.mask, new_mask, positions, self.cache,
+                                            self.plan.q_chunk, hidden)
+        return logits, states
+
+    def _feed(self, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """One decode step: [B] token (live [B] 0/1: finished rows feed a masked pad) → [B,V] logits."""
+        positions = self.seen
+        self.seen, self.length = self.seen + live, self.length + 1
+        self.mask = torch.cat([self.mask, live[:, None]], dim=1)
+        logits = decode_one_token(self.model, token, self.mask, positions, self.cache)
+        self.mask = trim_mask(self.mask, self.cache)
+        return logits
+
     @torch.inference_mode()
     def steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Yield [B] tokens per step; finished rows yield the pad id. Fills `self.stats`."""
-        cfg, model = self.config, self.model
+        cfg = self.config
+        if cfg.num_beams > 1:
+            raise ValueError("beam search decides its tokens only at the end: use generate(), not streaming")
         ids = input_ids.to(self.device)
         new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
+        if cfg.contrastive and ids.shape[0] != 1:
+            raise ValueError("contrastive search (penalty_alpha) decodes one sequence at a time: batch of 1")
         if self.pending is not None:  # continue: the last token of the previous turn enters the cache first
             ids = torch.cat([self.pending[:, None], ids], dim=1)
             new_mask = torch.cat([torch.ones_like(self.pending[:, None]), new_mask], dim=1)
-        if self.cache is None:
-            self.cache = make_cache(self._cache_kind(ids.shape[0]), model)
-        past_len = self.mask.shape[1] if self.mask is not None else 0
-        if past_len + ids.shape[1] >= cfg.max_seq_len:
-            raise StepError(f"prompt of {past_len + ids.shape[1]} tokens does not fit max_seq_len={cfg.max_seq_len}")
+        self._start(ids, ids.shape[0])
         batch = ids.shape[0]
-        self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch, stop_reasons=[""] * batch)
+        self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
+                                 stop_reasons=[""] * batch, plan=self.plan)
 
         start = time.perf_counter()
-        positions = positions_for(self.mask, new_mask)
-        self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)
-        logits = forward_last(model, ids, self.mask, positions, self.cache)
+        logits, states = self._prefill(ids, new_mask, hidden=cfg.contrastive)
+        if cfg.contrastive:
+            from runner.infer.contrastive import ContrastiveSearch
+
+            self.search = self.search or ContrastiveSearch(cfg.top_k, cfg.penalty_alpha)
+            self.search.add_context(states)
         self.sequence = ids if self.sequence is None else torch.cat([self.sequence, ids], dim=1)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         pad = torch.full((batch,), self._pad_id(), dtype=torch.long, device=self.device)
         for step in range(cfg.max_new_tokens):
-            token = torch.where(done, pad, next_token(logits, self.sequence, cfg, self.rng))
+            if cfg.contrastive:  # the look-ahead feeds the chosen token: the cache already holds it
+                token, logits = self.search.choose(self, logits)
+            else:
+                token = torch.where(done, pad, next_token(logits, self.sequence, cfg, self.rng))
             if step == 0:
                 sync(self.device)
                 self.stats.prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
             self.sequence = torch.cat([self.sequence, token[:, None]], dim=1)
-            self.pending = token
+            self.pending = None if cfg.contrastive else token
             newly_done = self._finished_rows(token, done, step)
             done = done | newly_done
             yield token
             if bool(done.all()):
                 break
-            live = (~done).long()[:, None]  # finished rows feed a masked pad: their output is final
-            positions = self.mask.sum(-1)
-            self.mask = torch.cat([self.mask, live], dim=1)
-            logits = decode_one_token(model, token, self.mask, positions, self.cache)
+            if not cfg.contrastive:
+                logits = self._feed(token, (~done).long())
         sync(self.device)
         self.stats.decode_s = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _beam_search(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        from runner.infer.beam import BeamSearch
+
+        cfg = self.config
+        if self.pending is not None or self.cache is not None:
+            raise ValueError("beam search starts from an empty cache: call reset() before it")
+        ids = input_ids.to(self.device).repeat_interleave(cfg.num_beams, dim=0)  # [B·K,T]: every beam, as transformers
+        new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
+        new_mask = new_mask.repeat_interleave(cfg.num_beams, dim=0)
+        self._start(ids, ids.shape[0])
+        max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
+        search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self._pad_id(), max_len)
+        self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
+        start = time.perf_counter()
+        logits, _ = self._prefill(ids, new_mask)
+        sync(self.device)
+        self.stats.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        while True:
+            parents, go_on = search.step(logits)
+            self.cache.reorder_cache(parents)
+            if not go_on:
+                break
+            logits = self._feed(search.next_tokens(), torch.ones_like(parents))
+        sync(self.device)
+        self.stats.decode_s = time.perf_counter() - start
+        result = search.result()
+        self.stats.new_tokens, self.stats.scores = result.new_tokens, result.scores.tolist()
+        self.stats.stop_reasons = [self._beam_stop_reason(seq, n, ids.shape[1], max_len)
+                                   for seq, n in zip(result.sequences, result.new_tokens)]
+        self.reset()  # the beams' cache cannot continue one conversation
+        return result.sequences
+
+    def _beam_stop_reason(self, sequence: torch.Tensor, new_tokens: int, prompt_len: int, max_len: int) -> str:
+        if int(sequence[prompt_len + new_tokens - 1]) in self.eos_ids:
+            return "eos"
+        return "max_new_tokens" if max_len == prompt_len + self.config.max_new_tokens else "max_seq_len"
 
     def _cache_kind(self, batch: int) -> str | None:
         if self.config.cache_kind != "auto":
@@ -156,7 +272,7 @@ class Generator:
     def _finished_rows(self, token: torch.Tensor, done: torch.Tensor, step: int) -> torch.Tensor:
         """[B] bool: rows that stop after this token; records how many tokens each row made and why."""
         finished = torch.zeros_like(done)
-        full = self.mask.shape[1] + 1 >= self.config.max_seq_len
+        full = self.length + (self.pending is not None) >= self.config.max_seq_len  # tokens so far
         for row in range(token.shape[0]):
             if done[row]:
                 continue

@@ -1,6 +1,7 @@
 """Logits → next token: pure functions in the order transformers applies them.
 
-repetition penalty → temperature → top-k → top-p → sample (or argmax when greedy). Each filter
+repetition penalty → no-repeat n-gram → temperature → top-k → top-p → min-p → typical → sample (or argmax
+when greedy). Each filter
 matches the transformers logits processor of the same name (tests compare them on random logits).
 Randomness comes only from the `torch.Generator` passed in, never from the global seed.
 """
@@ -45,13 +46,57 @@ def apply_top_p(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def apply_min_p(logits: torch.Tensor, min_p: float | None) -> torch.Tensor:
+    """Drop tokens less likely than min_p × the most likely token's probability (the top token always stays)."""
+    if not min_p:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_typical(logits: torch.Tensor, typical_p: float | None) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprisal is closest to the entropy,
+    in that order, until their mass reaches typical_p (always ≥ 1 token)."""
+    if typical_p is None or typical_p >= 1.0:
+        return logits
+    logprobs = torch.log_softmax(logits, dim=-1)
+    entropy = -(logprobs * logprobs.exp()).nansum(-1, keepdim=True)
+    distance, order = torch.sort((-logprobs - entropy).abs(), dim=-1)  # most typical first
+    cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < typical_p).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    remove_sorted = distance > distance.gather(-1, last)  # ties with the last kept token stay
+    remove_sorted[..., :1] = False
+    return logits.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), float("-inf"))
+
+
+def apply_no_repeat_ngram(logits: torch.Tensor, seen_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """Ban every token that would complete an n-gram already in the row. [B,V], [B,T] → [B,V]."""
+    length = seen_ids.shape[-1]
+    if size <= 0 or length < size:
+        return logits
+    prefix = seen_ids[:, length + 1 - size:]  # [B,n-1]: the n-gram the next token would end
+    windows = seen_ids.unfold(1, size, 1)  # [B,W,n] every n-gram so far
+    matches = (windows[..., :-1] == prefix[:, None, :]).all(dim=-1)  # [B,W]
+    hits = torch.zeros_like(logits).scatter_add_(1, windows[..., -1], matches.to(logits.dtype))  # [B,V] counts
+    return logits.masked_fill(hits > 0, float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, config: GenerateConfig) -> torch.Tensor:
+    """The processors that also apply to deterministic search (greedy, beam, contrastive). [B,V] → [B,V]."""
+    logits = apply_repetition_penalty(logits, seen_ids, config.repetition_penalty)
+    return apply_no_repeat_ngram(logits, seen_ids, config.no_repeat_ngram_size)
+
+
 def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, config: GenerateConfig) -> torch.Tensor:
     """All filters of `config`, in transformers' order. [B,V] → [B,V] float32."""
-    logits = apply_repetition_penalty(logits.float(), seen_ids, config.repetition_penalty)
+    logits = apply_penalties(logits.float(), seen_ids, config)
     if config.greedy:
         return logits
     logits = apply_temperature(logits, config.temperature)
-    return apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
+    logits = apply_top_p(apply_top_k(logits, config.top_k), config.top_p)
+    return apply_typical(apply_min_p(logits, config.min_p), config.typical_p)
 
 
 def sample(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -6,8 +6,10 @@ runner.infer.decode; where results are written is the engine's business.
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,30 +28,66 @@ DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompt
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    config = library_config(spec, GenerateConfig, seed=step.seed)
+    configs = spec.strategy_configs(seed=step.seed)
     extra = {}
-    if config.cache_kind == "auto":
-        selection = select_for(step, spec, config, lm, base_dir, out_dir)
-        config = config.model_copy(update={"cache_kind": selection.kind})
+    if any(config.cache_kind == "auto" for config in configs.values()):
+        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir)
+        configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
         extra = {"cache_selection": describe(selection), "params": params(selection)}
     prompts = load_prompts(spec, base_dir)
+    if not spec.strategies:
+        return {**_decode_all(step, spec, configs[""], prompts, lm, step.key), **extra}
+    results = {name: _decode_all(step, spec, config, prompts, lm, f"{step.key}/{name}")
+               for name, config in configs.items()}
+    side_by_side = [{"prompt": prompt, "outputs": {name: r["prompts"][i]["output"] for name, r in results.items()}}
+                    for i, prompt in enumerate(prompts)]
+    _write_outputs_csv(out_dir / "outputs.csv", side_by_side)
+    metrics = {f"{name}.{key}": value for name, r in results.items() for key, value in r["metrics"].items()}
+    return {"prompts": side_by_side, "strategies": results, "metrics": metrics, **extra}
+
+
+def _decode_all(step: Step, spec: GenerateSpec, config: GenerateConfig, prompts: list[str], lm: LoadedModel,
+                label: str) -> dict:
+    """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
     rng = torch.Generator(lm.device).manual_seed(config.seed)
-    bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=step.key, unit="tok",
+    bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=label, unit="tok",
                                    file=sys.stderr)
-    records, batches = [], []
+    records, batches, plans = [], [], []
     for start in range(0, len(prompts), spec.batch_size):
         batch = prompts[start:start + spec.batch_size]
         generator = Generator(lm.model, config=config, tokenizer=lm.tokenizer, generator=rng)
-        if spec.stream:
-            records += _stream_one(generator, lm.tokenizer, batch[0], config)
-        else:
-            records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
+        with warnings.catch_warnings():  # the plan is printed below, once per distinct plan
+            warnings.simplefilter("ignore")
+            if config.num_beams > 1:
+                records += _beam_batch(generator, lm.tokenizer, batch, config, bar)
+            elif spec.stream:
+                records += _stream_one(generator, lm.tokenizer, batch[0], config)
+            else:
+                records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
+        plan = generator.stats.plan
+        if plan is not None and plan.decode_plan != "none" and plan.as_dict() not in plans:
+            print(f"[{label}] {plan.describe()}", file=sys.stderr, flush=True)
+            plans.append(plan.as_dict())
         batches.append({"prefill_s": generator.stats.prefill_s, "decode_s": generator.stats.decode_s})
     if bar is not None:
         bar.close()
         for r in records:
-            print(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}", flush=True)
-    return {"prompts": records, "metrics": _totals(records, batches), **extra}
+            print(f"\n[{label}] {r['prompt']!r} →\n{r['output']}", flush=True)
+    result = {"prompts": records, "metrics": _totals(records, batches)}
+    if plans:
+        result["decode_plans"] = plans
+        result["metrics"]["sliding_window"] = float(any(p["local_window"] for p in plans))
+    return result
+
+
+def _write_outputs_csv(path: Path, side_by_side: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(side_by_side[0]["outputs"]) if side_by_side else []
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", *names])
+        for row in side_by_side:
+            writer.writerow([row["prompt"], *(row["outputs"][n] for n in names)])
 
 
 def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
@@ -92,6 +130,26 @@ def _generate_batch(generator: Generator, tokenizer, prompts: list[str], config:
     return [_record(prompt, new[row, : stats.new_tokens[row]].tolist(), tokenizer, config, stats, row,
                     int(enc.attention_mask[row].sum()))
             for row, prompt in enumerate(prompts)]
+
+
+def _beam_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig, bar) -> list[dict]:
+    """Beam search: each prompt's best hypothesis as its output; with num_return_sequences > 1 the others too."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = generator.generate(enc.input_ids, enc.attention_mask)  # [B·R, T+N], best first per prompt
+    stats, r, start = generator.stats, config.num_return_sequences, enc.input_ids.shape[1]
+    bar.update(len(prompts) * config.max_new_tokens)
+    hypotheses = [_record(prompt, out[i * r + j, start:start + stats.new_tokens[i * r + j]].tolist(), tokenizer,
+                          config, stats, i * r + j, int(enc.attention_mask[i].sum()))
+                  | {"beam_score": stats.scores[i * r + j]}
+                  for i, prompt in enumerate(prompts) for j in range(r)]
+    records = []
+    for i in range(len(prompts)):
+        best, *others = hypotheses[i * r:(i + 1) * r]
+        if others:
+            best["alternatives"] = [{k: h[k] for k in ("output", "token_ids", "beam_score", "stop_reason")}
+                                    for h in others]
+        records.append(best)
+    return records
 
 
 def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateConfig) -> list[dict]:

@@ -3,18 +3,24 @@
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from runner.infer.config import GenerateConfig
 from runner.infer.sampling import (
+    apply_min_p,
+    apply_no_repeat_ngram,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    apply_typical,
     next_token,
     process_logits,
     sample,
@@ -97,3 +103,46 @@ def test_same_generator_seed_same_samples(logits):
     a = sample(logits, torch.Generator().manual_seed(9))
     b = sample(logits, torch.Generator().manual_seed(9))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 0.9, 1.0])
+def test_min_p_matches_transformers(logits, seen, min_p):
+    expected = MinPLogitsWarper(min_p)(seen, logits.clone())
+    assert torch.equal(apply_min_p(logits, min_p), expected)
+
+
+@pytest.mark.parametrize("mass", [0.05, 0.3, 0.7, 0.95])
+def test_typical_matches_transformers(logits, seen, mass):
+    expected = TypicalLogitsWarper(mass)(seen, logits.clone())
+    assert torch.equal(apply_typical(logits, mass), expected)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_no_repeat_ngram_matches_transformers(size):
+    """Few token values so that repeated n-grams really occur (and token 0 is among the banned ones)."""
+    scores = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 5, (6, 20), generator=torch.Generator().manual_seed(3))
+    expected = NoRepeatNGramLogitsProcessor(size)(ids, scores.clone())
+    ours = apply_no_repeat_ngram(scores, ids, size)
+    assert torch.isinf(expected).any() and torch.equal(ours, expected)
+    assert torch.equal(apply_no_repeat_ngram(scores, ids[:, : size - 1], size), scores)  # no full n-gram yet
+
+
+def test_min_p_sampling_stays_above_the_threshold():
+    """4000 draws with min_p 0.2: nothing below 0.2 × the top probability is ever drawn, everything above is."""
+    logits = torch.tensor([[3.0, 2.5, 1.8, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits, -1)[0]
+    allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    draws = next_token(logits.expand(4000, -1), logits.new_zeros(4000, 1, dtype=torch.long),
+                       GenerateConfig(temperature=1.0, min_p=0.2), torch.Generator().manual_seed(6))
+    assert set(draws.tolist()) == allowed and len(allowed) < 6
+
+
+def test_full_chain_with_new_filters_matches_transformers(logits, seen):
+    cfg = GenerateConfig(temperature=0.9, top_k=60, top_p=0.95, min_p=0.02, typical_p=0.9, repetition_penalty=1.1,
+                         no_repeat_ngram_size=2)
+    expected = logits.clone()
+    for proc in [RepetitionPenaltyLogitsProcessor(1.1), NoRepeatNGramLogitsProcessor(2), TemperatureLogitsWarper(0.9),
+                 TopKLogitsWarper(60), TopPLogitsWarper(0.95), MinPLogitsWarper(0.02), TypicalLogitsWarper(0.9)]:
+        expected = proc(seen, expected)
+    assert torch.allclose(process_logits(logits, seen, cfg), expected)

@@ -1,0 +1,57 @@
+"""Contrastive search (Su et al. 2022, arXiv 2202.06417), which transformers 5 no longer ships in its core.
+
+Each step takes the top_k most probable next tokens v and picks
+    argmax_v  (1 − α) · p(v | x<t)  −  α · max_j cos(h_v, h_j)
+where h_v is the last layer's hidden state of v fed after the context and h_j those of every earlier token
+(prompt included): model confidence minus a degeneration penalty. The k candidates are fed in one forward
+through the cache repeated k times, and the chosen one's cache rows, logits and hidden state are kept, so the
+chosen token needs no second forward. One sequence at a time (batch 1).
+Owns the rule and its per-conversation state (the context's hidden states); the loop is decode.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.infer.sampling import apply_penalties
+from runner.infer.window import trim_mask
+
+
+def contrastive_scores(probs: torch.Tensor, candidate_hidden: torch.Tensor, context_hidden: torch.Tensor,
+                       alpha: float) -> torch.Tensor:
+    """[k] probabilities, [k,H] candidate states, [S,H] context states → [k] scores (higher is better)."""
+    candidates = candidate_hidden / candidate_hidden.norm(dim=-1, keepdim=True)
+    context = context_hidden / context_hidden.norm(dim=-1, keepdim=True)
+    degeneration = (candidates @ context.T).max(dim=-1).values  # [k] most similar earlier token
+    return (1.0 - alpha) * probs - alpha * degeneration
+
+
+class ContrastiveSearch:
+    """Chooses each token by contrastive_scores; remembers the hidden states of everything fed so far."""
+
+    def __init__(self, top_k: int, alpha: float):
+        self.top_k, self.alpha = top_k, alpha
+        self.context: torch.Tensor | None = None  # [S,H] last-layer hidden states of the context
+
+    def add_context(self, hidden: torch.Tensor) -> None:
+        """[1,T,H] hidden states of newly fed tokens (batch 1)."""
+        states = hidden[0].float()
+        self.context = states if self.context is None else torch.cat([self.context, states], dim=0)
+
+    def choose(self, gen, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1,V] logits → ([1] chosen token, [1,V] logits after it). Feeds the chosen token into gen's cache."""
+        from runner.infer.decode import forward
+
+        probs = torch.softmax(apply_penalties(logits.float(), gen.sequence, gen.config), dim=-1)
+        top_probs, top_ids = probs[0].topk(self.top_k)  # [k], [k]
+        k = top_ids.shape[0]
+        gen.cache.batch_repeat_interleave(k)
+        mask = torch.cat([gen.mask, torch.ones_like(gen.mask[:, :1])], dim=1).expand(k, -1)  # [k,n+1]
+        positions = gen.seen[:, None].expand(k, 1)  # [k,1]
+        next_logits, hidden = forward(gen.model, top_ids[:, None], mask, positions, gen.cache, hidden=True)
+        best = int(contrastive_scores(top_probs, hidden[:, 0].float(), self.context, self.alpha).argmax())
+        gen.cache.batch_select_indices(torch.tensor([best], device=top_ids.device))
+        gen.seen, gen.length = gen.seen + 1, gen.length + 1
+        gen.mask = trim_mask(mask[:1], gen.cache)
+        self.add_context(hidden[best:best + 1])
+        return top_ids[best:best + 1], next_logits[best:best + 1]
