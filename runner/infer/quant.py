@@ -102,10 +102,21 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Inverse of `pack`: bytes along `dim` → uint8 codes, 8/bits times as many along `dim`."""
-    shifts = _on(packed.device, f"shifts{bits}", torch.arange(0, 8, bits, dtype=torch.uint8))  # [per_byte]
-    packed = packed.movedim(dim, -1)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # [..., P, per_byte]
-    return codes.flatten(-2).movedim(-1, dim)
+    shape = list(packed.shape)
+    shape[dim] *= 8 // bits
+    return unpack_into(packed.new_empty(shape), packed, bits, dim)
+
+
+def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """`unpack` written into `out` (any dtype: the codes are converted on the way), one strided copy per code
+    position in a byte; no full-size intermediate. Returns `out`."""
+    per_byte, mask = 8 // bits, 2**bits - 1
+    slots = out.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., P, per_byte], a view of out
+    packed = packed.movedim(dim, -1)  # [..., P]
+    slots[..., 0].copy_(packed & mask)
+    for i in range(1, per_byte):
+        slots[..., i].copy_(packed >> (bits * i) if bits * (i + 1) == 8 else (packed >> (bits * i)) & mask)
+    return out
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
@@ -126,13 +137,23 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
-                      length: int, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
-    """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`.
+                      length: int, dtype: torch.dtype, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`, or written into
+    `out` (its dtype wins) and `out` returned.
 
-    code·s + m as a multiply then an add (never a fused multiply-add), so a value dequantizes to the same float
-    whatever slice of the tensor it is dequantized with.
+    Three passes over the float32 result, all in place: codes unpacked into it, times s, plus m. A multiply then an
+    add (never a fused multiply-add), so a value dequantizes to the same float whatever slice it comes with.
+    Decoding calls this for the whole KIVI cache in every layer at every step, hence no temporaries: writing
+    straight into `out` (a view of the tensor attention reads) when it is float32 and needs no padding cropped.
     """
-    values = unpack(codes, bits, dim=dim).movedim(dim, -1).float()  # [..., NG*group]
-    values = values.unflatten(-1, (scales.shape[dim], group))  # [..., NG, group]
-    scales, mins = scales.movedim(dim, -1).float().unsqueeze(-1), mins.movedim(dim, -1).float().unsqueeze(-1)
-    return (values * scales + mins).flatten(-2)[..., :length].to(dtype).movedim(-1, dim)
+    shape = list(codes.shape)
+    shape[dim] = scales.shape[dim] * group  # padded length
+    direct = out is not None and out.dtype == torch.float32 and shape[dim] == length
+    values = out if direct else torch.empty(shape, dtype=torch.float32, device=codes.device)
+    unpack_into(values, codes, bits, dim)
+    grouped = values.movedim(dim, -1).unflatten(-1, (-1, group))  # [..., NG, group], a view of values
+    grouped.mul_(scales.movedim(dim, -1).unsqueeze(-1).float()).add_(mins.movedim(dim, -1).unsqueeze(-1).float())
+    values = values.narrow(dim, 0, length)
+    if out is None:
+        return values.to(dtype)
+    return out if direct else out.copy_(values)
