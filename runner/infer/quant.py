@@ -15,6 +15,8 @@ Owns only the arithmetic; knows nothing of caches, layers, models or transformer
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -108,8 +110,14 @@ def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 
 def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """`unpack` written into `out` (any dtype: the codes are converted on the way), one strided copy per code
-    position in a byte; no full-size intermediate. Returns `out`."""
+    """`unpack` written into `out` (any dtype: the codes are converted on the way), no float temporaries.
+
+    Along the last axis the codes of a byte are spread over the bytes of a wider integer (`_spread`), which, read
+    as bytes, are the codes in order: one contiguous conversion into `out`. Along another axis (KIVI's keys, packed
+    along the sequence) each code position of a byte is a whole row: one copy per position. Returns `out`.
+    """
+    if dim in (-1, packed.dim() - 1) and packed.is_contiguous() and sys.byteorder == "little":
+        return out.copy_(_spread(packed, bits).flatten(-2))
     per_byte, mask = 8 // bits, 2**bits - 1
     slots = out.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., P, per_byte], a view of out
     packed = packed.movedim(dim, -1)  # [..., P]
@@ -117,6 +125,21 @@ def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -
     for i in range(1, per_byte):
         slots[..., i].copy_(packed >> (bits * i) if bits * (i + 1) == 8 else (packed >> (bits * i)) & mask)
     return out
+
+
+def _spread(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., P] → uint8 [..., P, 8/bits]: code i of each byte moved to byte i of an int16 (4 bits) or int32
+    (2 bits) by shifts and masks on the whole tensor, then viewed as bytes (little-endian)."""
+    if bits == 4:  # hi·16 + lo → hi·256 + lo
+        wide = packed.to(torch.int16)
+        wide = (wide | (wide << 4)) & 0x0F0F
+    elif bits == 2:  # c3·64 + c2·16 + c1·4 + c0 → c3·2^24 + c2·2^16 + c1·2^8 + c0
+        wide = packed.to(torch.int32)
+        wide = (wide | (wide << 12)) & 0x000F000F
+        wide = (wide | (wide << 6)) & 0x03030303
+    else:
+        raise ValueError(f"no spreading of {bits}-bit codes")
+    return wide.view(torch.uint8).unflatten(-1, (-1, 8 // bits))
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
@@ -151,8 +174,9 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     direct = out is not None and out.dtype == torch.float32 and shape[dim] == length
     values = out if direct else torch.empty(shape, dtype=torch.float32, device=codes.device)
     unpack_into(values, codes, bits, dim)
-    grouped = values.movedim(dim, -1).unflatten(-1, (-1, group))  # [..., NG, group], a view of values
-    grouped.mul_(scales.movedim(dim, -1).unsqueeze(-1).float()).add_(mins.movedim(dim, -1).unsqueeze(-1).float())
+    dim = dim % values.dim()  # groups split in place, not moved to the end: broadcasts along contiguous rows
+    grouped = values.unflatten(dim, (-1, group))  # [..., NG, group, ...], a view of values
+    grouped.mul_(scales.unsqueeze(dim + 1).float().contiguous()).add_(mins.unsqueeze(dim + 1).float().contiguous())
     values = values.narrow(dim, 0, length)
     if out is None:
         return values.to(dtype)
