@@ -164,10 +164,12 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`, or written into
     `out` (its dtype wins) and `out` returned.
 
-    Three passes over the float32 result, all in place: codes unpacked into it, times s, plus m. A multiply then an
-    add (never a fused multiply-add), so a value dequantizes to the same float whatever slice it comes with.
-    Decoding calls this for the whole KIVI cache in every layer at every step, hence no temporaries: writing
-    straight into `out` (a view of the tensor attention reads) when it is float32 and needs no padding cropped.
+    Decoding calls this for the whole KIVI cache in every layer at every step, so it makes two passes over the
+    float32 result and no full-size temporaries: the codes unpacked into it, then code·s + m in place (addcmul).
+    code·s is exact in float32 (a code of ≤ 4 bits times fp16's 11-bit significand), so whether a kernel fuses the
+    multiply-add or not, the only rounding is the add's: a value dequantizes to the same float on every path and
+    whatever slice it comes with. Writes straight into `out` (a view of the tensor attention reads) when that is
+    float32 and no padding is cropped.
     """
     shape = list(codes.shape)
     shape[dim] = scales.shape[dim] * group  # padded length
@@ -176,7 +178,8 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     unpack_into(values, codes, bits, dim)
     dim = dim % values.dim()  # groups split in place, not moved to the end: broadcasts along contiguous rows
     grouped = values.unflatten(dim, (-1, group))  # [..., NG, group, ...], a view of values
-    grouped.mul_(scales.unsqueeze(dim + 1).float().contiguous()).add_(mins.unsqueeze(dim + 1).float().contiguous())
+    scales, mins = scales.unsqueeze(dim + 1).float().contiguous(), mins.unsqueeze(dim + 1).float().contiguous()
+    torch.addcmul(mins, grouped, scales, out=grouped)
     values = values.narrow(dim, 0, length)
     if out is None:
         return values.to(dtype)
