@@ -192,25 +192,22 @@ class KiviLayer(QuantLayer):
     def get_seq_length(self) -> int:
         return self.quantized_len() + self.residual_keys.shape[-2] if self.is_initialized else 0
 
-    def _dequantize_into(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
-        """Quantized tokens start.. (start a multiple of group_size) written into keys [B,H,Q-start,Dk] and
-        values [B,H,Q-start,Dv], views of the tensors attention reads: no concatenation, no temporaries."""
-        t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
-        dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size,
-                          keys.shape[-2], keys.dtype, dim=-2, out=keys)
-        dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK,
-                          self.value_dim, values.dtype, dim=-1, out=values)
-
     def _dequantized(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. in `dtype`."""
-        return self._whole(start, self.residual_keys[..., :0, :].to(dtype), self.residual_values[..., :0, :].to(dtype))
+        empty_keys, empty_values = self.residual_keys[..., :0, :], self.residual_values[..., :0, :]
+        return self._whole(start, empty_keys.to(dtype), empty_values.to(dtype))
 
     def _whole(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantized tokens start.. dequantized, then `keys` / `values` [B,H,n,D], in one new tensor each."""
+        """Quantized tokens start.. (start a multiple of group_size) then `keys` / `values` [B,H,n,D], in one new
+        tensor each. Decoding's hot path: dequantized straight into the tensor attention reads, no concatenation."""
         quantized = self.quantized_len() - start
         whole_keys = keys.new_empty((*keys.shape[:-2], quantized + keys.shape[-2], keys.shape[-1]))
         whole_values = values.new_empty((*values.shape[:-2], quantized + values.shape[-2], values.shape[-1]))
-        self._dequantize_into(whole_keys[..., :quantized, :], whole_values[..., :quantized, :], start)
+        t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
+        dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size, quantized,
+                          keys.dtype, dim=-2, out=whole_keys[..., :quantized, :])
+        dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK, self.value_dim,
+                          values.dtype, dim=-1, out=whole_values[..., :quantized, :])
         whole_keys[..., quantized:, :] = keys
         whole_values[..., quantized:, :] = values
         return whole_keys, whole_values
