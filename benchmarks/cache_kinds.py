@@ -1,6 +1,7 @@
 """Every KV-cache kind on a real model, against fp16 and the model's own cache, in one process.
 
-    python benchmarks/cache_kinds.py [--model zoo:smollm2-135m] [--contexts 1024 4096]
+    python benchmarks/cache_kinds.py [--model zoo:smollm2-135m] [--contexts 1024 4096] [--kinds fp16 kivi4]
+                                     [--speed-only]
 
 Prints, per kind:
   bytes      measured bytes of a cache holding --bytes-context tokens of real text, relative to fp16
@@ -15,6 +16,8 @@ Prints, per kind:
              per kind, then --repeats timed runs of --speed-steps greedy steps, each from a copy of the
              prefilled cache, kinds interleaved (target: kivi no slower than 1/1.3 of fp16 at 4k)
 Then the time of a warm auto selection (plan reused) relative to a cold one (target ≤ 0.05).
+--kinds restricts all of it to some kinds (fp16, the reference of every ratio, is always measured);
+--speed-only measures decode speed alone (e.g. to re-time a faster dequantizer whose floats did not change).
 """
 
 from __future__ import annotations
@@ -53,16 +56,16 @@ def timed_decode(model, start, steps: int) -> float:
     return time.perf_counter() - began
 
 
-def speeds(model, ids: torch.Tensor, steps: int, repeats: int) -> dict[str, float]:
+def speeds(model, ids: torch.Tensor, kinds: list[str], steps: int, repeats: int) -> dict[str, float]:
     """Median decode tokens/s per kind at ids' context; kinds interleaved, order reversed every other round."""
-    starts = {kind: greedy_prefill(model, ids, kind) for kind in KINDS}
-    for kind in KINDS:
+    starts = {kind: greedy_prefill(model, ids, kind) for kind in kinds}
+    for kind in kinds:
         timed_decode(model, starts[kind], steps)  # warm-up
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for repeat in range(repeats):
-        for kind in KINDS if repeat % 2 == 0 else reversed(KINDS):
+        for kind in kinds if repeat % 2 == 0 else reversed(kinds):
             times[kind].append(timed_decode(model, starts[kind], steps))
-    return {kind: statistics.median(steps / t for t in times[kind]) for kind in KINDS}
+    return {kind: statistics.median(steps / t for t in times[kind]) for kind in kinds}
 
 
 def main() -> None:
@@ -77,7 +80,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--speed-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
+    parser.add_argument("--speed-only", action="store_true")
     args = parser.parse_args()
+    kinds = [kind for kind in KINDS if kind in args.kinds or kind == "fp16"]
 
     hf_logging.disable_progress_bar()
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -86,33 +92,35 @@ def main() -> None:
           f"bytes_context={n} quality={args.windows}×({args.prompt_len}+{args.decode_steps}) "
           f"contexts={args.contexts} speed_steps={args.speed_steps} repeats={args.repeats}", flush=True)
 
+    speed = {}
+    for context in args.contexts:
+        prompt = torch.tensor(token_windows(lm.tokenizer, text, context, 1), device=lm.device)
+        speed[context] = speeds(model, prompt, kinds, args.speed_steps, args.repeats)
+        print(f"speed at {context} done", flush=True)
+    if args.speed_only:
+        print_speeds(kinds, speed)
+        return
+
     ids = torch.tensor(token_windows(lm.tokenizer, text, n, 1), device=lm.device)
-    sizes = {kind: cache_bytes(greedy_prefill(model, ids, kind)[0]) for kind in KINDS}
-    agree = {kind: sizes[kind] == estimate_cache_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
-    residual = {kind: residual_bytes(model.config, kind, 1, n, model.dtype) for kind in KINDS}
+    sizes = {kind: cache_bytes(greedy_prefill(model, ids, kind)[0]) for kind in kinds}
+    agree = {kind: sizes[kind] == estimate_cache_bytes(model.config, kind, 1, n, model.dtype) for kind in kinds}
+    residual = {kind: residual_bytes(model.config, kind, 1, n, model.dtype) for kind in kinds}
 
     probe = build_probe(lm.tokenizer, text, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
                         windows=args.windows, ppl_len=n, device=lm.device)
     reference = run_probe(model, probe, None)
-    quality = {kind: compare(reference, run_probe(model, probe, kind)) for kind in KINDS}
+    quality = {kind: compare(reference, run_probe(model, probe, kind)) for kind in kinds}
     print("quality done", flush=True)
-
-    speed = {}
-    for context in args.contexts:
-        prompt = torch.tensor(token_windows(lm.tokenizer, text, context, 1), device=lm.device)
-        speed[context] = speeds(model, prompt, args.speed_steps, args.repeats)
-        print(f"speed at {context} done", flush=True)
 
     heads = "".join(f" {f'tok/s@{c}':>11} {'vs fp16':>7}" for c in args.contexts)
     print(f"\n{'kind':>5} {'MiB':>7} {'vs fp16':>7} {'resid KiB':>9} {'est=meas':>8} {'ΔNLL':>8} {'mean KL':>8} "
           f"{'top-1':>6} {'PPL ratio':>9} {'needle':>6}{heads}")
-    for kind in KINDS:
+    for kind in kinds:
         q = quality[kind]
         compressed = sizes[kind] - residual[kind]
-        cells = "".join(f" {speed[c][kind]:11.1f} {speed[c][kind] / speed[c]['fp16']:7.3f}" for c in args.contexts)
         print(f"{kind:>5} {sizes[kind] / 2**20:7.2f} {compressed / sizes['fp16']:7.3f} {residual[kind] / 1024:9.1f} "
               f"{str(agree[kind]):>8} {q['delta_nll']:8.4f} {q['mean_kl']:8.4f} {q['top1_agreement']:6.3f} "
-              f"{q['ppl_ratio']:9.4f} {str(q['needle_found']):>6}{cells}")
+              f"{q['ppl_ratio']:9.4f} {str(q['needle_found']):>6}{speed_cells(kind, speed)}")
 
     with tempfile.TemporaryDirectory() as tmp:
         config = GenerateConfig(cache_kind="auto", cache_plan_path=os.path.join(tmp, "plans.json"))
@@ -123,6 +131,17 @@ def main() -> None:
             timings.append(time.perf_counter() - start)
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
           f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.5f}")
+
+
+def speed_cells(kind: str, speed: dict[int, dict[str, float]]) -> str:
+    """tok/s and the ratio to fp16 at every context, as table cells."""
+    return "".join(f" {by_kind[kind]:11.1f} {by_kind[kind] / by_kind['fp16']:7.3f}" for by_kind in speed.values())
+
+
+def print_speeds(kinds: list[str], speed: dict[int, dict[str, float]]) -> None:
+    print("\n" + f"{'kind':>5}" + "".join(f" {f'tok/s@{c}':>11} {'vs fp16':>7}" for c in speed))
+    for kind in kinds:
+        print(f"{kind:>5}{speed_cells(kind, speed)}")
 
 
 if __name__ == "__main__":

@@ -193,13 +193,24 @@ class KiviLayer(QuantLayer):
         return self.quantized_len() + self.residual_keys.shape[-2] if self.is_initialized else 0
 
     def _dequantized(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. (start a multiple of group_size)."""
+        """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. in `dtype`."""
+        empty_keys, empty_values = self.residual_keys[..., :0, :], self.residual_values[..., :0, :]
+        return self._whole(start, empty_keys.to(dtype), empty_values.to(dtype))
+
+    def _whole(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized tokens start.. (start a multiple of group_size) then `keys` / `values` [B,H,n,D], in one new
+        tensor each. Decoding's hot path: dequantized straight into the tensor attention reads, no concatenation."""
+        quantized = self.quantized_len() - start
+        whole_keys = keys.new_empty((*keys.shape[:-2], quantized + keys.shape[-2], keys.shape[-1]))
+        whole_values = values.new_empty((*values.shape[:-2], quantized + values.shape[-2], values.shape[-1]))
         t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
-        keys = dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size,
-                                 self.quantized_len() - start, dtype, dim=-2)
-        values = dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK,
-                                   self.value_dim, dtype, dim=-1)
-        return keys, values
+        dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size, quantized,
+                          keys.dtype, dim=-2, out=whole_keys[..., :quantized, :])
+        dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK, self.value_dim,
+                          values.dtype, dim=-1, out=whole_values[..., :quantized, :])
+        whole_keys[..., quantized:, :] = keys
+        whole_values[..., quantized:, :] = values
+        return whole_keys, whole_values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append [B,H,t,D] K/V to the residual, quantize whole multiples of residual_len of it; return all K/V."""
@@ -213,8 +224,7 @@ class KiviLayer(QuantLayer):
                 setattr(self, name, torch.cat([getattr(self, name), new], dim=-2))
             keys, values = keys[..., full:, :].clone(), values[..., full:, :].clone()
         self.residual_keys, self.residual_values = keys, values
-        old_keys, old_values = self._dequantized(0, key_states.dtype)
-        return torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2)
+        return self._whole(0, keys, values)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens. Dropped whole groups disappear; kept quantized tokens past

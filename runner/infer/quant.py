@@ -15,6 +15,8 @@ Owns only the arithmetic; knows nothing of caches, layers, models or transformer
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -102,10 +104,42 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Inverse of `pack`: bytes along `dim` → uint8 codes, 8/bits times as many along `dim`."""
-    shifts = _on(packed.device, f"shifts{bits}", torch.arange(0, 8, bits, dtype=torch.uint8))  # [per_byte]
-    packed = packed.movedim(dim, -1)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # [..., P, per_byte]
-    return codes.flatten(-2).movedim(-1, dim)
+    shape = list(packed.shape)
+    shape[dim] *= 8 // bits
+    return unpack_into(packed.new_empty(shape), packed, bits, dim)
+
+
+def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """`unpack` written into `out` (any dtype: the codes are converted on the way), no float temporaries.
+
+    Along the last axis the codes of a byte are spread over the bytes of a wider integer (`_spread`), which, read
+    as bytes, are the codes in order: one contiguous conversion into `out`. Along another axis (KIVI's keys, packed
+    along the sequence) each code position of a byte is a whole row: one copy per position. Returns `out`.
+    """
+    if dim in (-1, packed.dim() - 1) and packed.is_contiguous() and sys.byteorder == "little":
+        return out.copy_(_spread(packed, bits).flatten(-2))
+    per_byte, mask = 8 // bits, 2**bits - 1
+    slots = out.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., P, per_byte], a view of out
+    packed = packed.movedim(dim, -1)  # [..., P]
+    slots[..., 0].copy_(packed & mask)
+    for i in range(1, per_byte):
+        slots[..., i].copy_(packed >> (bits * i) if bits * (i + 1) == 8 else (packed >> (bits * i)) & mask)
+    return out
+
+
+def _spread(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., P] → uint8 [..., P, 8/bits]: code i of each byte moved to byte i of an int16 (4 bits) or int32
+    (2 bits) by shifts and masks on the whole tensor, then viewed as bytes (little-endian)."""
+    if bits == 4:  # hi·16 + lo → hi·256 + lo
+        wide = packed.to(torch.int16)
+        wide = (wide | (wide << 4)) & 0x0F0F
+    elif bits == 2:  # c3·64 + c2·16 + c1·4 + c0 → c3·2^24 + c2·2^16 + c1·2^8 + c0
+        wide = packed.to(torch.int32)
+        wide = (wide | (wide << 12)) & 0x000F000F
+        wide = (wide | (wide << 6)) & 0x03030303
+    else:
+        raise ValueError(f"no spreading of {bits}-bit codes")
+    return wide.view(torch.uint8).unflatten(-1, (-1, 8 // bits))
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
@@ -126,13 +160,27 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
-                      length: int, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
-    """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`.
+                      length: int, dtype: torch.dtype, dim: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize_groups`: `length` values along `dim` (padding cropped) in `dtype`, or written into
+    `out` (its dtype wins) and `out` returned.
 
-    code·s + m as a multiply then an add (never a fused multiply-add), so a value dequantizes to the same float
-    whatever slice of the tensor it is dequantized with.
+    Decoding calls this for the whole KIVI cache in every layer at every step, so it makes two passes over the
+    float32 result and no full-size temporaries: the codes unpacked into it, then code·s + m in place (addcmul).
+    code·s is exact in float32 (a code of ≤ 4 bits times fp16's 11-bit significand), so whether a kernel fuses the
+    multiply-add or not, the only rounding is the add's: a value dequantizes to the same float on every path and
+    whatever slice it comes with. Writes straight into `out` (a view of the tensor attention reads) when that is
+    float32 and no padding is cropped.
     """
-    values = unpack(codes, bits, dim=dim).movedim(dim, -1).float()  # [..., NG*group]
-    values = values.unflatten(-1, (scales.shape[dim], group))  # [..., NG, group]
-    scales, mins = scales.movedim(dim, -1).float().unsqueeze(-1), mins.movedim(dim, -1).float().unsqueeze(-1)
-    return (values * scales + mins).flatten(-2)[..., :length].to(dtype).movedim(-1, dim)
+    shape = list(codes.shape)
+    shape[dim] = scales.shape[dim] * group  # padded length
+    direct = out is not None and out.dtype == torch.float32 and shape[dim] == length
+    values = out if direct else torch.empty(shape, dtype=torch.float32, device=codes.device)
+    unpack_into(values, codes, bits, dim)
+    dim = dim % values.dim()  # groups split in place, not moved to the end: broadcasts along contiguous rows
+    grouped = values.unflatten(dim, (-1, group))  # [..., NG, group, ...], a view of values
+    scales, mins = scales.unsqueeze(dim + 1).float().contiguous(), mins.unsqueeze(dim + 1).float().contiguous()
+    torch.addcmul(mins, grouped, scales, out=grouped)
+    values = values.narrow(dim, 0, length)
+    if out is None:
+        return values.to(dtype)
+    return out if direct else out.copy_(values)

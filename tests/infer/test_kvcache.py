@@ -12,7 +12,7 @@ from runner.infer.kvcache import (BLOCK, NF4_LEVELS, CastLayer, Kivi2Layer, Kivi
                                   Q4_1Layer, Q8_0Layer, QuantLayer, bytes_per_token, cache_bytes, dequantize,
                                   estimate_cache_bytes, make_cache, parse_kind, quantize, residual_bytes)
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack
+from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack, unpack_into
 
 QUANT = ["q8_0", "q4_0", "nf4", "q4_1"]
 KIVI = ["kivi4", "kivi2"]
@@ -169,6 +169,49 @@ def test_pack_puts_the_first_code_in_the_lowest_bits_and_unpack_inverts_it(bits)
         assert torch.equal(unpack(packed, bits, dim=dim), codes)
     first_byte = pack(codes, bits, dim=1)[0, 0, 0]
     assert int(first_byte) == sum(int(codes[0, i, 0]) << (bits * i) for i in range(8 // bits))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpack_into_floats_agrees_on_the_spreading_and_the_row_copy_paths(bits):
+    """Along the last axis of contiguous bytes unpack_into spreads codes over a wider integer; elsewhere it copies
+    rows. Both must give the codes, converted into whatever `out` is (here a strided float32 view)."""
+    codes = torch.randint(0, 2**bits, (2, 3, 32, 16), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    for dim in (-1, -2):
+        packed = pack(codes, bits, dim=dim)
+        for source in (packed, packed.transpose(0, 1).contiguous().transpose(0, 1)):  # contiguous or not
+            buffer = torch.full((2, 3, 40, 24), -1.0)
+            out = unpack_into(buffer[..., 4:36, 4:20], source, bits, dim=dim)
+            assert torch.equal(out, codes.float()) and out.data_ptr() == buffer[..., 4:, 4:].data_ptr()
+            assert torch.all(buffer[..., :4, :] == -1) and torch.all(buffer[..., 20:] == -1)  # nothing else written
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dim, group, length", [(-1, 32, 64), (-1, 32, 40), (-2, 32, 64), (-2, 8, 24)])
+def test_dequantize_groups_into_a_view_equals_the_plain_result(bits, dim, group, length):
+    """KIVI decodes by dequantizing into a view of the tensor attention reads: same floats as a fresh tensor, in
+    float32 (written directly) and in bf16 or with padding cropped (through a float32 temporary)."""
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(length)) * 3 + 1
+    x = x.narrow(dim, 0, length)
+    quantized = quantize_groups(x, bits, group, dim=dim)
+    plain = dequantize_groups(*quantized, bits, group, length, torch.float32, dim=dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        shape = list(x.shape)
+        shape[dim] += 5
+        buffer = torch.zeros(shape, dtype=dtype)
+        view = buffer.narrow(dim, 0, length)
+        assert dequantize_groups(*quantized, bits, group, length, dtype, dim=dim, out=view) is view
+        assert torch.equal(view, plain.to(dtype)) and torch.all(buffer.narrow(dim, length, 5) == 0)
+
+
+def test_dequantized_values_are_one_rounding_away_from_code_times_scale_plus_minimum():
+    """code·s is exact in float32 for ≤ 4-bit codes and fp16 scales, so a fused multiply-add (addcmul may be one)
+    and a multiply then an add give the same floats: the dequantized value does not depend on the kernel."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4096,), generator=gen).float()
+    scales = (torch.randn(4096, generator=gen) * torch.logspace(-6, 4, 4096)).half().float()
+    mins = (torch.randn(4096, generator=gen) * 100).half().float()
+    exact = (codes.double() * scales.double() + mins.double()).float()  # one rounding, from the exact value
+    assert torch.equal(torch.addcmul(mins, codes, scales), exact) and torch.equal(codes * scales + mins, exact)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
