@@ -10,9 +10,9 @@ from tests.test_cli import run_cli
 def invocation(runs_dir, experiment: str, name: str, steps: dict) -> str:
     """One parent run and a FINISHED child per step: {step key: (mode, metrics, params)} → the parent's id."""
     mirror = MlflowMirror(default_tracking_uri(runs_dir), experiment, runs_dir / "mlartifacts")
-    parent = mirror.start(name, {}, parent=True)
+    parent = mirror.start(name, {})
     for key, (mode, metrics, params) in steps.items():
-        child = mirror.start(key, {"runner.mode": mode})
+        child = mirror.start(key, {"runner.mode": mode}, parent=parent)
         mirror.log(child, params=params, metrics=metrics)
         mirror.end(child, "FINISHED")
     mirror.end(parent, "FINISHED")
