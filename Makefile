@@ -17,6 +17,9 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -e ".[dev]"
+	# Ray's launcher plugin alone (its config, for the test that manifests/launchers/ray.yaml composes):
+	# its dependency ray[default] is hundreds of MB; install the `ray` extra to launch on a Ray cluster.
+	$(BIN)/pip install -q --no-deps "hydra-ray-launcher>=1.2,<1.3"
 	touch $@
 
 bench: setup

@@ -155,7 +155,6 @@ def test_on_failure_stop_skips_the_remaining_points_and_continue_runs_them(tmp_p
 ])
 def test_example_launcher_configs_compose_with_the_sweep_manifest(launcher, target):
     """Composed as Hydra composes a multirun (not launched: no cluster here)."""
-    pytest.importorskip(target.rsplit(".", 2)[0], reason=f"the {launcher} launcher plugin is not installed")
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
