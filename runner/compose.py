@@ -117,7 +117,7 @@ def _first_line(exc: Exception) -> str:
 def _hydra_source(exc: Exception, file: str, overrides) -> str:
     text = str(exc)
     named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in text]
-    return f"override '{named[0]}'" if named else file
+    return f"override '{named[0].removeprefix('++')}'" if named else file
 
 
 def problems_from(exc: ValidationError, file: str, locations: dict, overrides=()) -> list[Problem]:
@@ -154,7 +154,7 @@ def _describe(err: dict, loc: Loc) -> tuple[str, str]:
 def _source(loc: Loc, file: str, locations: dict, override_locs: dict) -> str:
     for ov_loc, override in override_locs.items():
         if loc[: len(ov_loc)] == ov_loc:
-            return f"override '{override}'"
+            return f"override '{override.removeprefix('++')}'"  # as typed: '++' is how sweeps pass values
     for end in range(len(loc), -1, -1):  # the key itself, or the closest enclosing one in the file
         if loc[:end] in locations:
             line, col = locations[loc[:end]]
