@@ -24,15 +24,15 @@ def run_cli(*args, cwd=None, timeout=300):
                           cwd=cwd, env=env, timeout=timeout)
 
 
-def test_check_is_fast_and_imports_no_torch(tmp_path):
+def test_check_imports_no_torch(tmp_path):
+    """`run check` stays cheap by never importing torch (or transformers); no wall-clock bound: machines are shared."""
     path = tiny_manifest(tmp_path, RUNS)
-    code = ("import sys, time; t = time.perf_counter(); from runner.cli import main; "
+    code = ("import sys; from runner.cli import main; "
             f"rc = main(['check', {str(path)!r}]); "
-            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter() - t); sys.exit(rc)")
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    flag, seconds = done.stdout.split()[-2:]
-    assert flag == "NOTORCH" and float(seconds) < 1.0
+    assert done.stdout.split("\n")[-2] == "[]"
 
 
 def test_bad_manifest_exits_2_with_a_located_message_and_no_traceback(tmp_path):
