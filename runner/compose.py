@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runner.errors import ManifestError, Problem
+from runner.errors import ManifestError, Problem, format_loc
 from runner.manifest import Manifest
 from runner.paths import missing_paths
 from runner.yamlsafe import compose_checked
@@ -166,12 +166,6 @@ def _override_loc(override: str) -> Loc:
     key = override.split("=", 1)[0].lstrip("+~")
     return tuple(int(p) if p.isdigit() else p for p in key.split("."))
 
-
-def format_loc(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 def fields_at(loc: Loc) -> list[str]:

@@ -158,14 +158,12 @@ def mirror_for(manifest: Manifest) -> MlflowMirror | None:
 
 
 def _load(step: Step, base_dir: Path):
-    from runner.infer.models import load_model
+    from runner.infer.models import load_spec
 
     spec = step.model
     print(f"[runner] loading {spec.get('id') or 'config model'} ({spec['dtype']}, {spec['device']})",
           file=sys.stderr, flush=True)
-    return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
-                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"],
-                      seed=step.model_seed, base_dir=base_dir)
+    return load_spec(spec, step.model_seed, base_dir)
 
 
 def _run_step(step: Step, lm, base_dir: Path, out_dir: Path) -> dict:

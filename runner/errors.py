@@ -52,3 +52,11 @@ class ResourceError(RunnerError):
 
 class StepError(RunnerError):
     """A step cannot run with the inputs given (e.g. a prompt longer than max_seq_len)."""
+
+
+def format_loc(loc: tuple) -> str:
+    """A key path as the user reads it: ("targets", 0, "runs") → targets[0].runs."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runner.infer.data import BUILTIN_TEXTS  # torch-free, like everything `run check` imports
 from runner.manifest import Manifest
-
-BUILTIN_TEXTS = ("pydoc", "shakespeare", "britannica")  # runner.infer.data's, without importing it
 
 
 def missing_paths(manifest: Manifest, base_dir: Path) -> list[tuple[tuple, str]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import yaml
 
-from runner.errors import ManifestError, Problem
+from runner.errors import ManifestError, Problem, format_loc
 
 MAX_VALUES = 100_000  # a manifest expanded: scalars, lists and mappings counted
 PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map",
@@ -64,8 +64,6 @@ def _check_size(root: yaml.Node, file: str) -> None:
 
 def _check_nodes(root: yaml.Node, file: str) -> None:
     """Tags and duplicate keys, each node visited once (aliases point at nodes already seen)."""
-    from runner.compose import format_loc
-
     seen: set[int] = set()
     stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
     while stack:
@@ -75,17 +73,18 @@ def _check_nodes(root: yaml.Node, file: str) -> None:
         seen.add(id(node))
         if node.tag not in PLAIN_TAGS:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-            raise ManifestError([Problem(format_loc(loc), f"YAML tag {tag!r} is not allowed: a manifest holds plain data "
-                                         "(strings, numbers, booleans, lists, mappings)", _at(file, node.start_mark))],
-                                file)
+            raise ManifestError([Problem(format_loc(loc), f"YAML tag {tag!r} is not allowed: a manifest holds "
+                                         "plain data (strings, numbers, booleans, lists, mappings)",
+                                         _at(file, node.start_mark))], file)
         if isinstance(node, yaml.MappingNode):
             first: dict = {}
             for key, value in node.value:
                 name = key.value if isinstance(key, yaml.ScalarNode) else None
                 if name is not None and name in first:
+                    first_line = first[name].start_mark.line + 1
                     raise ManifestError([Problem(
-                        format_loc(loc + (name,)), f"duplicate key (first at line {first[name].start_mark.line + 1}); YAML would "
-                        "silently keep only the last one", _at(file, key.start_mark))], file)
+                        format_loc(loc + (name,)), f"duplicate key (first at line {first_line}); YAML would silently "
+                        "keep only the last one", _at(file, key.start_mark))], file)
                 if name is not None:
                     first[name] = key
                 stack += [(key, loc), (value, loc + (name,))]

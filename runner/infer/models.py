@@ -82,6 +82,15 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
+def load_spec(spec: dict, seed: int, base_dir: Path | None = None, **override) -> LoadedModel:
+    """A manifest's ModelSpec as a plain dict (a Step's `model`) → load_model; `override` replaces fields
+    (e.g. dtype for a bench's dtype axis, device for a draft that follows its target)."""
+    spec = {**spec, **override}
+    return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
+                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"], seed=seed,
+                      base_dir=base_dir)
+
+
 def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -79,7 +79,8 @@ class TokenTiming:
     def of(cls, repeats_marks: list[list[float]], batch: int) -> "TokenTiming":
         tokens = len(repeats_marks[0]) if repeats_marks else 0
         if any(len(m) != tokens for m in repeats_marks) or tokens == 0:
-            raise ValueError(f"every repeat must tick the same number of tokens (got {[len(m) for m in repeats_marks]})")
+            counts = [len(m) for m in repeats_marks]
+            raise ValueError(f"every repeat must tick the same number of tokens (got {counts})")
         gaps = [b - a for m in repeats_marks for a, b in zip(m, m[1:])]
         decode = [m[-1] - m[0] for m in repeats_marks]
         return cls(

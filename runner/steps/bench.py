@@ -21,7 +21,7 @@ from tqdm import tqdm
 from runner.errors import RunnerError
 from runner.infer.cells import measure_hf, measure_hf_assisted, measure_ours, measure_speculative
 from runner.infer.data import load_text, token_windows
-from runner.infer.models import LoadedModel, load_model
+from runner.infer.models import LoadedModel, load_spec
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
 from runner.plan import Step
@@ -131,7 +131,8 @@ def write_table(table: pd.DataFrame, out_dir: Path) -> None:
 def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
     wanted = [*AXES, "ours_tok_s", "hf_tok_s", "ratio_tok_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms",
-              "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "spec_speedup", "error",
+              "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "spec_speedup",
+              "error",
               "hf_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
@@ -229,9 +230,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 def _reload(step: Step, dtype: str, base_dir: Path):
     spec = step.model
     print(f"[{step.key}] loading {spec.get('id') or 'config model'} as {dtype}", file=sys.stderr, flush=True)
-    return load_model(spec.get("id"), config=spec.get("config"), dtype=dtype, device=spec["device"],
-                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"],
-                      seed=step.model_seed, base_dir=base_dir).model
+    return load_spec(spec, step.model_seed, base_dir, dtype=dtype).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:

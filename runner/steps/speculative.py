@@ -16,7 +16,7 @@ from runner.errors import StepError
 from runner.infer.bench import time_decode
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.decode import Generator
-from runner.infer.models import LoadedModel, load_model
+from runner.infer.models import LoadedModel, load_spec
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
 from runner.plan import Step
@@ -68,8 +68,7 @@ def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Pat
         return PROMPT_LOOKUP
     d = spec.draft
     print(f"[runner] loading draft {d.id or 'config model'} ({d.dtype})", file=sys.stderr, flush=True)
-    draft = load_model(d.id, config=d.config, dtype=d.dtype, device=str(lm.device), revision=d.revision,
-                       trust_remote_code=d.trust_remote_code, seed=step.model_seed, base_dir=base_dir)
+    draft = load_spec(d.model_dump(), step.model_seed, base_dir, device=str(lm.device))
     if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
         raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
                         f"({len(draft.tokenizer)} vs {len(lm.tokenizer)} tokens): speculative decoding needs the same "
