@@ -66,3 +66,23 @@ def test_the_default_progress_counts_and_tells_nobody(capsys):
     bar.close()
     assert (bar.done, bar.total) == (3, 4)
     assert capsys.readouterr() == ("", "")
+
+
+def test_only_the_cli_prints_or_draws_bars():
+    """Libraries log; the CLI is the one printer (checked on the source, so a new print fails here)."""
+    import ast
+    from pathlib import Path
+
+    import runner
+
+    package = Path(runner.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{path.relative_to(package)}:{node.lineno} print")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "tqdm" in ast.dump(node):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno} tqdm")
+    assert offenders == []
