@@ -15,11 +15,11 @@ LAYERS = [
     ("config", ["config", "quant"]),
     ("loading", ["pinned", "zoo", "data", "models"]),
     ("forward", ["forward"]),
-    ("caches", ["kvcache", "window"]),
-    ("strategies", ["sampling", "beam", "contrastive"]),
+    ("caches", ["kvcache", "window", "ragged"]),
+    ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
     ("select", ["cache_plans", "autocache"]),
-    ("generators", ["generator", "speculative"]),
+    ("generators", ["generator", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
 ]
 ORDER = [module for _, modules in LAYERS for module in modules]
