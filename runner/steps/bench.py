@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from runner.errors import RunnerError
-from runner.infer.cells import measure_hf, measure_hf_assisted, measure_ours, measure_speculative
+from runner.infer.cells import ASSISTED_NA, measure_hf, measure_hf_assisted, measure_ours, measure_speculative
 from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.config import DTYPES
@@ -88,7 +88,9 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
             row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth))
     except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         return _failed(row, exc)
-    if spec.baseline == "hf":
+    if spec.baseline == "hf" and cell["speculative"] == "on" and cell["batch"] > 1:
+        row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
+    elif spec.baseline == "hf":
         try:
             if cell["speculative"] == "on":
                 hf = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
@@ -135,7 +137,8 @@ def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
     wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms",
               "ours_itl_ms", "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance",
-              "spec_speedup", "error", "hf_error"]
+              "ours_acceptance_row_min", "ours_acceptance_row_max", "ours_batched", "spec_speedup", "error",
+              "hf_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
     for column in ("error", "hf_error"):
