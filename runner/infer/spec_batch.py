@@ -4,7 +4,8 @@ Owns the batched loop that `SpeculativeGenerator.generate` runs for a batch of m
 comments, b = live rows, w = the widest draft of the round):
     prefill both caches with the prompts minus their last token (left padding kept as masked columns)
     → propose: the draft catches up on what it has not seen ([b,≤2] chunk, holes on the left), then drafts w
-      tokens for every row in w batched forwards (or prompt lookup per row; rows with fewer pad the round)
+      tokens for every row in w batched forwards (or, per row, prompt lookup or a draft with another tokenizer
+      through text, `spec_text`: its batch-1 draft forwards run row by row; rows with fewer pad the round)
     → verify: one target forward over [pending, x_1..x_w] [b,w+1] → p [b,w+1,V]
     → accept per row (the same rules as one row: spec_rounds) → row r keeps n_r + 1 tokens
     → both caches keep each row's own tokens (`RaggedCache.keep_first`: the rejected columns become holes)
@@ -29,7 +30,7 @@ from runner.errors import InferenceError
 from runner.infer.kvcache import make_cache
 from runner.infer.ragged import RaggedCache, ragged_reason
 from runner.infer.spec_rounds import (accept_exact, accept_reject, adapt_k, falls_back, filtered_probs,
-                                      first_eos, lookup_proposal, pick)
+                                      first_eos, pick)
 
 
 def batched_reason(gen) -> str:
@@ -157,8 +158,8 @@ class BatchRun:
         width = max(caps)
         if width <= 0:
             return [self.seqs[r][:0] for r in self.live], None
-        if self.gen.lookup:
-            drafts = [lookup_proposal(self.seqs[r], cap) for r, cap in zip(self.live, caps)]
+        if self.draft is None:  # prompt lookup, or a draft with another tokenizer: a proposal per row
+            drafts = [self.gen.proposal(r, self.seqs[r], cap) for r, cap in zip(self.live, caps)]
             q = torch.zeros(len(drafts), max(d.numel() for d in drafts), self.gen.vocab, device=drafts[0].device)
             for i, d in enumerate(drafts):
                 q[i, torch.arange(d.numel()), d] = 1.0

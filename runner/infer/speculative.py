@@ -1,8 +1,9 @@
 """Speculative decoding (Leviathan et al. 2023, Chen et al. 2023): a draft proposes, the target verifies.
 
 Owns: draft → verify → accept → roll back, per round, for a draft model or prompt lookup; the adaptive draft
-length, the fallback to target-only decoding, and the counts in `SpecStats`. Does not know about manifests,
-tracking, tokenizers (a draft with another tokenizer is the caller's error to raise) or timing beyond wall-clock.
+length, the fallback to target-only decoding, and the counts in `SpecStats`. A draft with another tokenizer
+(`draft_tokenizer=`, `tokenizer=` the target's) proposes through text (`spec_text.TextDraft`), verified as prompt
+lookup is. Does not know about manifests, tracking or timing beyond wall-clock.
 
 One round of one row (shapes in comments), with the invariant "each cache holds the sequence minus its last
 token, `pending`":
@@ -43,6 +44,7 @@ from runner.infer.timing import time_once
 from runner.infer.spec_rounds import (FALLBACK_MIN_ROUNDS, FALLBACK_WINDOW, LOOKUP_MAX_NGRAM,  # noqa: F401
                                       accept_exact, accept_reject, adapt_k, falls_back, filtered_probs,
                                       first_eos as _first_eos, lookup_proposal, pick)
+from runner.infer.spec_text import TextDraft, same_tokenizer
 from runner.infer.spec_batch import batched_reason, generate_batched
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -141,7 +143,7 @@ class SpeculativeGenerator:
     """`SpeculativeGenerator(target_model=..., draft_model=... | "prompt-lookup", config=...)`, `.generate(ids)`."""
 
     def __init__(self, target_model, draft_model, config: SpeculativeConfig | None = None, tokenizer=None,
-                 generator: torch.Generator | None = None, batched: bool = True):
+                 generator: torch.Generator | None = None, batched: bool = True, draft_tokenizer=None):
         self.config = config or SpeculativeConfig()
         self.batched = batched  # a batch of > 1 rows runs its rounds together (spec_batch); False: row after row
         self.device = next(target_model.parameters()).device
@@ -152,6 +154,10 @@ class SpeculativeGenerator:
         self.draft = None if self.lookup else draft_model.to(self.device).eval()
         self.draft_vocab = 0 if self.lookup else self.draft.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
+        self.text_draft = None  # a draft with another tokenizer proposes through text (spec_text), row by row
+        if self.draft is not None and draft_tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
+            self.text_draft = TextDraft(self.draft, draft_tokenizer, tokenizer, self.config.cache_kind)
+            self.draft, self.draft_vocab = None, 0
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         cfg = self.config
         self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
@@ -173,6 +179,8 @@ class SpeculativeGenerator:
                                fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch,
                                row_drafted=[0] * batch, row_accepted=[0] * batch)
         rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
+        if self.text_draft is not None:
+            self.text_draft.reset()
         self.stats.batched = batch > 1 and self.batched and not self._row_by_row_reason()
 
         def decode_rows() -> None:
@@ -182,6 +190,8 @@ class SpeculativeGenerator:
                 rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
 
         self.stats.seconds = time_once(decode_rows, sync=lambda: sync(self.device))
+        if self.text_draft is not None:
+            self.stats.draft_forwards += self.text_draft.forwards
         new = torch.full((batch, max(len(r) for r in rows)), pad_id(self.target, self.tokenizer, self.eos_ids),
                          dtype=torch.long, device=self.device)
         for r, tokens in enumerate(rows):
@@ -203,7 +213,7 @@ class SpeculativeGenerator:
         if prompt.numel() >= cfg.max_seq_len:
             raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
         row = _Row(prompt, make_cache(cfg.cache_kind, self.target),
-                   None if self.lookup else make_cache(cfg.cache_kind, self.draft))
+                   None if self.draft is None else make_cache(cfg.cache_kind, self.draft))
         self._prefill(row)
         k, target_only = cfg.spec_k, False
         while True:
@@ -236,7 +246,7 @@ class SpeculativeGenerator:
 
     def _round(self, r: int, row: _Row, k: int) -> torch.Tensor:
         """Propose ≤ k, verify in one target forward, accept, roll back. → [n+1] new tokens ([n] without bonus)."""
-        draft, q = self._propose(row, k)  # [k'], [k',V] or None
+        draft, q = self._propose(r, row, k)  # [k'], [k',V] or None
         base = row.seq.numel()
         chunk = torch.cat([row.seq[-1:], draft])  # [k'+1]: pending, then the draft
         p = filtered_probs(feed(self.target, row.target_cache, chunk, keep=chunk.numel()),
@@ -259,12 +269,17 @@ class SpeculativeGenerator:
         self._count(r, row, draft.numel(), n)
         return new
 
-    def _propose(self, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def proposal(self, r: int, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """A proposal that is a function of row r's tokens [L] alone (prompt lookup, or a draft with another
+        tokenizer through text) → ≤ k tokens [k']; verified with q one-hot at each proposed token."""
+        return lookup_proposal(seq, k) if self.lookup else self.text_draft.propose(r, seq, k)
+
+    def _propose(self, r: int, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens [k] and their proposal distributions q [k,V] (None when greedy or prompt lookup)."""
         if k <= 0:
             return row.seq[:0], None
-        if self.lookup:
-            draft = lookup_proposal(row.seq, k)
+        if self.draft is None:
+            draft = self.proposal(r, row.seq, k)
             q = torch.zeros(draft.numel(), self.vocab, device=self.device)
             return draft, q.scatter_(1, draft[:, None], 1.0)
         tokens, probs = [], []

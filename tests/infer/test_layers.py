@@ -19,7 +19,7 @@ LAYERS = [
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
     ("select", ["cache_plans", "autocache"]),
-    ("generators", ["generator", "spec_batch", "speculative"]),
+    ("generators", ["generator", "spec_text", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
 ]
 ORDER = [module for _, modules in LAYERS for module in modules]
