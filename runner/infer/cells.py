@@ -76,12 +76,14 @@ def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repe
 
 
 def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        adaptive: bool, repeats: int, warmup: int, batched: bool = True) -> dict:
+                        adaptive: bool, repeats: int, warmup: int, batched: bool = True, tokenizer=None,
+                        draft_tokenizer=None) -> dict:
     """Greedy speculative decoding of the cell: tokens/s, acceptance (overall and the lowest / highest row's) and
     whether the rounds ran batched (False at batch 1, for KIVI kinds, or when asked)."""
     config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
                                cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2)
-    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched)
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched,
+                               tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))
     rows = gen.stats.row_acceptance
     return {**figures, "acceptance": gen.stats.acceptance_rate, "acceptance_row_min": min(rows),
@@ -90,12 +92,15 @@ def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: 
 
 
 def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        repeats: int, warmup: int) -> dict:
-    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens."""
+                        repeats: int, warmup: int, tokenizer=None, draft_tokenizer=None) -> dict:
+    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens; with
+    both tokenizers given, its universal assisted generation (a draft with another tokenizer)."""
     if ids.shape[0] != 1:
         raise ValueError(ASSISTED_NA)
     drafting = {"prompt_lookup_num_tokens": spec_k} if isinstance(draft, str) else {
         "assistant_model": draft, "num_assistant_tokens": spec_k}
+    if draft_tokenizer is not None and not isinstance(draft, str):
+        drafting |= {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
     produced = {}
 
     def run_once() -> None:

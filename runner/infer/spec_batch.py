@@ -29,8 +29,15 @@ import torch
 from runner.errors import InferenceError
 from runner.infer.kvcache import make_cache
 from runner.infer.ragged import RaggedCache, ragged_reason
-from runner.infer.spec_rounds import (accept_exact, accept_reject, adapt_k, falls_back, filtered_probs,
-                                      first_eos, pick)
+from runner.infer.spec_rounds import (
+    accept_exact,
+    accept_reject,
+    adapt_k,
+    falls_back,
+    filtered_probs,
+    first_eos,
+    pick,
+)
 
 
 def batched_reason(gen) -> str:

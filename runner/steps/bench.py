@@ -43,12 +43,13 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
-    draft = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else None
+    draft, draft_tokenizer = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else (None, None)
+    tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
     rows, bar = [], progress(step.key, len(cells), "cell")
     for dtype, group in itertools.groupby(cells, key=lambda c: c["dtype"]):
         model = lm.model if dtype == step.model["dtype"] else _reload(step, dtype, base_dir)
         for cell in group:
-            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth))
+            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers))
             write_table(pd.DataFrame(rows), out_dir)  # after every cell: an interrupted matrix keeps what it measured
             speed = f" {rows[-1]['ours_tokens_per_s']:.1f} tok/s" if "ours_tokens_per_s" in rows[-1] else ""
             bar.update(note=_label(cell) + speed)
@@ -74,16 +75,20 @@ def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
         spec.max_new_tokens)]
 
 
-def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None) -> dict:
+def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None,
+             tokenizers: dict | None = None) -> dict:
     """One row of the table: the cell's axes, our figures (ours_*), the baseline's (hf_*) and their ratios.
-    A failure (out of memory, an unsupported combination) is the row's `error`; the matrix goes on."""
+    A failure (out of memory, an unsupported combination) is the row's `error`; the matrix goes on.
+    `tokenizers`: target's and draft's, for a draft with another tokenizer (both sides then map through text)."""
+    tokenizers = tokenizers or {}
     row = {**cell, "status": "ok", "error": ""}
     try:
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
         kind, n = cell["cache_kind"], cell["new_tokens"]
         if cell["speculative"] == "on":
             row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, spec.speculative.spec_k,
-                                                         spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup))
+                                                         spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup,
+                                                         **tokenizers))
         else:
             row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth))
     except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
@@ -94,7 +99,7 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
         try:
             if cell["speculative"] == "on":
                 hf = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
-                                         spec.warmup)
+                                         spec.warmup, **tokenizers)
             else:
                 hf = measure_hf(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
             row |= _prefixed("hf", hf)

@@ -60,7 +60,7 @@ def test_every_row_is_the_targets_greedy_output(tiny_lm, draft_lm, kind, which):
 def test_a_self_draft_accepts_everything_in_one_forward_per_round(tiny_lm):
     enc = _enc(tiny_lm)
     k, rounds = 3, 4
-    out, gen = _spec(tiny_lm.model, tiny_lm.model, enc, spec_k=k, max_new_tokens=rounds * (k + 1), temperature=0)
+    _, gen = _spec(tiny_lm.model, tiny_lm.model, enc, spec_k=k, max_new_tokens=rounds * (k + 1), temperature=0)
     s = gen.stats
     assert s.batched and s.acceptance_rate == 1.0 and s.row_acceptance == [1.0] * len(PROMPTS)
     assert s.target_forwards == 1 + rounds  # prefill + ONE verify per round for the whole batch
