@@ -153,3 +153,13 @@ def test_batched_and_row_by_row_agree(tiny_lm, draft_lm):
     outs = [SpeculativeGenerator(target_model=tiny_lm.model, draft_model=draft_lm.model, config=settings,
                                  batched=batched).generate(enc.input_ids, enc.attention_mask) for batched in (1, 0)]
     assert torch.equal(*outs)
+
+
+def test_one_token_prompts_and_a_row_that_is_all_padding_but_one(tiny_lm, draft_lm):
+    """No prefill at all (T = 1), and a row whose prefill columns are all padding: both stay exact."""
+    for ids, mask in [(torch.tensor([[5], [9]]), torch.ones(2, 1, dtype=torch.long)),
+                      (torch.tensor([[0, 0, 0, 7], [5, 6, 7, 8]]), torch.tensor([[0, 0, 0, 1], [1, 1, 1, 1]]))]:
+        ref = generate(tiny_lm.model, ids, attention_mask=mask, max_new_tokens=12, temperature=0)
+        gen = SpeculativeGenerator(target_model=tiny_lm.model, draft_model=draft_lm.model,
+                                   config=SpeculativeConfig(spec_k=3, max_new_tokens=12, temperature=0))
+        assert torch.equal(gen.generate(ids, mask), ref) and gen.stats.batched
