@@ -150,9 +150,13 @@ def test_adaptive_k_and_fallback_act_on_the_whole_batch(tiny_lm, draft_lm):
 def test_batched_and_row_by_row_agree(tiny_lm, draft_lm):
     enc = _enc(tiny_lm)
     settings = SpeculativeConfig(spec_k=4, max_new_tokens=16, temperature=0)
-    outs = [SpeculativeGenerator(target_model=tiny_lm.model, draft_model=draft_lm.model, config=settings,
-                                 batched=batched).generate(enc.input_ids, enc.attention_mask) for batched in (1, 0)]
+    gens = [SpeculativeGenerator(target_model=tiny_lm.model, draft_model=draft_lm.model, config=settings,
+                                 batched=batched) for batched in (True, False)]
+    outs = [gen.generate(enc.input_ids, enc.attention_mask) for gen in gens]
     assert torch.equal(*outs)
+    # the batched draft cache saw each row's own context: the same proposals, so the same acceptances per row
+    assert gens[0].stats.row_accepted == gens[1].stats.row_accepted
+    assert gens[0].stats.k_history == gens[1].stats.k_history
 
 
 def test_one_token_prompts_and_a_row_that_is_all_padding_but_one(tiny_lm, draft_lm):
