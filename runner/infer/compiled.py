@@ -1,0 +1,253 @@
+"""The compiled engine: a static cache per (kind, batch bucket, length bucket) and one compiled one-token decode step
+per shape, so a generation never recompiles.
+
+In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns):
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, in chunks)
+    → StaticDecodeState.feed → decode_step (compiled: [B,1] ids, [B,1] positions, [1] column, [B,S] mask → [B,V])
+`StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
+Generator's loop, its sampling, stop rules and beam reordering work on it unchanged. Rows past b are dummies
+that attend only to themselves; their logits are dropped.
+Compilation: inductor, `dynamic=False`; on CPU with freezing (weights folded into the graph as constants); on
+CUDA mode "reduce-overhead" (CUDA graphs) with the cache at a static address. The first call of a shape is timed
+apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
+live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
+`recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).
+Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
+stop rules, timing harnesses or manifests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runner.errors import InferenceError
+from runner.infer.forward import positions_from, sync
+from runner.infer.static import STATIC_KINDS, StaticKVCache, make_static_cache
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_COLUMNS = 256  # length buckets: powers of two from here, capped by the caller's max_seq_len
+CACHE_DIR = Path.home() / ".cache" / "runner" / "inductor"
+
+
+def batch_bucket(batch: int) -> int:
+    """Smallest bucket ≥ batch (past the last: batch itself)."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), batch)
+
+
+def length_bucket(columns: int, max_seq_len: int) -> int:
+    """Smallest power of two ≥ columns (at least MIN_COLUMNS), at most max_seq_len."""
+    size = MIN_COLUMNS
+    while size < columns:
+        size *= 2
+    return max(min(size, max_seq_len), columns)
+
+
+def use_compile_cache() -> None:
+    """Point inductor's on-disk caches (FX graphs, kernels) at ~/.cache/runner/inductor unless the user chose."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+
+
+# --- masks over static columns -----------------------------------------------------------------------------------
+
+def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bool, dtype: torch.dtype) -> torch.Tensor:
+    """[B,S] real columns (1 = a real token written there) and the [T] columns being fed → [B,1,T,S] attention
+    mask: a query sees the real columns up to its own, and always itself (a pad or dummy query then attends to
+    something, so no row of softmax is empty). Boolean for sdpa, additive for eager attention."""
+    span = torch.arange(mask2d.shape[1], device=mask2d.device)  # [S]
+    causal = span[None, :] <= columns[:, None]  # [T,S]
+    allowed = (mask2d[:, None, None, :].bool() & causal[None, None]) | (span[None, :] == columns[:, None])[None, None]
+    if not eager_attention:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask2d.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def run_model(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
+              mask2d: torch.Tensor) -> torch.Tensor:
+    """[B,T] ids at [B,T] positions into `columns` [T] of the cache → [B,V] logits of the last column."""
+    cache.columns = columns
+    eager = model.config._attn_implementation == "eager"
+    attention = static_mask(mask2d, columns, eager, model.dtype)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :]
+
+
+def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
+                mask2d: torch.Tensor) -> torch.Tensor:
+    """The function the engine compiles: [B,1] ids, [B,1] positions, [1] column, [B,S] mask → [B,V] logits."""
+    return run_model(model, cache, ids, positions, column, mask2d)
+
+
+# --- the engine --------------------------------------------------------------------------------------------------
+
+@dataclass
+class CompileStats:
+    """What compiling cost: seconds per shape (batch, columns, kind) and graph counts."""
+
+    compile_s: dict[tuple, float] = field(default_factory=dict)
+    compiles: int = 0  # graphs dynamo made for the decode step
+    recompiles: int = 0  # graphs beyond one per shape
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.compile_s.values())
+
+
+class CompiledEngine:
+    """One model's compiled decode step and its static caches (one per kind × batch bucket × length bucket).
+
+    A cache is reused by the next state of the same shape: one generation at a time per engine."""
+
+    def __init__(self, model, mode: str | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        use_compile_cache()
+        self.mode = mode or ("reduce-overhead" if self.cuda else "freezing")
+        how = {"options": {"freezing": True}} if self.mode == "freezing" else {"mode": self.mode}
+        self.step = torch.compile(decode_step, dynamic=False, **how)
+        self.caches: dict[tuple, StaticKVCache] = {}
+        self.stats = CompileStats()
+
+    def cache(self, kind: str | None, batch: int, columns: int) -> StaticKVCache:
+        key = (kind, batch, columns)
+        if key not in self.caches:
+            cache = make_static_cache(kind, self.model, batch, columns)
+            if self.cuda:  # CUDA graphs replay on fixed addresses: no copy of the cache per step
+                for layer in cache.layers:
+                    for t in layer.tensors():
+                        torch._dynamo.mark_static_address(t)
+            self.caches[key] = cache
+            self._compile(cache, key)
+        return self.caches[key]
+
+    def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int) -> "StaticDecodeState":
+        """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens)."""
+        cache = self.cache(kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
+        return StaticDecodeState(self, cache, batch)
+
+    @torch.inference_mode()
+    def _compile(self, cache: StaticKVCache, key: tuple) -> None:
+        """Compile (or load from inductor's cache) the step for this cache's shape: one warm-up step into the last
+        column, which the state's mask hides and a later write overwrites."""
+        batch, columns = cache.batch, cache.length
+        ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        column = torch.tensor([columns - 1], device=self.device)
+        mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
+        before = _graph_count()
+        start = time.perf_counter()
+        self.step(self.model, cache, ids, torch.zeros_like(ids), column, mask2d)  # distinct tensors: no alias guard
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        self.stats.compile_s[key] = seconds
+        self.stats.compiles += _graph_count() - before
+        log.info("compiled the decode step for %s × %d rows × %d columns in %.1f s", key[0] or "model dtype", batch,
+                 columns, seconds)
+
+    def call(self, cache: StaticKVCache, ids, positions, column, mask2d) -> torch.Tensor:
+        before = _graph_count()
+        logits = self.step(self.model, cache, ids, positions, column, mask2d)
+        made = _graph_count() - before
+        if made:
+            self.stats.compiles += made
+            self.stats.recompiles += made
+            log.warning("the compiled decode step recompiled (%d graphs) for %d rows × %d columns", made,
+                        cache.batch, cache.length)
+        return logits
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model) -> CompiledEngine:
+    """The model's engine, made once per model object: compiled steps and caches outlive one Generator."""
+    if model not in _ENGINES:
+        _ENGINES[model] = CompiledEngine(model)
+    return _ENGINES[model]
+
+
+def check_compilable(model, kind: str | None) -> None:
+    """InferenceError when the compiled engine cannot serve this model or kind."""
+    if kind is not None and kind.split(":")[0].startswith("kivi"):
+        raise InferenceError(f"engine 'compiled' has no static layout for cache kind {kind!r}: use one of "
+                             f"{', '.join(STATIC_KINDS)}, or engine: eager")
+    text = model.config.get_text_config(decoder=True)
+    types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise InferenceError(f"engine 'compiled' serves models whose layers all use full attention; "
+                             f"{text.model_type} has {sorted(types)}: use engine: eager")
+
+
+# --- the state the Generator drives ------------------------------------------------------------------------------
+
+class StaticDecodeState:
+    """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far."""
+
+    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int):
+        self.engine, self.cache, self.rows = engine, cache, batch
+        device = engine.device
+        self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=device)  # [B,S] real
+        self.seen: torch.Tensor | None = None  # [b] real tokens so far
+        self.length = 0
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[b,length] mask of what was fed (DecodeState's field)."""
+        return self.columns[:self.rows, :self.length]
+
+    def _pad(self, t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """[b,...] → [B,...], dummy rows filled with `fill`."""
+        extra = self.cache.batch - self.rows
+        return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
+
+    def _room(self, columns: int) -> None:
+        if self.length + columns > self.cache.length:
+            raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
+                                 f"{self.length + columns}: raise max_seq_len or start a new conversation")
+
+    def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, None]:
+        """[b,T] ids and mask → (last logits [b,V], None): eager forwards into the static cache, q_chunk at a time."""
+        if hidden:
+            raise InferenceError("engine 'compiled' does not return hidden states (contrastive search): use eager")
+        self._room(ids.shape[1])
+        positions = positions_from(self.seen, new_mask)  # [b,T]
+        self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
+        ids, new_mask, positions = self._pad(ids), self._pad(new_mask), self._pad(positions)
+        step = q_chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], step):
+            part = slice(start, start + step)
+            columns = torch.arange(self.length, self.length + ids[:, part].shape[1], device=ids.device)
+            self.columns[:, columns] = new_mask[:, part]
+            logits = run_model(model, self.cache, ids[:, part], positions[:, part], columns, self.columns)
+            self.length += len(columns)
+        return logits[:self.rows], None
+
+    def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """One compiled decode step: [b] token (live [b] 0/1) → [b,V] logits."""
+        self._room(1)
+        positions = self._pad(self.seen)[:, None]  # [B,1]
+        self.seen = self.seen + live
+        self.columns[:self.rows, self.length] = live
+        column = torch.tensor([self.length], device=token.device)
+        logits = self.engine.call(self.cache, self._pad(token)[:, None], positions, column, self.columns)
+        self.length += 1
+        return logits[:self.rows]
