@@ -1,12 +1,14 @@
 """The compiled engine: a static cache per (kind, batch bucket, length bucket) and one compiled one-token decode step
 per shape, so a generation never recompiles.
 
-In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns):
+In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
     engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, in chunks)
-    → StaticDecodeState.feed → decode_step (compiled: [B,1] ids, [B,1] positions, [1] column, [B,S] mask → [B,V])
+    → StaticDecodeState.feed → decode_step (compiled: [B,T] ids, [B,T] positions, [T] columns, [B,S] mask → [B,T,V])
 `StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
-Generator's loop, its sampling, stop rules and beam reordering work on it unchanged. Rows past b are dummies
-that attend only to themselves; their logits are dropped.
+Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
+`feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
+T = spec_k + 1; other chunk lengths run the same static forward eagerly). Rows past b are dummies that attend
+only to themselves; their logits are dropped.
 Compilation: inductor, `dynamic=False`; on CPU with freezing (weights folded into the graph as constants); on
 CUDA mode "reduce-overhead" (CUDA graphs) with the cache at a static address. The first call of a shape is timed
 apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
@@ -54,9 +56,11 @@ def length_bucket(columns: int, max_seq_len: int) -> int:
 def use_compile_cache() -> None:
     """Point inductor's on-disk caches (FX graphs, kernels) at ~/.cache/runner/inductor unless the user chose."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)  # one graph per shape, many shapes
 
 
 # --- masks over static columns -----------------------------------------------------------------------------------
@@ -73,32 +77,27 @@ def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bo
     return torch.zeros(allowed.shape, dtype=dtype, device=mask2d.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def run_model(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
-              mask2d: torch.Tensor) -> torch.Tensor:
-    """[B,T] ids at [B,T] positions into `columns` [T] of the cache → [B,V] logits of the last column."""
+def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
+                mask2d: torch.Tensor) -> torch.Tensor:
+    """[B,T] ids at [B,T] positions into `columns` [T] of the cache, [B,S] real columns → [B,T,V] logits.
+    The function the engine compiles (one graph per shape); prefill runs it eagerly."""
     cache.columns = columns
     eager = model.config._attn_implementation == "eager"
     attention = static_mask(mask2d, columns, eager, model.dtype)
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :]
-
-
-def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
-                mask2d: torch.Tensor) -> torch.Tensor:
-    """The function the engine compiles: [B,1] ids, [B,1] positions, [1] column, [B,S] mask → [B,V] logits."""
-    return run_model(model, cache, ids, positions, column, mask2d)
+                use_cache=True, logits_to_keep=ids.shape[1])
+    return out.logits
 
 
 # --- the engine --------------------------------------------------------------------------------------------------
 
 @dataclass
 class CompileStats:
-    """What compiling cost: seconds per shape (batch, columns, kind) and graph counts."""
+    """What compiling cost: seconds per shape (kind, rows, columns, new columns) and graph counts."""
 
     compile_s: dict[tuple, float] = field(default_factory=dict)
     compiles: int = 0  # graphs dynamo made for the decode step
-    recompiles: int = 0  # graphs beyond one per shape
+    recompiles: int = 0  # graphs made after a shape's warm-up: should stay 0
 
     @property
     def total_s(self) -> float:
@@ -108,63 +107,72 @@ class CompileStats:
 class CompiledEngine:
     """One model's compiled decode step and its static caches (one per kind × batch bucket × length bucket).
 
-    A cache is reused by the next state of the same shape: one generation at a time per engine."""
+    A cache is reused by the next state of the same shape: one generation at a time per engine.
+    `compile=False` runs the same static step eagerly (tests of the static path; debugging)."""
 
-    def __init__(self, model, mode: str | None = None):
+    def __init__(self, model, mode: str | None = None, compile: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
-        use_compile_cache()
         self.mode = mode or ("reduce-overhead" if self.cuda else "freezing")
-        how = {"options": {"freezing": True}} if self.mode == "freezing" else {"mode": self.mode}
-        self.step = torch.compile(decode_step, dynamic=False, **how)
+        if compile:
+            use_compile_cache()
+            how = {"options": {"freezing": True}} if self.mode == "freezing" else {"mode": self.mode}
+            self.step = torch.compile(decode_step, dynamic=False, **how)
+        else:
+            self.step, self.mode = decode_step, "eager"
         self.caches: dict[tuple, StaticKVCache] = {}
+        self.warm: set[tuple] = set()  # (kind, rows, columns, new columns) already compiled
         self.stats = CompileStats()
 
-    def cache(self, kind: str | None, batch: int, columns: int) -> StaticKVCache:
-        key = (kind, batch, columns)
+    def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int,
+              step_lengths: tuple[int, ...] = (1,)) -> "StaticDecodeState":
+        """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens); feeds of
+        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly."""
+        key = (kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
         if key not in self.caches:
-            cache = make_static_cache(kind, self.model, batch, columns)
-            if self.cuda:  # CUDA graphs replay on fixed addresses: no copy of the cache per step
+            cache = make_static_cache(kind, self.model, *key[1:])
+            if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
                 for layer in cache.layers:
                     for t in layer.tensors():
                         torch._dynamo.mark_static_address(t)
             self.caches[key] = cache
-            self._compile(cache, key)
-        return self.caches[key]
-
-    def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int) -> "StaticDecodeState":
-        """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens)."""
-        cache = self.cache(kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
-        return StaticDecodeState(self, cache, batch)
+        for length in step_lengths:
+            if length <= key[2]:
+                self._compile(self.caches[key], (*key, length))
+        return StaticDecodeState(self, self.caches[key], batch, step_lengths)
 
     @torch.inference_mode()
     def _compile(self, cache: StaticKVCache, key: tuple) -> None:
-        """Compile (or load from inductor's cache) the step for this cache's shape: one warm-up step into the last
-        column, which the state's mask hides and a later write overwrites."""
-        batch, columns = cache.batch, cache.length
-        ids = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        column = torch.tensor([columns - 1], device=self.device)
+        """Compile (or load from inductor's cache) the step of this shape: one warm-up step into the last columns,
+        which a state's mask hides and a later write overwrites. Timed on its own and logged."""
+        if key in self.warm:
+            return
+        batch, columns, new = cache.batch, cache.length, key[-1]
+        ids = torch.zeros(batch, new, dtype=torch.long, device=self.device)
+        span = torch.arange(columns - new, columns, device=self.device)
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
         before = _graph_count()
         start = time.perf_counter()
-        self.step(self.model, cache, ids, torch.zeros_like(ids), column, mask2d)  # distinct tensors: no alias guard
+        self.step(self.model, cache, ids, torch.zeros_like(ids), span, mask2d)  # distinct tensors: no alias guard
         sync(self.device)
-        seconds = time.perf_counter() - start
-        self.stats.compile_s[key] = seconds
+        self.stats.compile_s[key] = time.perf_counter() - start
         self.stats.compiles += _graph_count() - before
-        log.info("compiled the decode step for %s × %d rows × %d columns in %.1f s", key[0] or "model dtype", batch,
-                 columns, seconds)
+        self.warm.add(key)
+        if self.mode != "eager":
+            log.info("compile: decode step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
+                     key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
-    def call(self, cache: StaticKVCache, ids, positions, column, mask2d) -> torch.Tensor:
+    def call(self, cache: StaticKVCache, ids, positions, columns, mask2d) -> torch.Tensor:
+        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged."""
         before = _graph_count()
-        logits = self.step(self.model, cache, ids, positions, column, mask2d)
+        logits = self.step(self.model, cache, ids, positions, columns, mask2d)
         made = _graph_count() - before
         if made:
             self.stats.compiles += made
             self.stats.recompiles += made
-            log.warning("the compiled decode step recompiled (%d graphs) for %d rows × %d columns", made,
-                        cache.batch, cache.length)
+            log.warning("the compiled decode step recompiled (%d graphs) for %d rows × %d columns × %d new", made,
+                        cache.batch, cache.length, ids.shape[1])
         return logits
 
 
@@ -196,15 +204,14 @@ def check_compilable(model, kind: str | None) -> None:
                              f"{text.model_type} has {sorted(types)}: use engine: eager")
 
 
-# --- the state the Generator drives ------------------------------------------------------------------------------
+# --- the state the Generator and the speculative rounds drive ------------------------------------------------------
 
 class StaticDecodeState:
     """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far."""
 
-    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int):
-        self.engine, self.cache, self.rows = engine, cache, batch
-        device = engine.device
-        self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=device)  # [B,S] real
+    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int, step_lengths: tuple[int, ...]):
+        self.engine, self.cache, self.rows, self.step_lengths = engine, cache, batch, step_lengths
+        self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=engine.device)  # [B,S]
         self.seen: torch.Tensor | None = None  # [b] real tokens so far
         self.length = 0
 
@@ -218,36 +225,56 @@ class StaticDecodeState:
         extra = self.cache.batch - self.rows
         return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
 
-    def _room(self, columns: int) -> None:
-        if self.length + columns > self.cache.length:
+    def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
+                 compiled: bool = True) -> torch.Tensor:
+        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits; compiled when T is a step
+        length, else the same static forward run eagerly (prefill, odd chunk lengths)."""
+        t = ids.shape[1]
+        if self.length + t > self.cache.length:
             raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
-                                 f"{self.length + columns}: raise max_seq_len or start a new conversation")
+                                 f"{self.length + t}: raise max_seq_len or start a new conversation")
+        columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
+        self.columns[:, self.length:self.length + t] = self._pad(new_mask)
+        args = (self.cache, self._pad(ids), self._pad(positions), columns, self.columns)
+        if compiled and t in self.step_lengths:
+            logits = self.engine.call(*args)
+        else:
+            logits = decode_step(model, *args)
+        self.length += t
+        return logits[:self.rows]
 
     def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
                 hidden: bool = False) -> tuple[torch.Tensor, None]:
-        """[b,T] ids and mask → (last logits [b,V], None): eager forwards into the static cache, q_chunk at a time."""
+        """[b,T] ids and mask → (last logits [b,V], None): eager static forwards, q_chunk columns at a time."""
         if hidden:
             raise InferenceError("engine 'compiled' does not return hidden states (contrastive search): use eager")
-        self._room(ids.shape[1])
         positions = positions_from(self.seen, new_mask)  # [b,T]
         self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
-        ids, new_mask, positions = self._pad(ids), self._pad(new_mask), self._pad(positions)
         step = q_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], step):
             part = slice(start, start + step)
-            columns = torch.arange(self.length, self.length + ids[:, part].shape[1], device=ids.device)
-            self.columns[:, columns] = new_mask[:, part]
-            logits = run_model(model, self.cache, ids[:, part], positions[:, part], columns, self.columns)
-            self.length += len(columns)
-        return logits[:self.rows], None
+            logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
+        return logits[:, -1], None
 
     def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """One compiled decode step: [b] token (live [b] 0/1) → [b,V] logits."""
-        self._room(1)
-        positions = self._pad(self.seen)[:, None]  # [B,1]
+        """One compiled decode step: [b] token (live [b] 0/1: a finished row feeds a masked pad) → [b,V] logits."""
+        positions = self.seen[:, None]  # [b,1]
         self.seen = self.seen + live
-        self.columns[:self.rows, self.length] = live
-        column = torch.tensor([self.length], device=token.device)
-        logits = self.engine.call(self.cache, self._pad(token)[:, None], positions, column, self.columns)
-        self.length += 1
-        return logits[:self.rows]
+        return self._forward(model, token[:, None], positions, live[:, None])[:, -1]
+
+    # speculative rounds: one row, no padding, the cache rolled back after a rejection
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def feed_row(self, model, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Batch 1: [t] tokens appended → [keep,V] float32 logits of the last `keep` of them."""
+        positions = torch.arange(self.length, self.length + tokens.shape[0], device=tokens.device)[None]
+        logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None])
+        return logits[0, -keep:].float()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
+        0 and the next write overwrites them."""
+        self.length += tokens_to_remove
+        self.columns[:, self.length:] = 0

@@ -11,7 +11,7 @@ A column is a slot of the cache, not a token position: rows of a left-padded bat
 which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes; the
 engine sets it before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
 dequantization of a quantized kind is one elementwise expression over fixed shapes that inductor fuses per layer.
-Owns: the layers, `make_static_cache`, `static_bytes` (measured) and `STATIC_KINDS`. Does not know about
+Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
 """
 
@@ -120,6 +120,12 @@ class StaticKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows follow [b] parents; dummy rows past b stay where they are."""
+        rest = torch.arange(len(beam_idx), self.batch, device=beam_idx.device)
+        for layer in self.layers:
+            layer.reorder_cache(torch.cat([beam_idx, rest]))
+
 
 def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:
     """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns."""
@@ -138,7 +144,3 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
         layers = [StaticPlainLayer(**common, storage=STORAGE_DTYPES[name]) for _ in range(n_layers)]
     return StaticKVCache(layers, name)
 
-
-def static_bytes(cache: StaticKVCache) -> int:
-    """Bytes the static cache holds (all its columns, written or not), measured from its tensors."""
-    return sum(layer.nbytes() for layer in cache.layers)
