@@ -92,6 +92,13 @@ def variants(model, enc, new_tokens: int, outs: dict) -> dict:
     return {"compiled": ours("compiled"), "eager": ours("eager"), "hf": hf(False), "hf-compiled": hf(True)}
 
 
+def append_row(path: str, cells: list) -> None:
+    """One row of the suite's markdown table: benchmark | model | dtype | batch | context | variant | tok/s | spread
+    | ÷hf | ÷hf-compiled | ÷fp16 | bw | same tokens."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("| " + " | ".join(str(c) for c in cells) + " |\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
@@ -101,6 +108,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--markdown", default=None, help="append one markdown row per variant to this file "
+                        "(the columns of benchmarks/gpu_suite.sh's table)")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
@@ -119,10 +128,11 @@ def main() -> None:
                       if name in args.variants}
             for name in ("compiled", "hf-compiled"):  # compile apart: the first call of each, timed on its own
                 if name in chosen:
+                    before = engine_for(model).stats.total_s
                     seconds = time_once(lambda: chosen[name](lambda: None), lambda: sync(device))
-                    print(f"compile {name} batch={batch}: first call {seconds:.1f} s "
-                          f"(engine compile_s={engine_for(model).stats.total_s:.1f} s)" if name == "compiled" else
-                          f"compile {name} batch={batch}: first call {seconds:.1f} s", flush=True)
+                    detail = (f", of which compiling (or loading) the step {engine_for(model).stats.total_s - before:.1f} s"
+                              if name == "compiled" else " (compile and one generation)")
+                    print(f"compile {name} batch={batch}: first call {seconds:.1f} s{detail}", flush=True)
             start = time.perf_counter()
             marks = time_interleaved(chosen, args.repeats, warmup=1, sync=lambda: sync(device))
             timings = {name: TokenTiming.of(runs, batch) for name, runs in marks.items()}
@@ -136,14 +146,19 @@ def main() -> None:
                   + " ".join(f"{'÷' + b:>13}" for b in ("hf", "hf-compiled", "eager") if b in rates)
                   + "  same tokens as hf")
             for name, timing in timings.items():
-                ratios = [" " * 13 if b not in rates else
-                          f"{statistics.median(x / y for x, y in zip(rates[name], rates[b])):>13.3f}"
-                          for b in ("hf", "hf-compiled", "eager") if b in rates]
+                ratio = {b: statistics.median(x / y for x, y in zip(rates[name], rates[b]))
+                         for b in ("hf", "hf-compiled", "eager") if b in rates}
                 bw = bandwidth_fraction(model, kv, prompt_len, args.new_tokens, timing.itl_s.median, bandwidth)
                 same = torch.equal(outs[name], outs["hf"]) if "hf" in outs else "-"
                 print(f"{name:>12} {timing.decode_tokens_per_s.median:>12.1f} "
-                      f"{timing.decode_tokens_per_s.spread:>7.1f} {bw:>5.2f} " + " ".join(ratios) + f"  {same}",
-                      flush=True)
+                      f"{timing.decode_tokens_per_s.spread:>7.1f} {bw:>5.2f} "
+                      + " ".join(f"{ratio[b]:>13.3f}" for b in ratio) + f"  {same}", flush=True)
+                if args.markdown:
+                    append_row(args.markdown, ["decode", args.model, dtype, batch, prompt_len, name,
+                                               f"{timing.decode_tokens_per_s.median:.1f}",
+                                               f"{timing.decode_tokens_per_s.spread:.1f}",
+                                               *(f"{ratio[b]:.3f}" if b in ratio else "-" for b in ("hf", "hf-compiled")),
+                                               "-", f"{bw:.2f}", same])
         del lm, model
 
 

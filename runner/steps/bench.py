@@ -29,7 +29,7 @@ from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
 
-AXES = ("dtype", "engine", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens")
+AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
 HEADLINE = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction",
             "acceptance", "compile_s")
@@ -73,8 +73,8 @@ def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
     dtypes = spec.dtypes or [model_dtype]
     speculative = ["off", "on"] if spec.speculative else ["off"]
     return [dict(zip(AXES, values)) for dtype in dtypes for values in itertools.product(
-        [dtype], spec.engines, spec.cache_kinds or [DTYPES[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
-        spec.max_new_tokens)]
+        [dtype], spec.cache_kinds or [DTYPES[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
+        spec.max_new_tokens, spec.engines)]
 
 
 def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None) -> dict:

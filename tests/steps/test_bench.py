@@ -83,7 +83,8 @@ def test_matrix_groups_cells_by_dtype_and_defaults_to_the_dtype_kind():
 
 
 def test_spec_speedup_is_over_the_same_cell_without_speculation():
-    base = {"dtype": "float32", "cache_kind": "fp32", "batch": 1, "prompt_len": 8, "new_tokens": 4}
+    base = {"dtype": "float32", "cache_kind": "fp32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
+            "engine": "eager"}
     table = with_spec_speedup(pd.DataFrame([
         {**base, "speculative": "off", "ours_tokens_per_s": 100.0},
         {**base, "speculative": "on", "ours_tokens_per_s": 150.0},
