@@ -52,7 +52,7 @@ def decode_from(model, cache, prompt: torch.Tensor, steps: int):
     @torch.inference_mode()
     def run_once(tick):
         crop_to(cache, prompt.numel() - 1)
-        token = prompt[-1:]
+        token = prompt[-1:].clone()  # made in inference mode like every later token: one guard, no recompile
         for _ in range(steps):
             token = feed(model, cache, token).argmax(-1)
             tick()
