@@ -140,21 +140,23 @@ class CompiledEngine:
         self.stats = CompileStats()
 
     def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int,
-              step_lengths: tuple[int, ...] = (1,)) -> "StaticDecodeState":
+              step_lengths: tuple[int, ...] = (1,), slot: str = "") -> "StaticDecodeState":
         """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens); feeds of
-        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly."""
+        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly. States live
+        at once only in different slots (a model drafting for itself: "target" and "draft")."""
         key = (kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
-        if key not in self.caches:
+        if (*key, slot) not in self.caches:
             cache = make_static_cache(kind, self.model, *key[1:])
             if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
                 for layer in cache.layers:
                     for t in layer.tensors():
                         torch._dynamo.mark_static_address(t)
-            self.caches[key] = cache
+            self.caches[(*key, slot)] = cache
+        cache = self.caches[(*key, slot)]
         for length in step_lengths:
             if length <= key[2]:
-                self._compile(self.caches[key], (*key, length))
-        return StaticDecodeState(self, self.caches[key], batch, step_lengths)
+                self._compile(cache, (*key, length))
+        return StaticDecodeState(self, cache, batch, step_lengths)
 
     @torch.inference_mode()
     def _compile(self, cache: StaticKVCache, key: tuple) -> None:

@@ -271,7 +271,8 @@ class SpeculativeGenerator:
         check_compilable(model, cfg.cache_kind)
         columns = prompt.numel() + cfg.max_new_tokens + 2 * cfg.spec_k + 2
         lengths = (1, cfg.spec_k + 1) if verify else (1,)
-        return engine_for(model).state(cfg.cache_kind, 1, columns, max(cfg.max_seq_len, columns), lengths)
+        return engine_for(model).state(cfg.cache_kind, 1, columns, max(cfg.max_seq_len, columns), lengths,
+                                       slot="target" if verify else "draft")
 
     def _prefill(self, row: _Row) -> None:
         """Both caches take the prompt minus its last token (that one enters with the first round)."""

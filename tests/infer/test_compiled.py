@@ -92,6 +92,15 @@ def test_speculative_verification_on_static_states_gives_the_target_greedy_token
     assert torch.equal(*outs)
 
 
+def test_a_model_drafting_for_itself_gets_two_static_caches(static_lm):
+    enc = static_lm.tokenizer(PROMPTS[:1], return_tensors="pt")
+    config = SpeculativeConfig(spec_k=3, max_new_tokens=12, temperature=0, engine="compiled")
+    gen = SpeculativeGenerator(static_lm.model, static_lm.model, config)
+    out = gen.generate(enc.input_ids)
+    target_only, _ = _generate(static_lm, PROMPTS[:1], "eager", max_new_tokens=12, temperature=0)
+    assert torch.equal(out, target_only) and gen.stats.acceptance_rate == 1.0
+
+
 @pytest.mark.parametrize("settings, key", [
     ({"cache_kind": "kivi4"}, "cache_kind"),
     ({"penalty_alpha": 0.5, "top_k": 4, "temperature": 0}, "penalty_alpha"),
