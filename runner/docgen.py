@@ -113,7 +113,7 @@ def _model_doc(model: type[BaseModel]) -> list[str]:
         for name in _own_fields(owner, model):
             field = model.model_fields[name]
             default = FILLED_BY_COMPOSE.get((model.__name__, name)) or _default(field)
-            row = [f"`{name}`", _type(field.annotation), default, _bounds(field), field.description or ""]
+            row = [f"`{name}`", _type(field.annotation), default, _bounds(field), _description(field)]
             lines.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in row) + " |")
         lines.append("")
     return lines[:-1]
@@ -181,7 +181,15 @@ def _yaml(value) -> str:
     return str(value)
 
 
+def _description(field: FieldInfo) -> str:
+    """The field's description, and whether it names an input file (the schema marks those with input_file)."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    kind = extra.get("input_file")
+    return (field.description or "") + (f" *Input file ({kind}).*" if kind else "")
+
+
 def _bounds(field: FieldInfo) -> str:
+    unit = "characters" if _mentions(field.annotation, str) else "items"
     words = []
     for item in field.metadata:
         if isinstance(item, at.Ge):
@@ -193,12 +201,19 @@ def _bounds(field: FieldInfo) -> str:
         elif isinstance(item, at.Lt):
             words.append(f"< {_yaml(item.lt)}")
         elif isinstance(item, at.MinLen):
-            words.append("not empty" if item.min_length == 1 else f"at least {item.min_length} long")
+            words.append("not empty" if item.min_length == 1 else f"at least {item.min_length} {unit}")
         elif isinstance(item, at.MaxLen):
-            words.append(f"at most {item.max_length} long")
+            words.append(f"at most {item.max_length} {unit}")
         elif getattr(item, "pattern", None):
             words.append(f"matches `{item.pattern}`")
     return ", ".join(words)
+
+
+def _mentions(annotation, kind: type) -> bool:
+    """`kind` is the annotation, or one of the choices of a union (not inside a list or map)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_mentions(arg, kind) for arg in typing.get_args(annotation))
+    return annotation is kind
 
 
 def main(argv: list[str] | None = None) -> int:
