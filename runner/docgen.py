@@ -32,7 +32,7 @@ FILLED_BY_COMPOSE = {("Manifest", "name"): "the file's stem"}  # runner/compose.
 
 def render() -> str:
     """The whole reference as markdown."""
-    sections = _blocks(schema.Manifest)
+    sections, holders = _blocks(schema.Manifest), _holders(schema.Manifest)
     lines = [
         "# Manifest reference",
         "",
@@ -54,7 +54,7 @@ def render() -> str:
         lines += ["", f'<a id="{_anchor(model)}"></a>', "", f"## {_title(paths)}", ""]
         if len(paths) > 1:
             lines += ["Also at " + ", ".join(f"`{p}`" for p in paths[1:]) + ".", ""]
-        lines += _model_doc(model)
+        lines += _model_doc(model, holders.get(model))
     return "\n".join(lines) + "\n"
 
 
@@ -73,6 +73,16 @@ def _blocks(root: type[BaseModel]) -> dict[type[BaseModel], list[str]]:
 
     visit(root, "")
     return found
+
+
+def _holders(root: type[BaseModel]) -> dict[type[BaseModel], FieldInfo]:
+    """Each model → the first key whose type holds it (its description introduces a model without a docstring)."""
+    holders: dict[type[BaseModel], FieldInfo] = {}
+    for model in _blocks(root):
+        for field in model.model_fields.values():
+            for child, _ in _nested(field.annotation):
+                holders.setdefault(child, field)
+    return holders
 
 
 def _nested(annotation) -> list[tuple[type[BaseModel], str]]:
@@ -101,9 +111,11 @@ def _title(paths: list[str]) -> str:
     return f"`{paths[0]}`" if paths[0] else "Top level"
 
 
-def _model_doc(model: type[BaseModel]) -> list[str]:
-    """The model's docstring, then its keys grouped by the class that declares them (its own first)."""
-    lines = [_docstring(model), ""] if _docstring(model) else []
+def _model_doc(model: type[BaseModel], holder: FieldInfo | None) -> list[str]:
+    """The model's docstring (else its holder's description), then its keys grouped by the class that declares
+    them (its own first)."""
+    intro = _docstring(model) or (holder.description if holder is not None else "") or ""
+    lines = [intro, ""] if intro else []
     owners = [c for c in model.__mro__ if _is_model(c) and c is not BaseModel and _own_fields(c, model)]
     for owner in owners:
         if len(owners) > 1:
@@ -174,6 +186,10 @@ def _yaml(value) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
+    if isinstance(value, int) and value == 2**63 - 1:
+        return "2^63 − 1"
+    if isinstance(value, int) and abs(value) >= 10_000:
+        return f"{value:,}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_yaml(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -88,8 +88,6 @@ STRATEGY_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "ty
                  "penalty_alpha", "seed", "decode_plan", "decode_q_chunk", "decode_local_window", "decode_sink_tokens")
 Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys, each overriding the block's
     "Strategy", __config__=ConfigDict(extra="forbid", frozen=True),
-    __doc__="One named decoding strategy: any of the generate block's decoding keys, each overriding the block's "
-            "value; the merged settings are checked with the block's bounds and rules.",
     **{key: (GenerateConfig.model_fields[key].annotation | None,
              Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
 
