@@ -201,7 +201,8 @@ def _description(field: FieldInfo) -> str:
     """The field's description, and whether it names an input file (the schema marks those with input_file)."""
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     kind = extra.get("input_file")
-    return (field.description or "") + (f" *Input file ({kind}).*" if kind else "")
+    text = (field.description or "").replace("<", "&lt;")  # <runs_dir> is text, not an HTML tag
+    return text + (f" *Input file ({kind}).*" if kind else "")
 
 
 def _bounds(field: FieldInfo) -> str:
