@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.check:
         current = DOC_PATH.read_text(encoding="utf-8") if DOC_PATH.exists() else ""
         if current != text:
-            print(f"docs/manifest.md is out of date with runner/manifest.py: run {COMMAND}", file=sys.stderr)
+            sys.stderr.write(f"docs/manifest.md is out of date with runner/manifest.py: run {COMMAND}\n")
             return 1
     else:
         sys.stdout.write(text)
