@@ -182,6 +182,14 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
     except (HydraException, OmegaConfBaseException) as exc:
         state = "FAILED"
         raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
+    except Exception as exc:
+        from runner.launchers import job_died
+
+        if not job_died(exc):
+            raise
+        state = "FAILED"  # every other point has ended (runner.launchers waits for all): record, then say so
+        raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
     finally:
         GlobalHydra.instance().clear()
         _collect(outcome, points)
@@ -194,7 +202,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
                 entry["state"] = outcome.states[entry["index"]] = "interrupted"
         _write_json(folder / "sweep.json", record)
         if mirror:
-            if state == "KILLED":  # parallel workers stopped mid-step cannot end their own runs
+            if state != "FINISHED":  # workers stopped mid-step (killed, cancelled) cannot end their own runs
                 mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
             mirror.log(sweep_run, params={"manifest": manifest.name, "sweep.points": len(points),
                                           "sweep.keys": sorted(points[0].values)})

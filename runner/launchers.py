@@ -1,0 +1,97 @@
+"""Hydra's cluster launchers, made to wait for every point before reporting a dead one.
+
+Hydra's Ray and submitit launchers collect the points' results in order (`[ray.get(r) for r in runs]`,
+`[j.results()[0] for j in jobs]`) and raise at the first point whose worker died (kill -9 of a Ray
+worker, `scancel` of a SLURM job). The sweep then returns while the later points are still running:
+Ray kills them when the driver exits, SLURM runs them with nobody waiting, and the sweep's record calls
+them interrupted. These subclasses change only that: every point's job ends (or dies) first, then the
+results are collected exactly as the plugin does. Which job runs where stays the plugin's business.
+
+Used through `_target_` in manifests/launchers/{ray,slurm,local}.yaml. `JOB_DIED` names the exceptions
+that mean "a point's worker died" (not a bug in the point): run_sweep records those as a failed sweep.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as _SubmititLocal
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
+except ImportError:  # pip install -e '.[slurm]'; job_died() works without it
+    _SubmititLocal = _SubmititSlurm = object
+
+JOB_DIED = {"WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "TaskCancelledError",  # ray.exceptions
+            "UncompletedJobError"}  # submitit: the job ended without a result (cancelled, killed, timed out)
+
+
+def job_died(exc: BaseException) -> bool:
+    """A point's worker or job died under it (exceptions from ray or submitit only)."""
+    module = type(exc).__module__
+    return type(exc).__name__ in JOB_DIED and module.split(".")[0] in ("ray", "submitit")
+
+
+class _WaitForAllJobs:
+    """submitit: map_array returns the jobs only once every one of them has ended."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        import submitit
+
+        map_array = submitit.AutoExecutor.map_array
+
+        def map_array_then_wait(executor, fn, *iterables):
+            jobs = map_array(executor, fn, *iterables)
+            for job in jobs:
+                job.wait()
+            return jobs
+
+        with mock.patch.object(submitit.AutoExecutor, "map_array", map_array_then_wait):
+            return super().launch(job_overrides, initial_job_idx)
+
+
+class SlurmLauncher(_WaitForAllJobs, _SubmititSlurm):
+    pass
+
+
+class LocalLauncher(_WaitForAllJobs, _SubmititLocal):
+    pass
+
+
+def _ray_launcher():
+    from hydra_plugins.hydra_ray_launcher import ray_launcher
+
+    return ray_launcher.RayLauncher
+
+
+try:
+    _RayBase = _ray_launcher()
+except ImportError:  # the ray extra is not installed: RayLauncher below says so when it is used
+    _RayBase = None
+
+
+class RayLauncher(_RayBase or object):
+    """Ray: every point's task is waited for (`ray.wait` on all) before the plugin's `ray.get` in order."""
+
+    def __init__(self, ray=None, **kwargs):
+        if _RayBase is None:
+            raise ImportError("Hydra's Ray launcher needs ray: pip install -e '.[ray]' (or make test-cluster)")
+        super().__init__(ray=ray, **kwargs)
+
+    def launch(self, job_overrides, initial_job_idx):
+        import ray
+        from hydra_plugins.hydra_ray_launcher import _core
+
+        refs = []
+        launch_job_on_ray = _core.launch_job_on_ray
+
+        def launch_and_remember(*args, **kwargs):
+            refs.append(launch_job_on_ray(*args, **kwargs))
+            return refs[-1]
+
+        def get_after_all(ref):
+            ray.wait(refs, num_returns=len(refs))
+            return ray.get(ref)
+
+        with mock.patch.object(_core, "launch_job_on_ray", launch_and_remember), \
+                mock.patch.object(_core, "ray", mock.Mock(get=get_after_all)):
+            return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
