@@ -183,11 +183,9 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
         state = "FAILED"
         raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
     except Exception as exc:
-        from runner.launchers import job_died
-
-        if not job_died(exc):
+        if not _job_died(exc):
             raise
-        state = "FAILED"  # every other point has ended (runner.launchers waits for all): record, then say so
+        state = "FAILED"  # every other point has ended (the launchers in manifests/launchers/ wait for all): record, then say so
         raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
     finally:
@@ -248,6 +246,12 @@ def run_point(context: dict, cfg) -> dict:
     if failed and context["on_failure"] == "stop":
         Path(context["stop_file"]).touch()
     return {"index": point.index, "state": "failed" if failed else "finished"}
+
+
+def _job_died(exc: Exception) -> bool:
+    """Ray or submitit saying a point's worker or job died under it (killed, cancelled): not a bug in the point."""
+    return type(exc).__module__.split(".")[0] in ("ray", "submitit") and type(exc).__name__ in (
+        "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "TaskCancelledError", "UncompletedJobError")
 
 
 def _resumable(folder: Path, points: list[Point]) -> dict:

@@ -7,8 +7,9 @@ Ray kills them when the driver exits, SLURM runs them with nobody waiting, and t
 them interrupted. These subclasses change only that: every point's job ends (or dies) first, then the
 results are collected exactly as the plugin does. Which job runs where stays the plugin's business.
 
-Used through `_target_` in manifests/launchers/{ray,slurm,local}.yaml. `JOB_DIED` names the exceptions
-that mean "a point's worker died" (not a bug in the point): run_sweep records those as a failed sweep.
+Used through `_target_` in manifests/launchers/{ray,slurm,local}.yaml (Hydra instantiates launchers from
+the hydra_plugins package only, hence this package beside runner/). Imported by Hydra's plugin scan on
+every sweep: it imports neither ray nor submitit until a launch.
 """
 
 from __future__ import annotations
@@ -18,17 +19,8 @@ from unittest import mock
 try:
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as _SubmititLocal
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
-except ImportError:  # pip install -e '.[slurm]'; job_died() works without it
+except ImportError:  # pip install -e '.[slurm]'
     _SubmititLocal = _SubmititSlurm = object
-
-JOB_DIED = {"WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "TaskCancelledError",  # ray.exceptions
-            "UncompletedJobError"}  # submitit: the job ended without a result (cancelled, killed, timed out)
-
-
-def job_died(exc: BaseException) -> bool:
-    """A point's worker or job died under it (exceptions from ray or submitit only)."""
-    module = type(exc).__module__
-    return type(exc).__name__ in JOB_DIED and module.split(".")[0] in ("ray", "submitit")
 
 
 class _WaitForAllJobs:
@@ -74,7 +66,7 @@ class RayLauncher(_RayBase or object):
 
     def __init__(self, ray=None, **kwargs):
         if _RayBase is None:
-            raise ImportError("Hydra's Ray launcher needs ray: pip install -e '.[ray]' (or make test-cluster)")
+            raise ImportError("Hydra's Ray launcher plugin is not installed: pip install -e '.[ray]' (or make test-cluster)")
         super().__init__(ray=ray, **kwargs)
 
     def launch(self, job_overrides, initial_job_idx):
