@@ -22,7 +22,7 @@ fi
 
 [[ $command == start ]] || { echo "mlflow_server.sh: unknown command $command" >&2; exit 2; }
 mkdir -p "$dir/artifacts"
-setsid "$bin" server --host 127.0.0.1 --port "$port" --workers 1 \
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid "$bin" server --host 127.0.0.1 --port "$port" --workers 1 \
     --backend-store-uri "sqlite:///$dir/mlflow.db" --serve-artifacts --artifacts-destination "$dir/artifacts" \
     >"$dir/server.log" 2>&1 &
 echo $! > "$dir/server.pid"

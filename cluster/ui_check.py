@@ -3,10 +3,10 @@
     python cluster/ui_check.py --uri http://127.0.0.1:5000 --sweep RUNS/<stamp>-cluster --out DIR
 
 What a person would do, asserted, with a screenshot of each in DIR:
-  1. runs.png      the experiment's runs: the sweep's parent run, expanded to its point runs, expanded to
-                   their step runs (every name the server has for them is on the page)
-  2. filtered.png  the runs filtered on a sweep tag (tags.`sweep.<key>` = '<value>'): the page's count
-                   of matching runs equals the server's answer to the same filter
+  1. runs.png      the experiment's runs filtered to this sweep (tags.`runner.sweep_id`): its parent run,
+                   expanded to its point runs, expanded to their step runs (every name the server has)
+  2. filtered.png  the same, also filtered on a sweep tag (tags.`sweep.<key>` = '<value>'): the matching
+                   point runs are listed, the others are not
   3. point.png     a point run's page: its sweep.* tags and values are shown
   4. artifact.png  a bench step's PNG artifact opened in the artifact browser: the image loaded (its
                    natural width > 0), served through the tracking server
@@ -50,7 +50,8 @@ def main() -> int:
     points = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     steps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {p.info.run_id for p in points}]
     key, value = next(iter(record["points"][0]["values"].items()))
-    tag_filter = f"tags.`sweep.{key}` = '{value}'"
+    this_sweep = f"tags.`runner.sweep_id` = '{args.sweep.name}'"  # the experiment may hold other sweeps
+    tag_filter = f"{this_sweep} and tags.`sweep.{key}` = '{value}'"
     expected_matches = len(client.search_runs([experiment.experiment_id], tag_filter))
     bench = next(r for r in steps if r.data.params.get("mode") == "bench" and r.info.status == "FINISHED")
     png = next(a.path for a in client.list_artifacts(bench.info.run_id) if a.path.endswith(".png"))
@@ -64,8 +65,8 @@ def main() -> int:
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         page.set_default_timeout(30_000)
         try:
-            _check(page, base, args.out, parent, points, steps, key, value, tag_filter, expected_matches, bench, png,
-                   png_width)
+            _check(page, base, args.out, parent, points, steps, key, value, this_sweep, tag_filter, expected_matches,
+                   bench, png, png_width)
         except Exception:
             page.screenshot(path=str(args.out / "failure.png"))
             print(f"[ui] failed on {page.url}; the page as it was: {args.out / 'failure.png'}", file=sys.stderr)
@@ -76,10 +77,13 @@ def main() -> int:
     return 0
 
 
-def _check(page, base, out, parent, points, steps, key, value, tag_filter, expected_matches, bench, png,
-           png_width) -> None:
+def _check(page, base, out, parent, points, steps, key, value, this_sweep, tag_filter, expected_matches, bench,
+           png, png_width) -> None:
     # 1. the runs, the sweep's tree expanded
     page.goto(f"{base}/runs")
+    search = page.get_by_placeholder("metrics.rmse", exact=False).first
+    search.fill(this_sweep)
+    search.press("Enter")
     page.get_by_text(parent.info.run_name).first.wait_for()
     close = page.get_by_role("button", name="Close")
     if close.count():
@@ -102,7 +106,6 @@ def _check(page, base, out, parent, points, steps, key, value, tag_filter, expec
     print(f"[ui] runs: '{parent.info.run_name}' with {len(points)} point runs and {len(steps)} step runs listed")
 
     # 2. filtered on a sweep tag
-    search = page.get_by_placeholder("metrics.rmse", exact=False).first
     search.fill(tag_filter)
     search.press("Enter")
     matching = [r for r in points if r.data.tags.get(f"sweep.{key}") == value]
