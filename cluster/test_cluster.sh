@@ -21,6 +21,8 @@ export PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 OUT=$(realpath -m "${OUT:-$ROOT/runs/cluster-test}")
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false
 export OMP_NUM_THREADS=1  # two points at a time on two cores
+ONLY=${ONLY:-ray,slurm,local,ui}  # a part of it while working on one: ONLY=slurm,ui
+on() { [[ ,$ONLY, == *,$1,* ]]; }
 log() { echo "[test-cluster $(date -u +%H:%M:%S)] $*"; }
 fail() { echo "[test-cluster] FAILED: $*" >&2; exit 1; }
 
@@ -97,7 +99,7 @@ sweep() {  # log-name expected-exit args...: one `run`, its log in $OUT; prints 
     shift 2
     "${RUN[@]}" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
     [[ $rc == "$expect" ]] || { tail -40 "$OUT/$name.log" >&2; fail "$name: exit $rc, expected $expect (log: $OUT/$name.log)"; }
-    grep -o '\[runner\] sweep of [0-9]* points: .*' "$OUT/$name.log" | tail -1 | sed 's/.*points: //'
+    grep -ao '\[runner\] sweep of [0-9]* points: .*' "$OUT/$name.log" | tail -1 | sed 's/.*points: //'
 }
 
 check() {  # folder [check_server args...]
@@ -130,7 +132,7 @@ fault_then_resume() {  # launcher-name how-to-kill args...
     "${RUN[@]}" manifests/cluster.yaml -m "$@" "${FAULT[@]}" "${COMMON[@]}" >"$OUT/$name-fault.log" 2>&1 &
     local sweep_pid=$!
     for _ in $(seq 1 300); do
-        folder=$(grep -o '\[runner\] sweep of [0-9]* points: .*' "$OUT/$name-fault.log" | sed 's/.*points: //' || true)
+        folder=$(grep -ao '\[runner\] sweep of [0-9]* points: .*' "$OUT/$name-fault.log" | sed 's/.*points: //' || true)
         [[ -n $folder ]] && break
         sleep 0.2
     done
@@ -150,7 +152,7 @@ fault_then_resume() {  # launcher-name how-to-kill args...
     wait "$sweep_pid" || rc=$?
     [[ $rc == 2 ]] || { tail -30 "$OUT/$name-fault.log" >&2; fail "$name fault sweep: exit $rc, expected 2"; }
     states=$(point_states "$folder")
-    log "$name: after the fault, the points are: $states ($(grep -o "a point's job died.*" "$OUT/$name-fault.log" | cut -c1-160))"
+    log "$name: after the fault, the points are: $states ($(grep -ao "a point's job died.*" "$OUT/$name-fault.log" | cut -c1-160))"
     [[ $states == "finished interrupted finished finished" ]] || fail "$name: point states $states"
     "$PYTHON" - "$URI" "$folder" <<'PY' | tee -a "$OUT/checks.log"
 import sys
@@ -166,7 +168,7 @@ assert parent == ["FAILED"] and points == {"0": "FINISHED", "1": "KILLED", "2": 
 assert not [r for r in runs if r.info.status == "RUNNING"], "runs left RUNNING"
 PY
     timed "$name resume" sweep "$name-resume" 0 manifests/cluster.yaml -m "$@" "${FAULT[@]}" "${COMMON[@]}" --resume >/dev/null
-    grep -q "resuming $folder" "$OUT/$name-resume.log" || fail "$name: --resume did not resume $folder"
+    grep -aq "resuming $folder" "$OUT/$name-resume.log" || fail "$name: --resume did not resume $folder"
     log "$name: --resume: $(point_states "$folder")"
     check "$folder" --killed 1
 }
@@ -175,18 +177,22 @@ log "work folder $WORK (run folders, submitit files); MLflow server on $URI"
 timed "mlflow server start" cluster/mlflow_server.sh start "$WORK/mlflow" 5000
 
 # ---------------------------------------------------------------- Ray
+if on ray; then
 RAY=(+launchers=ray hydra.launcher.ray.init.address=127.0.0.1:6379 hydra.launcher.ray.remote.num_cpus=1
      hydra.launcher.ray.remote.num_gpus=0)
 timed "ray head start" cluster/ray_head.sh start "$WORK/ray"
-timed "ray: 4 tiny points" sweep ray-tiny 0 manifests/cluster.yaml -m "${RAY[@]}" "${COMMON[@]}" > "$WORK/ray-tiny"
-check "$(cat "$WORK/ray-tiny")"
+timed "ray: 4 tiny points" sweep ray-tiny 0 manifests/cluster.yaml -m "${RAY[@]}" "${COMMON[@]}" > "$WORK/f"
+check "$(cat "$WORK/f")"
+cp "$WORK/f" "$WORK/ui-sweep"
 timed "ray: 1 SmolLM2 point" sweep ray-smollm2 0 manifests/sweep.yaml -m "${RAY[@]}" "${SMOL[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")" --steps smollm2/sample
 timed "ray: kill -9 + resume" fault_then_resume ray kill "${RAY[@]}"
 cluster/ray_head.sh stop "$WORK/ray"
 log "ray head stopped"
+fi
 
 # ---------------------------------------------------------------- SLURM
+if on slurm; then
 export SLURM_CONF=$WORK/slurm/slurm.conf
 timed "slurm start" cluster/slurm.sh start "$WORK/slurm" >/dev/null
 sinfo | tee -a "$OUT/checks.log"
@@ -194,20 +200,29 @@ SLURM=(+launchers=slurm hydra.launcher.partition=debug hydra.launcher.cpus_per_t
        hydra.launcher.mem_gb=2 hydra.launcher.timeout_min=20 "hydra.launcher.submitit_folder=$WORK/submitit/%j")
 timed "slurm: 4 tiny points" sweep slurm-tiny 0 manifests/cluster.yaml -m "${SLURM[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")"
+[[ -f $WORK/ui-sweep ]] || cp "$WORK/f" "$WORK/ui-sweep"
+log "slurm: $(grep -c '_slurm_rpc_submit_batch_job: JobId=' "$WORK/slurm/log/slurmctld.log") sbatch submission(s) so far (slurmctld.log)"
 timed "slurm: 1 SmolLM2 point" sweep slurm-smollm2 0 manifests/sweep.yaml -m "${SLURM[@]}" "${SMOL[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")" --steps smollm2/sample
 timed "slurm: scancel + resume" fault_then_resume slurm scancel "${SLURM[@]}"
 cluster/slurm.sh stop "$WORK/slurm"
 log "slurm stopped"
+fi
 
 # ---------------------------------------------------------------- submitit, local executor
+if on local; then
 LOCAL=(+launchers=local "hydra.launcher.submitit_folder=$WORK/submitit-local/%j")
 timed "submitit local: 4 tiny points" sweep local-tiny 0 manifests/cluster.yaml -m "${LOCAL[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")"
+[[ -f $WORK/ui-sweep ]] || cp "$WORK/f" "$WORK/ui-sweep"
+fi
 
 # ---------------------------------------------------------------- the UI
-timed "mlflow ui in chromium" "$PYTHON" cluster/ui_check.py --uri "$URI" --sweep "$(cat "$WORK/ray-tiny")" --out "$OUT" \
+if on ui; then
+[[ -f $WORK/ui-sweep ]] || fail "ONLY=ui: the UI is checked on a tiny sweep; add ray, slurm or local"
+timed "mlflow ui in chromium" "$PYTHON" cluster/ui_check.py --uri "$URI" --sweep "$(cat "$WORK/ui-sweep")" --out "$OUT" \
     | tee -a "$OUT/checks.log"
+fi
 
 log "all checks passed; wall times (s):"
 for name in "${!TIMES[@]}"; do printf '  %-32s %4d\n' "$name" "${TIMES[$name]}"; done | sort

@@ -14,6 +14,8 @@ every sweep: it imports neither ray nor submitit until a launch.
 
 from __future__ import annotations
 
+import subprocess
+import time
 from unittest import mock
 
 try:
@@ -24,7 +26,11 @@ except ImportError:  # pip install -e '.[slurm]'
 
 
 class _WaitForAllJobs:
-    """submitit: map_array returns the jobs only once every one of them has ended."""
+    """submitit: map_array returns the jobs only once every one of them has ended.
+
+    A SLURM job's end is its result file, or (submitit asks `sacct`, which needs SLURM's accounting
+    storage; without it submitit waits forever for a cancelled job) the job leaving `squeue` without one.
+    """
 
     def launch(self, job_overrides, initial_job_idx):
         import submitit
@@ -33,12 +39,41 @@ class _WaitForAllJobs:
 
         def map_array_then_wait(executor, fn, *iterables):
             jobs = map_array(executor, fn, *iterables)
-            for job in jobs:
-                job.wait()
+            pending = list(jobs)
+            while pending:
+                pending = [job for job in pending if not (job.done() or _left_slurm_queue(job))]
+                time.sleep(1 if pending else 0)
+            dead = [job for job in jobs if not job.done() and not _result_appears(job)]
+            if dead:
+                from submitit.core.utils import UncompletedJobError
+
+                raise UncompletedJobError(", ".join(
+                    f"job {job.job_id} left the SLURM queue without a result (cancelled, killed or failed; "
+                    f"its log: {job.paths.stderr})" for job in dead))
             return jobs
 
         with mock.patch.object(submitit.AutoExecutor, "map_array", map_array_then_wait):
             return super().launch(job_overrides, initial_job_idx)
+
+
+def _left_slurm_queue(job) -> bool:
+    """A SLURM job squeue no longer lists (ended in any way), or no longer knows; False for other executors."""
+    if type(job).__name__ != "SlurmJob":
+        return False
+    done = subprocess.run(["squeue", "-h", "-o", "%T", "-j", str(job.job_id)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return "Invalid job id" in done.stderr  # purged after MinJobAge; any other error: ask again later
+    return not done.stdout.strip()
+
+
+def _result_appears(job, grace_s: float = 10.0) -> bool:
+    """The job's result file, allowing a shared file system a few seconds to show it."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if job.paths.result_pickle.exists():
+            return True
+        time.sleep(0.5)
+    return job.paths.result_pickle.exists()
 
 
 class SlurmLauncher(_WaitForAllJobs, _SubmititSlurm):
