@@ -75,7 +75,6 @@ SMOL=(targets.0.runs.0.generate.temperature=0.7 targets.0.runs.0.generate.top_p=
 # 4 points, two of them long (3000 tokens): point 1 is the one killed
 FAULT=(targets.0.runs.0.generate.top_p=0.95 targets.0.runs.0.generate.max_new_tokens=16,3000
        "targets.0.runs.0.generate.eos_token_id=[]")
-declare -A TIMES
 
 teardown() {
     set +e
@@ -87,11 +86,11 @@ teardown() {
 }
 trap teardown EXIT
 
-timed() {  # name command...: runs it, records its wall time
+timed() {  # name command...: runs it, records its wall time in $WORK/times (also from a pipeline's subshell)
     local name=$1 t0=$SECONDS
     shift
     "$@"
-    TIMES[$name]=$((SECONDS - t0))
+    printf '  %-32s %4d\n' "$name" $((SECONDS - t0)) >> "$WORK/times"
 }
 
 sweep() {  # log-name expected-exit args...: one `run`, its log in $OUT; prints the sweep folder
@@ -225,4 +224,4 @@ timed "mlflow ui in chromium" "$PYTHON" cluster/ui_check.py --uri "$URI" --sweep
 fi
 
 log "all checks passed; wall times (s):"
-for name in "${!TIMES[@]}"; do printf '  %-32s %4d\n' "$name" "${TIMES[$name]}"; done | sort
+cat "$WORK/times"
