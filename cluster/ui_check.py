@@ -123,6 +123,7 @@ def _check(page, base, out, parent, points, steps, key, value, this_sweep, tag_f
     point = next(r for r in points if r.data.tags.get(f"sweep.{key}") == value)
     page.goto(f"{base}/runs/{point.info.run_id}")
     page.get_by_text(point.info.run_name).first.wait_for()
+    page.get_by_role("link", name=steps[0].info.run_name).first.wait_for()  # its child runs, listed
     for tag, tag_value in point.data.tags.items():
         if tag.startswith("sweep."):  # shown as "key: value" in the Tags box (the key cut short on screen only)
             page.wait_for_function(TAG_SHOWN, arg=[tag, tag_value])
