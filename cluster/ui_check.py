@@ -57,7 +57,8 @@ def main() -> int:
     png = next(a.path for a in client.list_artifacts(bench.info.run_id) if a.path.endswith(".png"))
     base = f"{args.uri}/#/experiments/{experiment.experiment_id}"
     with tempfile.TemporaryDirectory() as tmp:  # the PNG's own width, from its IHDR chunk
-        png_width = int.from_bytes(Path(client.download_artifacts(bench.info.run_id, png, tmp)).read_bytes()[16:20], "big")
+        local = Path(client.download_artifacts(bench.info.run_id, png, tmp))
+        png_width = int.from_bytes(local.read_bytes()[16:20], "big")
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=args.chromium,

@@ -12,15 +12,19 @@ folder `<sweep folder>/<N>/` and its own MLflow run, nested under the sweep's an
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from runner.compose import hydra_override, load_manifest
 from runner.errors import ManifestError, Problem, RunnerError
+from runner.files import atomic_write_json
 from runner.manifest import Manifest
-from runner.tracking import RunFolder, new_folder
+from runner.report import ProgressFactory, no_progress
+from runner.tracking import RunFolder, new_folder, tracker_for
+
+log = logging.getLogger(__name__)
 
 # Set by us for every sweep: the sweep folder is Hydra's sweep dir; Hydra writes no .hydra/ copies and
 # leaves logging alone; points run in the caller's working directory (relative paths keep their meaning).
@@ -138,7 +142,7 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
 
 
 def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list[Point], hydra_args: list[str],
-              resume: Path | None = None) -> SweepOutcome:
+              resume: Path | None = None, progress: ProgressFactory = no_progress) -> SweepOutcome:
     """Launch every point through Hydra into one sweep folder; `resume`: an interrupted sweep's folder.
 
     `arguments` are the ones `points` were expanded from: Hydra expands them again, to the same points.
@@ -148,63 +152,60 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.engine import mirror_for
+    from runner.engine import LoadedModels
 
     record = _resumable(resume, points) if resume else None
     folder = resume or new_folder(manifest.tracking.runs_dir, manifest.name)
-    mirror = mirror_for(manifest)
+    tracker = tracker_for(manifest.tracking, manifest.name)
     tags = {"runner.sweep_folder": str(folder.resolve()), "runner.sweep_id": folder.name,
             "runner.manifest": str(path)}
-    sweep_run = None
-    if mirror:
-        mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
-        sweep_run = mirror.reopen(record["mlflow_run_id"]) if record and record.get("mlflow_run_id") else None
-        sweep_run = sweep_run or mirror.start(f"{manifest.name} (sweep)", {**tags, "runner.sweep": "parent"})
-    record = {"name": manifest.name, "manifest": str(path), "state": "running",
-              "started": (record or {}).get("started") or _now(), "on_failure": manifest.on_failure,
-              "hydra_args": hydra_args, "mlflow_run_id": sweep_run,
-              "points": [{"index": p.index, "overrides": list(p.overrides), "values": p.values, "folder": str(p.index)}
-                         for p in points]}
-    _write_json(folder / "sweep.json", record)
-    (folder / "STOP").unlink(missing_ok=True)
-    print(f"[runner] sweep of {len(points)} points: {folder}", file=sys.stderr, flush=True)
-    task = partial(run_point, {"manifest": str(path.resolve()), "name": path.stem, "points": points,
-                               "sweep_run": sweep_run, "tags": tags, "stop_file": str((folder / "STOP").resolve()),
-                               "on_failure": manifest.on_failure})
-    overrides = [f"hydra.sweep.dir={folder.resolve()}", *HYDRA_SETTINGS, *hydra_args, *arguments]
-    outcome, state = SweepOutcome(folder), "KILLED"
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
-            GlobalHydra.instance().hydra.multirun(config_name=path.stem, task_function=task,
-                                                  overrides=overrides)
-        state = "FINISHED"
-    except (HydraException, OmegaConfBaseException) as exc:
-        state = "FAILED"
-        raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
-    except Exception as exc:
-        if not _job_died(exc):
-            raise
-        state = "FAILED"  # every other point has ended (the launchers in manifests/launchers/ wait for all): record, then say so
-        raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
-    finally:
+    tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
+    with tracker.run(f"{manifest.name} (sweep)", {**tags, "runner.sweep": "parent"},
+                     resume=(record or {}).get("mlflow_run_id")) as sweep_run:
+        record = {"name": manifest.name, "manifest": str(path), "state": "running",
+                  "started": (record or {}).get("started") or _now(), "on_failure": manifest.on_failure,
+                  "hydra_args": hydra_args, "mlflow_run_id": sweep_run.id,
+                  "points": [{"index": p.index, "overrides": list(p.overrides), "values": p.values,
+                              "folder": str(p.index)} for p in points]}
+        atomic_write_json(folder / "sweep.json", record)
+        (folder / "STOP").unlink(missing_ok=True)
+        log.info("sweep of %d points: %s", len(points), folder)
+        task = partial(run_point, {"manifest": str(path.resolve()), "name": path.stem, "points": points,
+                                   "sweep_run": sweep_run.id, "tags": tags, "on_failure": manifest.on_failure,
+                                   "stop_file": str((folder / "STOP").resolve()), "models": LoadedModels(),
+                                   "progress": progress})
+        overrides = [f"hydra.sweep.dir={folder.resolve()}", *HYDRA_SETTINGS, *hydra_args, *arguments]
+        outcome, state = SweepOutcome(folder), "interrupted"
         GlobalHydra.instance().clear()
-        _collect(outcome, points)
-        if state == "FINISHED" and outcome.failed:
-            state = "FAILED"
-        record.update(state={"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"), ended=_now())
-        for entry in record["points"]:
-            entry["state"] = outcome.states.get(entry["index"], "not started")
-            if entry["state"] == "running":  # its worker was stopped before it could say so
-                entry["state"] = outcome.states[entry["index"]] = "interrupted"
-        _write_json(folder / "sweep.json", record)
-        if mirror:
-            if state != "FINISHED":  # workers stopped mid-step (killed, cancelled) cannot end their own runs
-                mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
-            mirror.log(sweep_run, params={"manifest": manifest.name, "sweep.points": len(points),
-                                          "sweep.keys": sorted(points[0].values)})
-            mirror.end(sweep_run, state)
+        try:
+            with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
+                GlobalHydra.instance().hydra.multirun(config_name=path.stem, task_function=task,
+                                                      overrides=overrides)
+            state = "finished"
+        except (HydraException, OmegaConfBaseException) as exc:
+            state = "failed"
+            raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
+        except Exception as exc:
+            if not _job_died(exc):
+                raise
+            state = "failed"  # every other point has ended (manifests/launchers/' launchers wait for all)
+            raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
+        finally:
+            GlobalHydra.instance().clear()
+            _collect(outcome, points)
+            if state == "finished" and outcome.failed:
+                state, sweep_run.state = "failed", "FAILED"
+            record.update(state=state, ended=_now())
+            for entry in record["points"]:
+                entry["state"] = outcome.states.get(entry["index"], "not started")
+                if entry["state"] == "running":  # its worker was stopped before it could say so
+                    entry["state"] = outcome.states[entry["index"]] = "interrupted"
+            atomic_write_json(folder / "sweep.json", record)
+            if state != "finished":  # workers stopped mid-step (interrupted, killed, cancelled) cannot end their runs
+                tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
+            sweep_run.log(params={"manifest": manifest.name, "sweep.points": len(points),
+                                  "sweep.keys": sorted(points[0].values)})
     return outcome
 
 
@@ -230,16 +231,17 @@ def run_point(context: dict, cfg) -> dict:
     raw.setdefault("name", context["name"])
     raw.pop("sweep", None)  # the point's resolved manifest runs just this point again
     manifest_path = Path(context["manifest"])
-    print(f"[runner] point {point.index}: {point.label}", file=sys.stderr, flush=True)
+    log.info("point %d: %s", point.index, point.label)
     tags = {**context["tags"], "runner.sweep_point": point.index, **{f"sweep.{k}": v for k, v in point.values.items()}}
     try:
         manifest = Manifest.model_validate(raw)  # validated before the launch; again where the job runs
         outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
                           mlflow_parent=context["sweep_run"], tags=tags,
-                          run_name=f"{manifest.name}[{point.index}] {point.label}")
+                          run_name=f"{manifest.name}[{point.index}] {point.label}", models=context["models"],
+                          progress=context["progress"])
         failed = bool(outcome.failed)
     except (RunnerError, ValueError) as exc:  # a point that cannot start fails alone; the others go on
-        print(f"[runner] point {point.index} failed: {exc}", file=sys.stderr, flush=True)
+        log.error("point %d failed: %s", point.index, exc)
         folder.set(name=context["name"], error=str(exc))
         folder.finish("failed")
         failed = True
@@ -305,12 +307,6 @@ def _hydra_value(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def _now() -> str:

@@ -101,7 +101,8 @@ class RayLauncher(_RayBase or object):
 
     def __init__(self, ray=None, **kwargs):
         if _RayBase is None:
-            raise ImportError("Hydra's Ray launcher plugin is not installed: pip install -e '.[ray]' (or make test-cluster)")
+            raise ImportError("Hydra's Ray launcher plugin is not installed: pip install -e '.[ray]' "
+                              "(or make test-cluster)")
         super().__init__(ray=ray, **kwargs)
 
     def launch(self, job_overrides, initial_job_idx):
