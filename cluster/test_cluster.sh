@@ -49,8 +49,11 @@ if [[ -z ${RUNNER_CLUSTER_INSIDE:-} ]]; then
     ip netns exec "$ns" ip addr add 127.0.0.2/8 dev lo
     rm -rf "$OUT" && mkdir -p "$OUT"
     set +e
-    RUNNER_CLUSTER_INSIDE=$ns ip netns exec "$ns" bash "$0" 2>&1 | tee "$OUT/test-cluster.log"
+    # a bound on the whole (CI has 90 minutes for everything): past it, what is left is killed below, by pid
+    RUNNER_CLUSTER_INSIDE=$ns timeout --kill-after=30 "${CLUSTER_TIMEOUT_S:-1800}" \
+        ip netns exec "$ns" bash "$0" 2>&1 | tee "$OUT/test-cluster.log"
     rc=${PIPESTATUS[0]}
+    [[ $rc == 124 || $rc == 137 ]] && echo "[test-cluster] FAILED: not done in ${CLUSTER_TIMEOUT_S:-1800} s" >&2
     set -e
     left=$(ip netns pids "$ns" || true)
     if [[ -n $left ]]; then
@@ -85,6 +88,7 @@ teardown() {
     rm -rf "$WORK"
 }
 trap teardown EXIT
+trap 'fail "stopped by a signal (the time bound?)"' TERM INT
 
 timed() {  # name command...: runs it, records its wall time in $WORK/times (also from a pipeline's subshell)
     local name=$1 t0=$SECONDS
