@@ -204,7 +204,7 @@ SLURM=(+launchers=slurm hydra.launcher.partition=debug hydra.launcher.cpus_per_t
 timed "slurm: 4 tiny points" sweep slurm-tiny 0 manifests/cluster.yaml -m "${SLURM[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")"
 [[ -f $WORK/ui-sweep ]] || cp "$WORK/f" "$WORK/ui-sweep"
-log "slurm: $(grep -c '_slurm_rpc_submit_batch_job: JobId=' "$WORK/slurm/log/slurmctld.log") sbatch submission(s) so far (slurmctld.log)"
+log "slurm: $(grep -c '_slurm_rpc_submit_batch_job: JobId=' "$WORK/slurm/log/slurmctld.log") sbatch submission(s) so far, one job array per sweep (slurmctld.log)"
 timed "slurm: 1 SmolLM2 point" sweep slurm-smollm2 0 manifests/sweep.yaml -m "${SLURM[@]}" "${SMOL[@]}" "${COMMON[@]}" > "$WORK/f"
 check "$(cat "$WORK/f")" --steps smollm2/sample
 timed "slurm: scancel + resume" fault_then_resume slurm scancel "${SLURM[@]}"
