@@ -13,7 +13,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # Sweeps on real clusters on this machine (Ray, SLURM, submitit local, an MLflow server, the UI in chromium):
-# docs/clusters.md. Needs root; about 6 minutes after the first install.
+# docs/clusters.md. Needs root; 6-11 minutes on 2 cores once installed (bounded at 30).
 test-cluster: setup
 	$(BIN)/pip install -q -e ".[cluster]"
 	bash cluster/test_cluster.sh
