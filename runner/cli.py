@@ -145,7 +145,8 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
     from runner import sweep
 
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
-    points = sweep.expand(arguments, str(path), list(manifest.sweep))
+    where = "command line" if args.multirun and not manifest.sweep else f"{path} (sweep:)"
+    points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
     sweep.validate_points(path, points)
     sweep.validate_launcher(path, arguments, hydra_args)
     if command == "check":

@@ -1,104 +1,137 @@
 """Manifest file + overrides → validated Manifest. With sweep.py, the only importer of hydra and omegaconf.
 
 Hydra composes (a `defaults:` list may pull fragments from folders beside the manifest, and
-`key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so we
-read the file once more with PyYAML's safe composer to map every key path to its line and column,
-and report each problem at its source: `file:line:col` or the override that set it.
+`key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so
+runner.sources reads the manifest and every fragment first and maps each key path to its file, line
+and column; each problem is reported at its source: `file:line:col` or the override as typed.
+Overrides are checked in plain words before Hydra sees them (its parser speaks in grammar tokens).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import re
 import typing
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from runner.errors import ManifestError, Problem, format_loc
-from runner.manifest import Manifest
-from runner.paths import missing_paths
-from runner.yamlsafe import compose_checked
+from runner.manifest import Manifest, StrategyError
+from runner.paths import input_problems
+from runner.sources import ENV_RESOLVER, ENV_MESSAGE, Sources, read_sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
+KEY_PATH = re.compile(r"^[\w-]+(\.[\w-]+)*$")
 
 
 def load_manifest(path: str | Path, overrides: list[str] | tuple = ()) -> tuple[Manifest, dict]:
     """Compose, resolve and validate; returns the Manifest and the resolved plain dict."""
     path = Path(path)
-    file = str(path)
-    if not path.is_file():
-        raise ManifestError([Problem("", "file not found" if not path.exists() else "not a file", file)], file)
-    if path.suffix != ".yaml":
-        raise ManifestError([Problem("", "a manifest is a .yaml file (Hydra composes only .yaml)", file)], file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        before = path.read_bytes()[:exc.start]
-        line, column = before.count(b"\n") + 1, exc.start - before.rfind(b"\n")
-        raise ManifestError([Problem("", f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x})",
-                                     f"{file}:{line}:{column}")], file) from None
-    locations = yaml_locations(text, file)
-    raw = _compose(path, list(overrides), locations)
+    sources = read_sources(path)
+    check_overrides(sources, overrides)
+    raw = _compose(path, list(overrides), sources)
+    return validate(raw, path, sources, overrides), raw
+
+
+def load_points(path: Path, override_lists: list[tuple[str, ...]]) -> list[ManifestError | None]:
+    """Each list of overrides (a sweep point) validated: Hydra composes the manifest once, and each point's
+    plain `key=value` overrides are applied to a copy (a point with other overrides is composed in full)."""
+    sources = read_sources(path)
+    base = _compose(path, [], sources, resolve=False)
+    outcome = []
+    for overrides in override_lists:
+        try:
+            check_overrides(sources, overrides)
+            raw = _apply(base, overrides)
+            if raw is None:
+                load_manifest(path, overrides)
+            else:
+                validate(_resolve(raw, sources, overrides), path, sources, overrides)
+            outcome.append(None)
+        except ManifestError as exc:
+            outcome.append(exc)
+    return outcome
+
+
+def validate(raw: dict, path: Path, sources: Sources, overrides=()) -> Manifest:
+    """The schema, then the input files it names; every problem located in a file or an override."""
     raw.setdefault("name", path.stem)
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
-        raise ManifestError(problems_from(exc, file, locations, overrides), file) from None
-    missing = missing_paths(manifest, path.parent)
+        raise ManifestError(problems_from(exc, sources, overrides), sources.file) from None
+    missing = input_problems(manifest, path.parent)
     if missing:
-        override_locs = {_override_loc(o): o for o in overrides}
-        raise ManifestError([Problem(format_loc(loc), message, _source(loc, file, locations, override_locs))
-                             for loc, message in missing], file)
-    return manifest, raw
+        raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))
+                             for loc, message in missing], sources.file)
+    return manifest
 
 
-def yaml_locations(text: str, file: str) -> dict[Loc, tuple[int, int]]:
-    """Map each key path to its 1-based (line, column); YAML syntax errors become a ManifestError."""
-    root = compose_checked(text, file)
-    if root is None:
-        raise ManifestError([Problem("", "the file is empty; a manifest needs at least 'targets'", file)], file)
-    if not isinstance(root, yaml.MappingNode):
-        raise ManifestError([Problem("", "a manifest is a mapping of keys (version, name, targets, ...)",
-                                     f"{file}:{root.start_mark.line + 1}:{root.start_mark.column + 1}")], file)
-    out: dict[Loc, tuple[int, int]] = {}
-
-    def walk(node, loc: Loc) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                out[loc + (key.value,)] = (key.start_mark.line + 1, key.start_mark.column + 1)
-                walk(value, loc + (key.value,))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                out[loc + (i,)] = (item.start_mark.line + 1, item.start_mark.column + 1)
-                walk(item, loc + (i,))
-
-    walk(root, ())
-    return out
+def check_overrides(sources: Sources, overrides) -> None:
+    """Every override's form, in plain words, before Hydra: `key=value`, a key path that fits the manifest."""
+    problems = []
+    for override in overrides:
+        reason = override_problem(override, sources.data)
+        if reason:
+            problems.append(Problem("", reason, f"override '{shown(override)}'"))
+    if problems:
+        raise ManifestError(problems, sources.file)
 
 
-def _compose(path: Path, overrides: list[str], locations: dict) -> dict:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+def override_problem(override: str, data) -> str | None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    file = str(path)
-    # `key=value` sets or adds the key; typos are then caught by the schema, with a suggestion.
-    hydra_overrides = [hydra_override(o) for o in overrides]
-    GlobalHydra.instance().clear()
+    body = override.lstrip("+")
+    if body.startswith("~"):
+        body = body[1:].partition("=")[0] + "=x"
+    if "=" not in body:
+        return "expected key=value (e.g. seed=1)"
+    key, _, value = body.partition("=")
+    if not key.strip():
+        return "nothing before '=': expected key=value (e.g. seed=1)"
+    if value.startswith("="):
+        return "expected key=value with a single '=' (got '==')"
+    if not KEY_PATH.match(key) and not re.match(r"^[\w/-]+(@[\w.-]+)?$", key):
+        return (f"{key!r} is not a key path: names and list indices joined by single dots "
+                "(e.g. targets.0.runs.0.generate.seed)")
+    if ENV_RESOLVER.search(value):
+        return ENV_MESSAGE
     try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
-            cfg = compose(config_name=path.stem, overrides=hydra_overrides)
-        raw = OmegaConf.to_container(cfg, resolve=True)
-    except (HydraException, OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:  # YAML: a defaults fragment
-        raise ManifestError([Problem(_omegaconf_key(exc), _first_line(exc), _hydra_source(exc, file, overrides))],
-                            file) from None
-    finally:
-        GlobalHydra.instance().clear()
-    raw.pop("hydra", None)
-    return raw
+        OverridesParser.create().parse_override(hydra_override(override))
+    except HydraException as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"cannot read the value {value!r} ({reason}); quote it to pass it as text: {key}='...'"
+    return _path_problem(key, data)
+
+
+def _path_problem(key: str, data) -> str | None:
+    """A list index past the end of the manifest's list, or a name where an index goes."""
+    node, where = data, ""
+    for part in key.split("."):
+        if isinstance(node, list):
+            if not part.isdigit():
+                return f"{where} is a list: expected an index (0 to {len(node) - 1}) after it, got {part!r}"
+            if int(part) >= len(node):
+                count = f"{len(node)} {where.rsplit('.', 1)[-1]}" if node else f"no {where.rsplit('.', 1)[-1]}"
+                return f"index {part} is past the {count} in the manifest (indices 0 to {len(node) - 1})" if node \
+                    else f"index {part}: there are {count} in the manifest"
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            if part not in node:
+                return None  # a new key: the schema judges it
+            node = node[part]
+        else:
+            return None
+        where = f"{where}.{part}" if where else part
+    return None
+
+
+def shown(override: str) -> str:
+    """An override as the user typed it: without the `++` that sweeps and we add."""
+    return override.removeprefix("++")
 
 
 def hydra_override(override: str) -> str:
@@ -106,29 +139,120 @@ def hydra_override(override: str) -> str:
     return override if override[:1] in "+~" else "++" + override
 
 
-def _omegaconf_key(exc: Exception) -> str:
-    return str(getattr(exc, "full_key", "") or "")
+def _compose(path: Path, overrides: list[str], sources: Sources, resolve: bool = True) -> dict:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
+            cfg = compose(config_name=path.stem, overrides=[hydra_override(o) for o in overrides])
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in str(exc)]
+        where = f"override '{shown(named[0])}'" if named else sources.file
+        raise ManifestError([Problem("", _reason(exc), where)], sources.file) from None
+    finally:
+        GlobalHydra.instance().clear()
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw.pop("hydra", None)
+    return _resolve(raw, sources, overrides) if resolve else raw
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
+    """Interpolations resolved; an error is located at the `${...}` that failed."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+    except OmegaConfBaseException as exc:
+        loc = _key_loc(str(getattr(exc, "full_key", "") or ""))
+        message = _reason(exc) + _interpolation_hint(str(exc), raw)
+        raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))],
+                            sources.file) from None
 
 
-def _hydra_source(exc: Exception, file: str, overrides) -> str:
-    text = str(exc)
-    named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in text]
-    return f"override '{named[0].removeprefix('++')}'" if named else file
+def _apply(base: dict, overrides) -> dict | None:
+    """`base` with each `++key=value` set; None when an override needs Hydra (groups, +key, ~key, lists)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    raw, parser = copy.deepcopy(base), OverridesParser.create()
+    for override in overrides:
+        body = override.removeprefix("++") if override.startswith("++") else override
+        if body[:1] in "+~" or not KEY_PATH.match(body.partition("=")[0]):
+            return None
+        parsed = parser.parse_override(hydra_override(body))
+        value = parsed.value()
+        if isinstance(value, (dict, list)) or parsed.is_sweep_override():
+            return None
+        node, parts = raw, body.partition("=")[0].split(".")
+        for part in parts[:-1]:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                return None
+            if not isinstance(node, (dict, list)):
+                return None
+        last = parts[-1]
+        if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+            node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            return None
+    return raw
 
 
-def problems_from(exc: ValidationError, file: str, locations: dict, overrides=()) -> list[Problem]:
+def _reason(exc: Exception) -> str:
+    """Hydra's message and its causes (where the real reason often is), one line each, without internals."""
+    lines, seen, current = [], set(), exc
+    while current is not None and len(lines) < 4:
+        for line in str(current).strip().splitlines():
+            line = line.strip()
+            if line and line not in seen and not line.startswith(("full_key:", "object_type=", "reference_type=")):
+                seen.add(line)
+                lines.append(line)
+        current = current.__cause__ or current.__context__
+    return "; ".join(lines) or type(exc).__name__
+
+
+def _interpolation_hint(message: str, raw: dict) -> str:
+    found = re.search(r"Interpolation key '([^']+)' not found", message)
+    if not found:
+        return ""
+    *parents, name = found.group(1).split(".")
+    node = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    close = difflib.get_close_matches(name, [str(k) for k in node], n=1) if isinstance(node, dict) else []
+    return f" (did you mean '{'.'.join([*parents, close[0]])}'?)" if close else ""
+
+
+def _key_loc(full_key: str) -> Loc:
+    """OmegaConf's `targets[0].model` → ("targets", 0, "model")."""
+    return tuple(int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", full_key))
+
+
+def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[Problem]:
     """One Problem per pydantic error, located in the file or in the override that set it."""
-    override_locs = {_override_loc(o): o for o in overrides}
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
+        error = (err.get("ctx") or {}).get("error")
+        if isinstance(error, StrategyError):
+            loc += ("strategies", error.name) + ((error.key,) if error.key else ())
+            err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
         message, hint = _describe(err, loc)
-        problems.append(Problem(format_loc(loc), message, _source(loc, file, locations, override_locs), hint))
+        problems.append(Problem(format_loc(loc), message, _source(loc, sources, overrides), hint))
     return problems
+
+
+OUT_OF_RANGE = {"int_parsing_size", "finite_number", "int_from_float"}
 
 
 def _describe(err: dict, loc: Loc) -> tuple[str, str]:
@@ -140,26 +264,48 @@ def _describe(err: dict, loc: Loc) -> tuple[str, str]:
         return "unknown key", hint
     if kind == "missing":
         return "required key is missing", ""
+    if kind in OUT_OF_RANGE:
+        message = f"expected {_expected(loc)}"
     hint = ""
     if kind == "literal_error" and isinstance(err.get("input"), str):
         valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
         close = difflib.get_close_matches(err["input"], valid, n=1, cutoff=0.6)
         hint = f"did you mean '{close[0]}'?" if close else ""
-    shown = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"], (dict, list))
-    if shown and not (kind == "value_error" and str(err["input"]) in message):  # our own messages name it already
-        message += f" (got {err['input']!r})"
+    shown_input = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"],
+                                                                                                (dict, list))
+    if shown_input and not (kind == "value_error" and str(err["input"]) in message):  # our messages name it
+        value = err["input"]
+        message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
     return message, hint
 
 
-def _source(loc: Loc, file: str, locations: dict, override_locs: dict) -> str:
-    for ov_loc, override in override_locs.items():
-        if loc[: len(ov_loc)] == ov_loc:
-            return f"override '{override.removeprefix('++')}'"  # as typed: '++' is how sweeps pass values
-    for end in range(len(loc), -1, -1):  # the key itself, or the closest enclosing one in the file
-        if loc[:end] in locations:
-            line, col = locations[loc[:end]]
-            return f"{file}:{line}:{col}"
-    return file
+def _expected(loc: Loc) -> str:
+    """The type and range of the field at `loc`, e.g. "an integer from 1 to 1000000"."""
+    field = field_at(loc)
+    if field is None:
+        return "a smaller number"
+    low = next((getattr(m, a) for m in field.metadata for a in ("ge", "gt") if getattr(m, a, None) is not None), None)
+    high = next((getattr(m, a) for m in field.metadata for a in ("le", "lt") if getattr(m, a, None) is not None), None)
+    kind = "an integer" if int in _types(field.annotation) else "a number"
+    if low is not None and high is not None:
+        return f"{kind} from {low} to {high}"
+    return f"{kind} of at least {low}" if low is not None else f"{kind} of at most {high}" if high is not None else kind
+
+
+def _types(annotation) -> set:
+    out, parts = set(), [annotation]
+    while parts:
+        part = parts.pop()
+        out.add(part)
+        parts += typing.get_args(part)
+    return out
+
+
+def _source(loc: Loc, sources: Sources, overrides=()) -> str:
+    for override in overrides:
+        if loc[: len(ov := _override_loc(override))] == ov:
+            return f"override '{shown(override)}'"
+    return sources.at(loc)
 
 
 def _override_loc(override: str) -> Loc:
@@ -167,18 +313,29 @@ def _override_loc(override: str) -> Loc:
     return tuple(int(p) if p.isdigit() else p for p in key.split("."))
 
 
+def field_at(loc: Loc):
+    """The schema's FieldInfo at `loc` (None when `loc` is not a field)."""
+    cls: type[BaseModel] | None = Manifest
+    parts, field = list(loc), None
+    while parts:
+        if cls is None:
+            return None
+        part = parts.pop(0)
+        if isinstance(part, int) or part not in cls.model_fields:
+            return None
+        field = cls.model_fields[part]
+        cls, skip = _model_in(field.annotation)
+        if skip and parts:
+            parts.pop(0)  # a dict key or list index
+    return field
+
 
 def fields_at(loc: Loc) -> list[str]:
     """The valid keys of the schema object at `loc` (list indices and dict keys skipped)."""
-    cls: type[BaseModel] | None = Manifest
-    parts = list(loc)
-    while parts and cls is not None:
-        part = parts.pop(0)
-        if isinstance(part, int) or part not in cls.model_fields:
-            return []
-        cls, skip = _model_in(cls.model_fields[part].annotation)
-        if skip and parts:
-            parts.pop(0)  # a dict key or list index
+    if not loc:
+        return list(Manifest.model_fields)
+    field = field_at(loc)
+    cls = _model_in(field.annotation)[0] if field is not None else None
     return list(cls.model_fields) if cls is not None else []
 
 

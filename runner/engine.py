@@ -159,11 +159,12 @@ def mirror_for(manifest: Manifest) -> MlflowMirror | None:
 
 def _load(step: Step, base_dir: Path):
     from runner.infer.models import load_spec
+    from runner.paths import model_source
 
     spec = step.model
     print(f"[runner] loading {spec.get('id') or 'config model'} ({spec['dtype']}, {spec['device']})",
           file=sys.stderr, flush=True)
-    return load_spec(spec, step.model_seed, base_dir)
+    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir)
 
 
 def _run_step(step: Step, lm, base_dir: Path, out_dir: Path) -> dict:

@@ -50,6 +50,10 @@ class ResourceError(RunnerError):
     """The machine ran out of something (memory, disk) while doing what the manifest asked."""
 
 
+class InputFileError(RunnerError):
+    """A file the manifest names (prompts, evaluation text, a local model) is missing, unreadable or unfit."""
+
+
 class StepError(RunnerError):
     """A step cannot run with the inputs given (e.g. a prompt longer than max_seq_len)."""
 

@@ -12,12 +12,13 @@ folder `<sweep folder>/<N>/` and its own MLflow run, nested under the sweep's an
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from runner.compose import hydra_override, load_manifest
+from runner.compose import hydra_override, load_points, override_problem, shown
 from runner.errors import ManifestError, Problem, RunnerError
 from runner.manifest import Manifest
 from runner.tracking import RunFolder, new_folder
@@ -56,10 +57,15 @@ def split_sweep(overrides: list[str], file: str) -> tuple[list[str], list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    try:
-        parsed = OverridesParser.create().parse_overrides([hydra_override(o) for o in overrides])
-    except HydraException as exc:
-        raise ManifestError([Problem("", str(exc).strip().splitlines()[0], "command line")], file) from None
+    parser, parsed, problems = OverridesParser.create(), [], []
+    for override in overrides:
+        try:
+            parsed.append(parser.parse_override(hydra_override(override)))
+        except HydraException:
+            problems.append(Problem("", override_problem(override, None) or "cannot be read",
+                                    f"override '{shown(override)}'"))
+    if problems:
+        raise ManifestError(problems, file)
     swept = [o.is_sweep_override() for o in parsed]
     return ([o for o, s in zip(overrides, swept) if not s], [o for o, s in zip(overrides, swept) if s])
 
@@ -71,10 +77,12 @@ def sweep_arguments(manifest_sweep: dict, overrides: list[str]) -> list[str]:
     return from_manifest + [hydra_override(o) for o in overrides]
 
 
-def expand(arguments: list[str], file: str, from_manifest: list[str] | None = None) -> list[Point]:
+def expand(arguments: list[str], file: str, from_manifest: list[str] | None = None,
+           max_points: int = 1000, where: str = "") -> list[Point]:
     """Hydra's own expansion (BasicSweeper.split_arguments), in the order its launcher numbers the jobs.
 
     `from_manifest`: the keys of the manifest's sweep:, recorded as swept even with a single value.
+    More than `max_points` points (counted before anything is expanded) is an error at `where`.
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -82,9 +90,10 @@ def expand(arguments: list[str], file: str, from_manifest: list[str] | None = No
 
     try:
         parsed = OverridesParser.create().parse_overrides(arguments)
+        _check_count(parsed, max_points, file, where)
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
     except HydraException as exc:
-        raise ManifestError([Problem("", str(exc).strip().splitlines()[0], "sweep")], file) from None
+        raise ManifestError([Problem("sweep", str(exc).strip().splitlines()[0], where or file)], file) from None
     swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
     parser = OverridesParser.create()
     points = []
@@ -103,15 +112,33 @@ def _text(value) -> str:
     return str(value)
 
 
+def _check_count(parsed: list, max_points: int, file: str, where: str) -> None:
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    sizes = {}
+    for override in parsed:
+        value = override.value() if override.is_sweep_override() else None
+        if isinstance(value, RangeSweep):
+            step = value.step or 1
+            sizes[_key(override.input_line)] = max(0, math.ceil((value.stop - value.start) / step))
+        elif isinstance(value, ChoiceSweep):
+            sizes[_key(override.input_line)] = len(value.list)
+    total = math.prod(sizes.values())
+    if total > max_points:
+        counts = " × ".join(f"{k}: {n:,}" for k, n in sizes.items())
+        raise ManifestError([Problem("sweep", f"the sweep has {total:,} points ({counts}); the most is "
+                                     f"sweep_max_points = {max_points:,}: sweep fewer values, or raise it "
+                                     f"(sweep_max_points={total} on the command line or in the manifest)",
+                                     where or file)], file)
+
+
 def validate_points(path: Path, points: list[Point]) -> None:
     """Compose and validate every point; all bad points are reported at once, each named."""
     problems = []
-    for point in points:
-        try:
-            load_manifest(path, list(point.overrides))
-        except ManifestError as exc:
+    for point, error in zip(points, load_points(path, [p.overrides for p in points])):
+        if error is not None:
             problems += [Problem(p.path, p.message, f"point {point.index} ({point.label}): {p.source}", p.hint)
-                         for p in exc.problems]
+                         for p in error.problems]
     if problems:
         raise ManifestError(problems, f"{path} (sweep of {len(points)} points; nothing ran)")
 

@@ -24,6 +24,7 @@ from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
+from runner.paths import model_source, text_source
 from runner.plan import Step
 from runner.steps.speculative import load_draft
 
@@ -35,7 +36,7 @@ HEADLINE = ("tok_s", "decode_tok_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", 
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
     spec = BenchSpec.model_validate(step.spec)
     cells = matrix(spec, step.model["dtype"])
-    text = load_text(spec.data, base_dir)
+    text = load_text(text_source(spec.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
         print(f"[{step.key}] memory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
@@ -230,7 +231,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 def _reload(step: Step, dtype: str, base_dir: Path):
     spec = step.model
     print(f"[{step.key}] loading {spec.get('id') or 'config model'} as {dtype}", file=sys.stderr, flush=True)
-    return load_spec(spec, step.model_seed, base_dir, dtype=dtype).model
+    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:

@@ -14,8 +14,10 @@ import pandas as pd
 
 from runner.infer.autocache import Selection, select_cache_kind
 from runner.infer.config import GenerateConfig
+from runner.infer.data import load_text
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, library_config
+from runner.paths import text_source
 from runner.plan import Step
 
 COLUMNS = {  # row key → table heading
@@ -38,7 +40,8 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
           f"(budget {_mib(config.cache_budget_mb)}, max_seq_len {config.max_seq_len}, batch {spec.batch_size})",
           file=sys.stderr, flush=True)
     selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
-                                  identity=lm.fingerprint, base_dir=base_dir)
+                                  identity=lm.fingerprint,
+                                  text=load_text(text_source(config.cache_quality_data, base_dir)))
     table = candidates_table(selection.rows)
     how = selection.source + (", reused" if selection.reused else "")
     print(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"

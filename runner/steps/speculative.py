@@ -19,6 +19,7 @@ from runner.infer.decode import Generator
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
+from runner.paths import model_source
 from runner.plan import Step
 from runner.steps.generate import load_prompts
 
@@ -68,7 +69,7 @@ def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Pat
         return PROMPT_LOOKUP
     d = spec.draft
     print(f"[runner] loading draft {d.id or 'config model'} ({d.dtype})", file=sys.stderr, flush=True)
-    draft = load_spec(d.model_dump(), step.model_seed, base_dir, device=str(lm.device))
+    draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
         raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
                         f"({len(draft.tokenizer)} vs {len(lm.tokenizer)} tokens): speculative decoding needs the same "
