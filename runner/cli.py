@@ -114,7 +114,7 @@ def _browse(command: str, argv: list[str]) -> int:
                             "e.g. --where sweep.temperature=0.7")
         parser.add_argument("--columns", help="comma-separated metrics, params or tags to show "
                             "(e.g. tokens_per_s,params.generate.temperature)")
-        parser.add_argument("--limit", type=int, default=50, help="most rows (default 50)")
+        parser.add_argument("--limit", type=_positive, default=50, help="most rows (default 50)")
         parser.add_argument("--all", action="store_true", help="also the parent runs (one per invocation)")
     else:
         parser = _parser("compare", "Two runs' metrics side by side; a change is flagged only when it is larger "
@@ -145,7 +145,9 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
     from runner import sweep
 
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
-    where = "command line" if args.multirun and not manifest.sweep else f"{path} (sweep:)"
+    from runner.sources import read_sources
+
+    where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
     points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
     sweep.validate_points(path, points)
     sweep.validate_launcher(path, arguments, hydra_args)
@@ -195,6 +197,12 @@ def _resume_folder(args, manifest, record: str) -> Path | None:
 def _catch_signals() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background, where SIGINT is ignored
         signal.signal(sig, _interrupt)
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
 
 
 def _count(n: int, word: str) -> str:

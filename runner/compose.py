@@ -75,7 +75,9 @@ def check_overrides(sources: Sources, overrides) -> None:
     for override in overrides:
         reason = override_problem(override, sources.data)
         if reason:
-            problems.append(Problem("", reason, f"override '{shown(override)}'"))
+            key = override.lstrip("+~").partition("=")[0]
+            path = format_loc(_override_loc(override)) if KEY_PATH.match(key) else ""
+            problems.append(Problem(path, reason, f"override '{shown(override)}'"))
     if problems:
         raise ManifestError(problems, sources.file)
 
@@ -115,9 +117,8 @@ def _path_problem(key: str, data) -> str | None:
             if not part.isdigit():
                 return f"{where} is a list: expected an index (0 to {len(node) - 1}) after it, got {part!r}"
             if int(part) >= len(node):
-                count = f"{len(node)} {where.rsplit('.', 1)[-1]}" if node else f"no {where.rsplit('.', 1)[-1]}"
-                return f"index {part} is past the {count} in the manifest (indices 0 to {len(node) - 1})" if node \
-                    else f"index {part}: there are {count} in the manifest"
+                indices = "none" if not node else "index 0" if len(node) == 1 else f"indices 0 to {len(node) - 1}"
+                return f"index {part} is past the end of {where}: the manifest has {len(node)} ({indices})"
             node = node[int(part)]
         elif isinstance(node, dict):
             if part not in node:
@@ -152,8 +153,9 @@ def _compose(path: Path, overrides: list[str], sources: Sources, resolve: bool =
             cfg = compose(config_name=path.stem, overrides=[hydra_override(o) for o in overrides])
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in str(exc)]
-        where = f"override '{shown(named[0])}'" if named else sources.file
-        raise ManifestError([Problem("", _reason(exc), where)], sources.file) from None
+        loc = _key_loc(_full_key(exc)) or _holding(sources.data, _reason(exc))
+        where = f"override '{shown(named[0])}'" if named else sources.at(loc) if loc else sources.file
+        raise ManifestError([Problem(format_loc(loc), _reason(exc), where)], sources.file) from None
     finally:
         GlobalHydra.instance().clear()
     raw = OmegaConf.to_container(cfg, resolve=False)
@@ -169,7 +171,7 @@ def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
     try:
         return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
     except OmegaConfBaseException as exc:
-        loc = _key_loc(str(getattr(exc, "full_key", "") or ""))
+        loc = _key_loc(_full_key(exc))
         message = _reason(exc) + _interpolation_hint(str(exc), raw)
         raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))],
                             sources.file) from None
@@ -210,15 +212,39 @@ def _apply(base: dict, overrides) -> dict | None:
 
 def _reason(exc: Exception) -> str:
     """Hydra's message and its causes (where the real reason often is), one line each, without internals."""
-    lines, seen, current = [], set(), exc
+    lines, current = [], exc
     while current is not None and len(lines) < 4:
         for line in str(current).strip().splitlines():
             line = line.strip()
-            if line and line not in seen and not line.startswith(("full_key:", "object_type=", "reference_type=")):
-                seen.add(line)
+            internal = line.startswith(("full_key:", "object_type=", "reference_type=")) or line == "None"
+            if line and not internal and not any(line in earlier for earlier in lines):
                 lines.append(line)
         current = current.__cause__ or current.__context__
     return "; ".join(lines) or type(exc).__name__
+
+
+def _full_key(exc: Exception | None) -> str:
+    """OmegaConf's key path of the value that failed, from the error or its causes (Hydra wraps them)."""
+    while exc is not None:
+        if getattr(exc, "full_key", None):
+            return str(exc.full_key)
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+def _holding(data, message: str, loc: Loc = ()) -> Loc:
+    """The key path of the first string in `data` that holds the text a grammar error quotes ('${targets')."""
+    quoted = re.search(r"input '([^']+)'", message)
+    if quoted is None:
+        return ()
+    if isinstance(data, str):
+        return loc if quoted.group(1) in data else ()
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _holding(value, message, loc + (key,))
+        if found:
+            return found
+    return ()
 
 
 def _interpolation_hint(message: str, raw: dict) -> str:
@@ -275,7 +301,10 @@ def _describe(err: dict, loc: Loc) -> tuple[str, str]:
                                                                                                 (dict, list))
     if shown_input and not (kind == "value_error" and str(err["input"]) in message):  # our messages name it
         value = err["input"]
-        message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
+        if isinstance(value, str) and len(value) > 60:
+            message += f" (got {len(value)} characters: {value[:40]!r}...)"
+        else:
+            message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
     return message, hint
 
 

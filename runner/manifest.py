@@ -35,8 +35,7 @@ class NumbersNotBooleans(BaseModel):
     def _no_booleans_for_numbers(cls, value, info):
         field = cls.model_fields.get(info.field_name)
         if field is not None and _is_boolean(value) and _takes_numbers(field.annotation):
-            raise ValueError(f"expected a number, got the boolean {str(_is_boolean(value)[0]).lower()} "
-                             "(YAML reads yes/no/on/off/true/false as booleans)")
+            raise ValueError("expected a number, not a boolean (YAML reads yes/no/on/off/true/false as booleans)")
         return value
 
 
@@ -304,11 +303,37 @@ class Target(Strict):
         return runs
 
 
+URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not use `uri` (an unknown scheme), or None; checked before any run folder exists."""
+    if "://" not in uri:
+        return None if ":" not in uri.split("/")[0] else f"tracking URI {uri!r} has no '//' after its scheme"
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme in URI_SCHEMES or scheme.startswith("databricks"):
+        return None
+    close = difflib.get_close_matches(scheme, URI_SCHEMES, n=1)
+    hint = f"did you mean '{close[0]}://'? " if close else ""
+    return (f"unknown tracking URI scheme {scheme!r}: {hint}MLflow takes "
+            + ", ".join(f"{s}://" for s in URI_SCHEMES) + " or a folder")
+
+
 class Tracking(Strict):
     mlflow: bool = Field(True, description="Mirror results to MLflow.")
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the manifest's name.")
-    tracking_uri: str | None = Field(None, description="MLflow store; default sqlite:///<runs_dir>/mlflow.db.")
+    tracking_uri: str | None = Field(None, min_length=1, description=(
+        "MLflow store; default sqlite:///<runs_dir>/mlflow.db. " + ", ".join(f"{s}://" for s in URI_SCHEMES)
+        + " or a folder."))
     runs_dir: str = Field("runs", min_length=1, description="Where run folders go (relative to the working directory).")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str | None) -> str | None:
+        problem = tracking_uri_problem(uri) if uri is not None else None
+        if problem:
+            raise ValueError(problem)
+        return uri
 
 
 class Manifest(Strict):

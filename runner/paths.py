@@ -52,7 +52,7 @@ def is_input(kind: str, value) -> bool:
 def resolve(name: str, base_dir: Path) -> Path:
     """`~` expanded, relative to `base_dir` (the manifest's folder), symlinks followed."""
     path = Path(name).expanduser()
-    path = path if path.is_absolute() else Path(base_dir) / path
+    path = path if path.is_absolute() else Path(base_dir).absolute() / path
     try:
         return path.resolve()
     except (RuntimeError, OSError):  # a symlink loop (RuntimeError before Python 3.13)

@@ -39,8 +39,12 @@ def load_checked(text: str, file: str):
         return None
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ManifestError([Problem("", f"YAML error: {_reason(exc)}", _at(file, _mark(exc)))], file) from None
+    except yaml.YAMLError as exc:  # a constructor error: the mapping that holds `<<:` is the place to look
+        mark, found = getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)
+        reason = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        if mark is not None and found is not None and found.line != mark.line:
+            reason += f" (at line {found.line + 1})"
+        raise ManifestError([Problem("", f"YAML error: {reason}", _at(file, mark or found))], file) from None
 
 
 def _reason(exc: yaml.YAMLError) -> str:

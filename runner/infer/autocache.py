@@ -12,6 +12,7 @@ plots or know about manifests: the auto-cache-select step does that with the row
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from runner.errors import StepError
+from runner.errors import RunnerError, StepError
 from runner.infer.bench import device_name, time_decode_interleaved
 from runner.infer.config import GenerateConfig, canonical_kind
 from runner.infer.data import EvalText, load_text, token_windows
@@ -48,6 +49,7 @@ class Selection:
     fields: dict  # everything that could change the answer (model, device, versions, settings, eval text)
     plan_path: str
     seconds: float  # how long the selection took (a reused plan: no measurement at all)
+    persist_error: str = ""  # why the plan could not be saved (the measurements are kept all the same)
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
@@ -64,9 +66,14 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
     rows = measure_candidates(model, tokenizer, config, batch_size, text)
     reference = within_budget(model, reference_kind(model), config, batch_size)
     kind, source, reason = choose(rows, config, reference)
-    store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+    try:
+        store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+        persist_error = ""
+    except RunnerError as exc:  # the measurements stay: the caller records them and says what was not saved
+        persist_error = str(exc)
+        logging.getLogger(__name__).warning("cache plan not saved: %s", exc)
     return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
-                     str(store.path), time.perf_counter() - start)
+                     str(store.path), time.perf_counter() - start, persist_error)
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText) -> list[dict]:

@@ -46,6 +46,9 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     how = selection.source + (", reused" if selection.reused else "")
     print(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
           f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]", flush=True)
+    if selection.persist_error:
+        print(f"[{step.key}] WARNING: the measurements are kept in {out_dir}, but the cache plan was not saved: "
+              f"{selection.persist_error}", file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
     (out_dir / "cache_plan.json").write_text(json.dumps(describe(selection), indent=2, default=str) + "\n")
@@ -61,12 +64,14 @@ def candidates_table(rows: list[dict]) -> pd.DataFrame:
 def describe(selection: Selection) -> dict:
     return {"kind": selection.kind, "source": selection.source, "reused": selection.reused,
             "reason": selection.reason, "key": selection.key,
-            "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows,
+            "plan_path": selection.plan_path, "plan_saved": not selection.persist_error,
+            "plan_error": selection.persist_error or None, "seconds": selection.seconds, "candidates": selection.rows,
             "fields": selection.fields}
 
 
 def selection_metrics(selection: Selection) -> dict:
-    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused)}
+    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused),
+               "plan_saved": float(not selection.persist_error)}
     for row in selection.rows:
         for name in ("estimated_mb", "measured_mb", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
             if row.get(name) is not None:
