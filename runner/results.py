@@ -106,8 +106,8 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
         runs = [r for r in runs if "runner.mode" in r.data.tags]
     conditions = [_condition(c) for c in where]
     known = _known_columns(runs)
-    for name_ in [k for k, _ in conditions] + list(columns or ()):
-        _check_column(name_, known)
+    for column in columns or ():  # (a --where key no run has simply matches nothing)
+        _check_column(column, known)
     for key, wanted in conditions:
         runs = [r for r in runs if _matches(_value(r, key), wanted)]
     runs = runs[:limit]

@@ -188,6 +188,11 @@ def _package_header(text: str, default: Loc) -> Loc:
 
 
 def _closest(path: Path) -> str:
+    if not path.parent.is_dir():  # the group's folder itself is misspelt
+        up = path.parent.parent
+        folders = sorted(p.name for p in up.iterdir() if p.is_dir()) if up.is_dir() else []
+        close = difflib.get_close_matches(path.parent.name, folders, n=1)
+        return f" (no folder {path.parent.name!r}; did you mean '{close[0]}'?)" if close else ""
     siblings = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
     close = difflib.get_close_matches(path.stem, siblings, n=1)
     if close:
