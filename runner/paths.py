@@ -69,11 +69,11 @@ def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
         raise InputFileError(f"{what} {name!r} does not exist (looked for {path})") from None
     except OSError as exc:
         raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror} (looked for {path})") from None
+    if kind == "model" and stat.S_ISDIR(info.st_mode) and not path.suffix == ".gguf":
+        return InputFile(path, kind, _folder_digest(path, name))  # a folder's own time misses edits inside
     key = (str(path), kind, info.st_size, info.st_mtime_ns)
     if key not in _MEMO:
-        if kind == "model" and stat.S_ISDIR(info.st_mode) and not path.suffix == ".gguf":
-            _MEMO[key] = InputFile(path, kind, _folder_digest(path, name))
-        elif not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(info.st_mode):
             raise InputFileError(f"{what} {name!r} is not a regular file (looked for {path})")
         elif kind == "model":
             _readable(path, name, what)

@@ -48,8 +48,8 @@ class Store:
         quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self.uri = tracking_uri
+        self.client = self._read(MlflowClient, tracking_uri=tracking_uri)
 
     def experiments(self, name: str | None) -> list:
         found = self._read(self.client.search_experiments)
