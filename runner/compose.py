@@ -13,6 +13,7 @@ import copy
 import difflib
 import re
 import typing
+import warnings
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -149,13 +150,17 @@ def _compose(path: Path, overrides: list[str], sources: Sources, resolve: bool =
 
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Hydra's advice (e.g. on _self_) is no error; the library prints nothing
             cfg = compose(config_name=path.stem, overrides=[hydra_override(o) for o in overrides])
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in str(exc)]
-        loc = _key_loc(_full_key(exc)) or _holding(sources.data, _reason(exc))
+        loc = _key_loc(_full_key(exc)) or _holding(sources.data, hydra_reason(exc))
+        if not loc and not named and ("defaults",) in sources.locations:
+            loc = ("defaults",)  # the defaults list as Hydra reads it (its form, its entries)
         where = f"override '{shown(named[0])}'" if named else sources.at(loc) if loc else sources.file
-        raise ManifestError([Problem(format_loc(loc), _reason(exc), where)], sources.file) from None
+        raise ManifestError([Problem(format_loc(loc), hydra_reason(exc), where)], sources.file) from None
     finally:
         GlobalHydra.instance().clear()
     raw = OmegaConf.to_container(cfg, resolve=False)
@@ -172,7 +177,7 @@ def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
         return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
     except OmegaConfBaseException as exc:
         loc = _key_loc(_full_key(exc))
-        message = _reason(exc) + _interpolation_hint(str(exc), raw)
+        message = hydra_reason(exc) + _interpolation_hint(str(exc), raw)
         raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))],
                             sources.file) from None
 
@@ -210,17 +215,23 @@ def _apply(base: dict, overrides) -> dict | None:
     return raw
 
 
-def _reason(exc: Exception) -> str:
+def hydra_reason(exc: Exception) -> str:
     """Hydra's message and its causes (where the real reason often is), one line each, without internals."""
     lines, current = [], exc
     while current is not None and len(lines) < 4:
-        for line in str(current).strip().splitlines():
+        text = str(current).strip().split("Config search path:")[0]
+        text = re.sub(r"(Available options in '[^']*'):\s*\n(.*)", lambda m: m.group(1) + ": "
+                      + ", ".join(m.group(2).split()), text, flags=re.S)
+        for line in text.splitlines():
             line = line.strip()
             internal = line.startswith(("full_key:", "object_type=", "reference_type=")) or line == "None"
             if line and not internal and not any(line in earlier for earlier in lines):
                 lines.append(line)
         current = current.__cause__ or current.__context__
-    return "; ".join(lines) or type(exc).__name__
+    reason = "; ".join(lines) or type(exc).__name__
+    missing = re.search(r"Could not find '(?:[^']*/)?([^'/]+)'.*Available options in '[^']*': ([\w, -]+)", reason)
+    close = difflib.get_close_matches(missing.group(1), missing.group(2).split(", "), n=1) if missing else []
+    return reason + (f" (did you mean '{close[0]}'?)" if close else "")
 
 
 def _full_key(exc: Exception | None) -> str:

@@ -112,6 +112,8 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         if named is None:
             continue
         config, pkg = named
+        if pkg and depth == 0:
+            sources.locations.setdefault(pkg, where)  # keys the fragment brings, at least at their entry
         if any(part in ("..", "") for part in config.split("/")) or config.startswith("/") or "\\" in config:
             problems.append(Problem(format_loc(loc + (i,)), f"fragment {config!r} is outside the manifest's folder: "
                                     "fragments live in the manifest's folder or below it (no '..', no absolute "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from runner.compose import hydra_override, load_points, override_problem, shown
+from runner.compose import hydra_override, hydra_reason, load_points, override_problem, shown
 from runner.errors import ManifestError, Problem, RunnerError
 from runner.manifest import Manifest
 from runner.tracking import RunFolder, new_folder
@@ -159,7 +159,7 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
     except (HydraException, OmegaConfBaseException) as exc:
         named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
         where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
-        raise ManifestError([Problem("hydra", str(exc).strip().splitlines()[0], where)], str(path)) from None
+        raise ManifestError([Problem("hydra", hydra_reason(exc), where)], str(path)) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -208,7 +208,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
         state = "FINISHED"
     except (HydraException, OmegaConfBaseException) as exc:
         state = "FAILED"
-        raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
+        raise RunnerError(f"the sweep could not be launched: {hydra_reason(exc)}") from None
     finally:
         GlobalHydra.instance().clear()
         _collect(outcome, points)
