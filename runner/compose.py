@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 import typing
 import warnings
@@ -41,6 +42,7 @@ def load_points(path: Path, override_lists: list[tuple[str, ...]]) -> list[Manif
     plain `key=value` overrides are applied to a copy (a point with other overrides is composed in full)."""
     sources = read_sources(path)
     base = _compose(path, [], sources, resolve=False)
+    interpolated = "${" in str(base)  # else a point's raw dict is already resolved
     outcome = []
     for overrides in override_lists:
         try:
@@ -49,7 +51,8 @@ def load_points(path: Path, override_lists: list[tuple[str, ...]]) -> list[Manif
             if raw is None:
                 load_manifest(path, overrides)
             else:
-                validate(_resolve(raw, sources, overrides), path, sources, overrides)
+                plain = not interpolated and not any("${" in o for o in overrides)
+                validate(raw if plain else _resolve(raw, sources, overrides), path, sources, overrides)
             outcome.append(None)
         except ManifestError as exc:
             outcome.append(exc)
@@ -84,7 +87,6 @@ def check_overrides(sources: Sources, overrides) -> None:
 
 
 def override_problem(override: str, data) -> str | None:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     body = override.lstrip("+")
@@ -103,7 +105,7 @@ def override_problem(override: str, data) -> str | None:
     if ENV_RESOLVER.search(value):
         return ENV_MESSAGE
     try:
-        OverridesParser.create().parse_override(hydra_override(override))
+        parse_override(hydra_override(override))
     except HydraException as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot read the value {value!r} ({reason}); quote it to pass it as text: {key}='...'"
@@ -184,16 +186,13 @@ def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
 
 def _apply(base: dict, overrides) -> dict | None:
     """`base` with each `++key=value` set; None when an override needs Hydra (groups, +key, ~key, lists)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    raw, parser = copy.deepcopy(base), OverridesParser.create()
+    raw = copy.deepcopy(base)
     for override in overrides:
         body = override.removeprefix("++") if override.startswith("++") else override
         if body[:1] in "+~" or not KEY_PATH.match(body.partition("=")[0]):
             return None
-        parsed = parser.parse_override(hydra_override(body))
-        value = parsed.value()
-        if isinstance(value, (dict, list)) or parsed.is_sweep_override():
+        value, is_sweep = _value(hydra_override(body))
+        if isinstance(value, (dict, list)) or is_sweep:
             return None
         node, parts = raw, body.partition("=")[0].split(".")
         for part in parts[:-1]:
@@ -213,6 +212,29 @@ def _apply(base: dict, overrides) -> dict | None:
         else:
             return None
     return raw
+
+
+PLAIN_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+PLAIN_WORD = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_override(override: str):
+    """Hydra's parse of one override (memoised: a sweep repeats the same ones in many points)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override)
+
+
+def _value(override: str) -> tuple[object, bool]:
+    """(value, is a sweep) as Hydra's grammar reads `++key=value`; plain numbers and words without the parser."""
+    text = override.partition("=")[2]
+    if PLAIN_NUMBER.match(text):
+        return (float(text) if "." in text else int(text)), False
+    if PLAIN_WORD.match(text) and text.lower() not in ("true", "false", "null", "nan", "inf"):
+        return text, False
+    parsed = parse_override(override)
+    return parsed.value(), parsed.is_sweep_override()
 
 
 def hydra_reason(exc: Exception) -> str:
