@@ -27,7 +27,6 @@ import copy
 import os
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -35,43 +34,42 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.autocache import select_cache_kind  # noqa: E402
-from runner.infer.config import GenerateConfig  # noqa: E402
+from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.bench import greedy_prefill, greedy_steps  # noqa: E402
-from runner.infer.decode import sync  # noqa: E402
+from runner.infer.forward import sync  # noqa: E402
 from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, residual_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
+from runner.infer.speed import greedy_prefill, greedy_steps  # noqa: E402
+from runner.infer.timing import time_interleaved, time_once  # noqa: E402
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2"]
 
 
-def timed_decode(model, start, steps: int) -> float:
-    """Seconds for `steps` greedy steps from a copy of a prefilled cache (the prefill is not repeated)."""
-    cache, token, mask = copy.deepcopy(start[0]), start[1], start[2]
-    sync(token.device)
-    began = time.perf_counter()
-    greedy_steps(model, cache, token, mask, steps)
-    sync(token.device)
-    return time.perf_counter() - began
+def decode_from(model, start, steps: int):
+    """A `run_once(tick)`: `steps` greedy steps from a copy of a prefilled cache (the prefill is not repeated);
+    it ticks once the copy is made, and after the last step."""
+    def run_once(tick) -> None:
+        cache, token, mask = copy.deepcopy(start[0]), start[1], start[2]
+        tick()
+        greedy_steps(model, cache, token, mask, steps)
+        tick()
+
+    return run_once
 
 
 def speeds(model, ids: torch.Tensor, kinds: list[str], steps: int, repeats: int) -> dict[str, float]:
-    """Median decode tokens/s per kind at ids' context; kinds interleaved, order reversed every other round."""
+    """Median decode tokens/s per kind at ids' context, through runner's timing harness (kinds interleaved)."""
     starts = {kind: greedy_prefill(model, ids, kind) for kind in kinds}
-    for kind in kinds:
-        timed_decode(model, starts[kind], steps)  # warm-up
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for repeat in range(repeats):
-        for kind in kinds if repeat % 2 == 0 else reversed(kinds):
-            times[kind].append(timed_decode(model, starts[kind], steps))
-    return {kind: statistics.median(steps / t for t in times[kind]) for kind in kinds}
+    marks = time_interleaved({kind: decode_from(model, starts[kind], steps) for kind in kinds}, repeats,
+                             sync=lambda: sync(ids.device))
+    return {kind: statistics.median(steps / (m[-1] - m[0]) for m in marks[kind]) for kind in kinds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--bytes-context", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -124,11 +122,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = GenerateConfig(cache_kind="auto", cache_plan_path=os.path.join(tmp, "plans.json"))
-        timings = []
-        for _ in range(2):
-            start = time.perf_counter()
-            chosen = select_cache_kind(model, lm.tokenizer, config, batch_size=1, identity=lm.fingerprint)
-            timings.append(time.perf_counter() - start)
+        chosen = []
+        timings = [time_once(lambda: chosen.append(select_cache_kind(model, lm.tokenizer, config, batch_size=1,
+                                                                      identity=lm.fingerprint)),
+                             sync=lambda: sync(lm.device)) for _ in range(2)]
+        chosen = chosen[-1]
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
           f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.5f}")
 

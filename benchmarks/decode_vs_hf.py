@@ -2,9 +2,9 @@
 
     python benchmarks/decode_vs_hf.py [--model zoo:smollm2-135m] [--dtype float32] [--batch-sizes 1 8]
 
-Each repeat runs both (order alternating), after one warm-up each; we print the median tokens/s of
-each and the median of the per-repeat ratios (ours / hf). Greedy, EOS off so both make exactly
---new-tokens tokens; the tokens are checked identical.
+Both run through runner's timing harness (one warm-up each, interleaved, order alternating, device synced);
+we print the median tokens/s of each and the median of the per-repeat ratios (ours / hf). Greedy, EOS off so
+both make exactly --new-tokens tokens; the tokens are checked identical.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.config import KIND_NAMES, GenerateConfig  # noqa: E402
-from runner.infer.decode import Generator  # noqa: E402
+from runner.infer.config import DTYPES, KIND_NAMES, GenerateConfig  # noqa: E402
+from runner.infer.forward import sync  # noqa: E402
+from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
+from runner.infer.timing import time_interleaved  # noqa: E402
 
 
 def real_prompts(n: int) -> list[str]:
@@ -33,16 +34,10 @@ def real_prompts(n: int) -> list[str]:
     return [" ".join(texts[i * 7].split()[:24 + 4 * i]) for i in range(n)]
 
 
-def timed(fn) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--cache-kind", default=None, choices=KIND_NAMES)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -59,23 +54,21 @@ def main() -> None:
     for batch in args.batch_sizes:
         enc = lm.tokenizer(real_prompts(batch), return_tensors="pt", padding=True).to(lm.device)
 
-        def ours():
-            return Generator(lm.model, config).generate(enc.input_ids, enc.attention_mask)
+        outs: dict[str, list[torch.Tensor]] = {"ours": [], "hf": []}
 
-        def hf():
-            return lm.model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,
-                                     past_key_values=make_cache(args.cache_kind, lm.model))
+        def ours(tick):
+            outs["ours"].append(Generator(lm.model, config).generate(enc.input_ids, enc.attention_mask))
+            tick()
 
-        ours(), hf()  # warm-up
-        rates = {"ours": [], "hf": []}
-        same = True
-        for repeat in range(args.repeats):
-            order = [("ours", ours), ("hf", hf)] if repeat % 2 == 0 else [("hf", hf), ("ours", ours)]
-            outs = {}
-            for name, fn in order:
-                seconds, outs[name] = timed(fn)
-                rates[name].append(batch * args.new_tokens / seconds)
-            same &= torch.equal(outs["ours"], outs["hf"])
+        def hf(tick):
+            outs["hf"].append(lm.model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False,
+                                                eos_token_id=None,
+                                                past_key_values=make_cache(args.cache_kind, lm.model)))
+            tick()
+
+        marks = time_interleaved({"ours": ours, "hf": hf}, args.repeats, sync=lambda: sync(lm.device))
+        rates = {name: [batch * args.new_tokens / m[-1] for m in runs] for name, runs in marks.items()}
+        same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["hf"]))
         ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]
         print(f"{batch:>5} {statistics.median(rates['ours']):>11.1f} {statistics.median(rates['hf']):>9.1f} "
               f"{statistics.median(ratios):>6.3f}  {same}", flush=True)

@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import os
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,11 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from runner.infer.config import DTYPES  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.decode import positions_for, prefill, sync  # noqa: E402
+from runner.infer.forward import positions_for, prefill, sync  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.window import DecodePlan, planned_nll  # noqa: E402
+from runner.infer.quality import planned_nll  # noqa: E402
+from runner.infer.timing import time_interleaved  # noqa: E402
+from runner.infer.window import DecodePlan  # noqa: E402
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -43,42 +45,41 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measured_prefill(model, ids: torch.Tensor, q_chunk: int | None) -> tuple[float, float, torch.Tensor]:
-    """(seconds, peak bytes added by the prefill, last logits) of one prefill into a fresh cache."""
+def measured_prefill(model, ids: torch.Tensor, q_chunk: int | None, peaks: list, logits: dict):
+    """A `run_once(tick)` for the harness: one prefill into a fresh cache, timed between its two ticks (the memory
+    baseline is taken before the first); appends the peak bytes it added to `peaks`, keeps its last logits."""
     device = ids.device
-    mask = torch.ones_like(ids)
-    cache = make_cache(None, model)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the peak starts from the live set
-        CLEAR_REFS.write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-        base = _rss_kib("VmRSS") * 1024
-    sync(device)
-    began = time.perf_counter()
-    with torch.inference_mode():
-        logits, _, _ = prefill(model, ids, None, mask, positions_for(None, mask), cache, q_chunk)
-    sync(device)
-    seconds = time.perf_counter() - began
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_kib("VmHWM") * 1024) - base
-    del cache
-    return seconds, peak, logits
+
+    def run_once(tick) -> None:
+        mask = torch.ones_like(ids)
+        cache = make_cache(None, model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the peak starts from the live set
+            CLEAR_REFS.write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+            base = _rss_kib("VmRSS") * 1024
+        tick()
+        with torch.inference_mode():
+            logits[q_chunk], _, _ = prefill(model, ids, None, mask, positions_for(None, mask), cache, q_chunk)
+        tick()
+        used = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_kib("VmHWM") * 1024
+        peaks.append(used - base)
+
+    return run_once
 
 
 def prefill_table(model, ids: torch.Tensor, chunks: list[int], repeats: int) -> None:
     variants = [None, *chunks]
-    times: dict = {v: [] for v in variants}
     peaks: dict = {v: [] for v in variants}
     logits: dict = {}
     for v in variants:  # warm-up on a short prefix: first-call costs, not the long prefill again
-        measured_prefill(model, ids[:, :256], v)
-    for repeat in range(repeats):
-        for v in variants if repeat % 2 == 0 else reversed(variants):
-            seconds, peak, logits[v] = measured_prefill(model, ids, v)
-            times[v].append(seconds)
-            peaks[v].append(peak)
+        measured_prefill(model, ids[:, :256], v, [], {})(lambda: None)
+    marks = time_interleaved({v: measured_prefill(model, ids, v, peaks[v], logits) for v in variants}, repeats,
+                             warmup=0, sync=lambda: sync(ids.device))
+    times = {v: [m[-1] - m[0] for m in marks[v]] for v in variants}
     t0, p0 = statistics.median(times[None]), statistics.median(peaks[None])
     print(f"\nprefill of {ids.shape[1]} tokens, medians of {repeats} interleaved repeats")
     print(f"{'variant':>14} {'seconds':>8} {'time ratio':>10} {'peak MiB':>9} {'peak ratio':>10} {'max|Δlogit|':>12}")
@@ -105,7 +106,7 @@ def window_table(model, ids: torch.Tensor, decode_steps: int, windows: list[int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="+", default=[128, 512])

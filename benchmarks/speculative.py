@@ -18,17 +18,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.config import GenerateConfig, SpeculativeConfig  # noqa: E402
-from runner.infer.decode import Generator  # noqa: E402
+from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
+from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
+from runner.infer.timing import time_interleaved  # noqa: E402
 
 LOOKUP_PROMPTS = [
     "Python lists: a = [1, 2, 3]; b = [1, 2, 3]; c = [1, 2, 3]; d = [1,",
@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="zoo:smollm2-135m")
     parser.add_argument("--draft", default=PROMPT_LOOKUP, help="a model id, or prompt-lookup")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -72,16 +72,18 @@ def main() -> None:
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                     **({"prompt_lookup_num_tokens": k} if lookup else {"assistant_model": draft})),
             }
-            outputs = {name: fn() for name, fn in methods.items()}  # warm-up, and the tokens to compare
-            times: dict[str, list[float]] = {name: [] for name in methods}
-            for repeat in range(args.repeats):
-                for name in methods if repeat % 2 == 0 else reversed(list(methods)):
-                    start = time.perf_counter()
-                    methods[name]()
-                    times[name].append(time.perf_counter() - start)
+            outputs = {}  # the tokens of each method's last run, to compare
+
+            def timed(name):
+                def run_once(tick):
+                    outputs[name] = methods[name]()
+                    tick()
+                return run_once
+
+            marks = time_interleaved({name: timed(name) for name in methods}, args.repeats)  # CPU: no sync needed
             reference = outputs["ours target-only"]
-            speed = {name: statistics.median((outputs[name].shape[1] - ids.shape[1]) / t for t in ts)
-                     for name, ts in times.items()}
+            speed = {name: statistics.median((outputs[name].shape[1] - ids.shape[1]) / m[-1] for m in runs)
+                     for name, runs in marks.items()}
             for name in methods:
                 out = outputs[name]
                 accept = f"{out.acceptance:7.2f}" if hasattr(out, "acceptance") else f"{'':>7}"

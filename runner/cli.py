@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
 
-from runner import __version__
+from runner import __version__, report
 from runner.errors import RunnerError
 
 COMMANDS = ("check", "plan", "schema", "results", "compare")
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(command: str, argv: list[str]) -> int:
     if command == "schema":
-        _parser("schema", "Print the manifest's JSON Schema (for editor completion).", manifest=False).parse_args(argv)
+        _parse(_parser("schema", "Print the manifest's JSON Schema (for editor completion).", manifest=False), argv)
         from runner.manifest import json_schema
 
         print(json.dumps(json_schema(), indent=2))
@@ -52,7 +53,7 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "check": "Validate a manifest and its overrides; exits 2 with every problem listed.",
         "plan": "Print the plan: one line per step, with its content hash.",
     }
-    args = _parser(command, descriptions[command]).parse_intermixed_args(argv)
+    args = _parse(_parser(command, descriptions[command]), argv, intermixed=True)
     from runner.compose import load_manifest
     from runner.sweep import is_hydra_override, split_sweep
 
@@ -87,7 +88,7 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
     previous = _resume_folder(args, manifest, "status.json")
     folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
     _catch_signals()
-    outcome = execute(manifest, resolved, plan, path, folder)
+    outcome = execute(manifest, resolved, plan, path, folder, progress=Bar)
     print(f"[runner] results: {outcome.folder}", file=sys.stderr)
     if outcome.reused:
         print(f"[runner] resumed: {_count(len(outcome.reused), 'step')} finished earlier, "
@@ -125,17 +126,17 @@ def _browse(command: str, argv: list[str]) -> int:
         parser.add_argument("--fail-on-regression", action="store_true", help="exit 1 when a regression is flagged")
     parser.add_argument("--runs-dir", default="runs", help="where run folders and mlflow.db are (default runs)")
     parser.add_argument("--tracking-uri", help="an MLflow tracking URI instead of <runs-dir>/mlflow.db")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
         frame = results.results_table(store, args.experiment, args.name, args.mode, columns, args.limit, args.all,
                                       args.where)
-        results.print_frame(frame, f"no runs in {store.uri} match")
+        print(results.format_frame(frame, f"no runs in {store.uri} match"))
         return 0
     frame = results.compare_table(store, args.a, args.b)
     shown = frame if args.all else frame[(frame["delta"].fillna(1) != 0)]
-    results.print_frame(shown, "the two runs have the same metrics")
+    print(results.format_frame(shown, "the two runs have the same metrics"))
     regressions = int((frame["verdict"] == "REGRESSION").sum())
     print(f"\n{len(frame)} metrics, {regressions} regression{'s' if regressions != 1 else ''} beyond the runs' spread")
     return 1 if regressions and args.fail_on_regression else 0
@@ -164,7 +165,7 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
         return 0
     previous = _resume_folder(args, manifest, "sweep.json")
     _catch_signals()
-    outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous)
+    outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous, progress=Bar)
     print(sweep.describe(outcome, points), file=sys.stderr)
     if outcome.failed:
         print(f"error: {len(outcome.failed)} of {len(points)} points failed: "
@@ -219,6 +220,9 @@ def _parser(command: str, description: str, manifest: bool = True) -> argparse.A
                      epilog="Commands: run MANIFEST | run check MANIFEST | run plan MANIFEST | run schema | "
                             "run results | run compare A B")
     parser.add_argument("--version", action="version", version=f"runner {__version__}")
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-v", "--verbose", action="store_true", help="also debug messages, with their module")
+    loudness.add_argument("-q", "--quiet", action="store_true", help="only warnings, errors and results")
     if manifest:
         parser.add_argument("manifest", help="path to a manifest .yaml file")
         parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. seed=1 "
@@ -230,6 +234,38 @@ def _parser(command: str, description: str, manifest: bool = True) -> argparse.A
             "go on with the newest unfinished run (or sweep) of this manifest: finished steps are skipped by hash"))
         parser.add_argument("--resume-from", metavar="FOLDER", help="go on with this run (or sweep) folder")
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], intermixed: bool = False) -> argparse.Namespace:
+    """Parse, then set up the library's logging once, as -v / -q say."""
+    args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
+    report.configure(1 if args.verbose else -1 if args.quiet else 0)
+    return args
+
+
+class Bar(report.Progress):
+    """Progress drawn as a tqdm bar on stderr (silent with -q)."""
+
+    def __init__(self, description: str, total: int, unit: str):
+        super().__init__(description, total, unit)
+        from tqdm import tqdm
+
+        quiet = not logging.getLogger("runner").isEnabledFor(logging.INFO)
+        self.bar = tqdm(total=total, desc=description, unit=unit, file=sys.stderr, disable=quiet)
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        super().update(n, note)
+        if note:
+            self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update(n)
+
+    def set_total(self, total: int) -> None:
+        super().set_total(total)
+        self.bar.total = total
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class _Parser(argparse.ArgumentParser):

@@ -191,7 +191,7 @@ def _apply(base: dict, overrides) -> dict | None:
         body = override.removeprefix("++") if override.startswith("++") else override
         if body[:1] in "+~" or not KEY_PATH.match(body.partition("=")[0]):
             return None
-        value, is_sweep = _value(hydra_override(body))
+        value, is_sweep = override_value(hydra_override(body))
         if isinstance(value, (dict, list)) or is_sweep:
             return None
         node, parts = raw, body.partition("=")[0].split(".")
@@ -226,7 +226,7 @@ def parse_override(override: str):
     return OverridesParser.create().parse_override(override)
 
 
-def _value(override: str) -> tuple[object, bool]:
+def override_value(override: str) -> tuple[object, bool]:
     """(value, is a sweep) as Hydra's grammar reads `++key=value`; plain numbers and words without the parser."""
     text = override.partition("=")[2]
     if PLAIN_NUMBER.match(text):

@@ -10,18 +10,27 @@ or the rest are skipped (`on_failure: stop`); a bug is recorded and re-raised.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
+from transformers.utils import logging as hf_logging
 
 from runner.errors import ResourceError, RunnerError
+from runner.files import atomic_write_json
+from runner.infer.models import load_spec
 from runner.manifest import Manifest
+from runner.paths import model_source
 from runner.plan import Plan, Step
-from runner.tracking import MlflowMirror, RunFolder, default_tracking_uri, environment
+from runner.report import ProgressFactory, no_progress
+from runner.steps import STEP_RUNNERS
+from runner.tracking import RunFolder, Tracker, environment, tracker_for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,148 +41,118 @@ class Outcome:
     skipped: list[str] = field(default_factory=list)  # not run: on_failure: stop after a failure
 
 
-_LOADED: list = []  # [(model spec json, LoadedModel)]: one model in memory, kept across the points of a sweep
+class LoadedModels:
+    """Model reuse across steps and sweep points: holds one model in memory, keyed by its spec; a different spec
+    frees the previous model before loading the next. Passed in explicitly (a sweep shares one across its points)."""
+
+    def __init__(self):
+        self.key: str | None = None
+        self.model = None
+
+    def get(self, step: Step, base_dir: Path):
+        key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
+        if key != self.key:
+            self.key, self.model = None, None  # free the previous model before loading the next
+            spec = step.model
+            log.info("loading %s (%s, %s)", spec.get("id") or "config model", spec["dtype"], spec["device"])
+            self.model, self.key = load_spec(model_source(spec, base_dir), step.model_seed, base_dir), key
+        return self.model
 
 
 def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path, folder: RunFolder,
-            mlflow_parent: str | None = None, tags: dict | None = None, run_name: str | None = None) -> Outcome:
+            mlflow_parent: str | None = None, tags: dict | None = None, run_name: str | None = None,
+            models: LoadedModels | None = None, progress: ProgressFactory = no_progress) -> Outcome:
     """Run the plan's steps into `folder`, skipping steps that already finished there with the same hash.
 
-    `mlflow_parent`: the sweep's run, when this is one point of a sweep; `tags` go on every MLflow run.
+    `mlflow_parent`: the sweep's run, when this is one point of a sweep; `tags` go on every MLflow run;
+    `models`: the models already loaded (a sweep's earlier points); `progress`: how long steps report.
     """
-    import torch  # noqa: F401  (imported here: planning and checking never pay for it)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     folder.write_text("manifest.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
     folder.write_json("plan.json", plan.to_json())
     folder.write_json("env.json", environment())
     folder.set(name=manifest.name)
-    print(f"[runner] run folder: {folder.path}", file=sys.stderr, flush=True)
-    outcome = Outcome(folder.path)
+    log.info("run folder: %s", folder.path)
+    outcome, models = Outcome(folder.path), models or LoadedModels()
     todo = []
     for step in plan.steps:
         if folder.finished(step.key, step.hash):
             outcome.reused.append(step.key)
-            print(f"[runner] step {step.key} finished earlier (hash {step.hash[:12]}): skipped", file=sys.stderr)
+            log.info("step %s finished earlier (hash %s): skipped", step.key, step.hash[:12])
         else:
             todo.append(step)
     tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
-    mirror = mirror_for(manifest)
+    tracker = tracker_for(manifest.tracking, manifest.name)
+    tracker.end_stale("runner.run_folder", tags["runner.run_folder"])  # children of a killed earlier invocation
     if not todo:  # resumed after its last step finished: its MLflow run may still say RUNNING (or KILLED)
-        if mirror and folder.status.get("mlflow_run_id"):
-            mirror.end_stale("runner.run_folder", tags["runner.run_folder"])
-            mirror.end(folder.status["mlflow_run_id"], "FINISHED")
+        tracker.end(folder.status.get("mlflow_run_id"), "FINISHED")
         folder.finish("finished")
         return outcome
-    parent = _open_parent(mirror, folder, run_name or manifest.name, tags, mlflow_parent) if mirror else None
-    state = "KILLED"
-    try:
-        for n, step in enumerate(todo):
-            child = mirror.start(step.key, {**tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
-                                 parent=parent) if mirror else None
-            folder.set_step(step.key, "running", hash=step.hash, mlflow_run_id=child)
+    with tracker.run(run_name or manifest.name, tags, parent=mlflow_parent,
+                     resume=folder.status.get("mlflow_run_id")) as parent:
+        folder.set(mlflow_run_id=parent.id)
+        state = "interrupted"
+        try:
+            _run_steps(todo, manifest, manifest_path.parent, folder, tracker, parent.id, tags, models, progress,
+                       outcome)
+            state = "failed" if outcome.failed or outcome.skipped else "finished"
+            parent.state = "FAILED" if state == "failed" else "FINISHED"
+        finally:
             try:
-                result = _run_step(step, _model_for(step, manifest_path.parent), manifest_path.parent,
-                                   folder.path / step.key)
+                folder.finish(state)
+            except ResourceError as exc:  # the folder stopped taking writes: say so, keep the first error
+                log.error("%s", exc)
+            parent.log(params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
+    return outcome
+
+
+def _run_steps(todo: list[Step], manifest: Manifest, base_dir: Path, folder: RunFolder, tracker: Tracker,
+               parent: str | None, tags: dict, models: LoadedModels, progress: ProgressFactory,
+               outcome: Outcome) -> None:
+    """Each step in its own MLflow run; a RunnerError fails that step alone (on_failure: continue) or skips the rest
+    (on_failure: stop); anything else is recorded in status.json and goes up."""
+    for n, step in enumerate(todo):
+        with tracker.run(step.key, {**tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
+                         parent=parent) as child:
+            folder.set_step(step.key, "running", hash=step.hash, mlflow_run_id=child.id)
+            try:
+                result = _run_step(step, models.get(step, base_dir), base_dir, folder.path / step.key, progress)
             except RunnerError as exc:
-                outcome.failed[step.key] = str(exc)
+                outcome.failed[step.key], child.state = str(exc), "FAILED"
                 folder.set_step(step.key, "failed", error=str(exc))
-                print(f"[runner] step {step.key} failed: {exc}", file=sys.stderr, flush=True)
-                if mirror:
-                    mirror.end(child, "FAILED")
+                log.error("step %s failed: %s", step.key, exc)
                 if manifest.on_failure == "stop":
                     outcome.skipped = [s.key for s in todo[n + 1:]]
                     for key in outcome.skipped:
                         folder.set_step(key, "skipped", reason=f"on_failure: stop after {step.key} failed")
-                    break
+                    return
                 continue
             except BaseException as exc:
                 folder.set_step(step.key, "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed",
                                 error=repr(exc))
-                if mirror:
-                    mirror.end(child, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
                 raise
             params, series = result.pop("params", {}), result.get("series", {})
             try:
                 folder.write_json(f"{step.key}/results.json", result)
             except ResourceError as exc:
-                if mirror:
-                    mirror.end(child, "FAILED")
                 raise ResourceError(f"{exc}; the step's results were saved to {_rescue(step, result)} instead") \
                     from None
             folder.set_step(step.key, "finished", metrics=result["metrics"])
-            if mirror:
-                mirror.log(child, params={"mode": step.mode, "model": step.model, step.mode: step.spec,
-                                          "seed": step.seed, "model_fingerprint": result["model"], **params},
-                           metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
-                mirror.end(child, "FINISHED")
-        state = "FAILED" if outcome.failed or outcome.skipped else "FINISHED"
-    finally:
-        try:
-            folder.finish({"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"))
-        except ResourceError as exc:  # the folder stopped taking writes: say so, keep the first error
-            print(f"[runner] {exc}", file=sys.stderr, flush=True)
-        if mirror:
-            mirror.log(parent, params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
-            mirror.end(parent, state)
-    return outcome
+            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.spec, "seed": step.seed,
+                              "model_fingerprint": result["model"], **params},
+                      metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
 
 
 def _rescue(step: Step, result: dict) -> Path:
     """Where a step's results go when the run folder cannot take them: the system's temporary folder."""
     handle, name = tempfile.mkstemp(prefix=f"runner-{step.key.replace('/', '-')}-", suffix=".json")
-    with os.fdopen(handle, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2, default=str)
-    return Path(name)
+    os.close(handle)
+    return atomic_write_json(name, result)
 
 
-def _open_parent(mirror: MlflowMirror, folder: RunFolder, name: str, tags: dict, sweep_run: str | None) -> str:
-    """The folder's MLflow run: the one it had before when resumed (its killed children end KILLED first)."""
-    mirror.end_stale("runner.run_folder", tags["runner.run_folder"])
-    previous = folder.status.get("mlflow_run_id")
-    run_id = mirror.reopen(previous) if previous else None
-    if run_id is None:
-        run_id = mirror.start(name, tags, parent=sweep_run)
-    folder.set(mlflow_run_id=run_id)
-    return run_id
-
-
-def _model_for(step: Step, base_dir: Path):
-    spec_key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
-    if not _LOADED or _LOADED[0][0] != spec_key:
-        _LOADED.clear()  # free the previous model before loading the next
-        _LOADED.append((spec_key, _load(step, base_dir)))
-    return _LOADED[0][1]
-
-
-def mirror_for(manifest: Manifest) -> MlflowMirror | None:
-    tracking = manifest.tracking
-    if not tracking.mlflow:
-        return None
-    runs_dir = Path(tracking.runs_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    uri = tracking.tracking_uri or default_tracking_uri(runs_dir)
-    return MlflowMirror(uri, tracking.experiment or manifest.name, runs_dir / "mlartifacts")
-
-
-def _load(step: Step, base_dir: Path):
-    from runner.infer.models import load_spec
-    from runner.paths import model_source
-
-    spec = step.model
-    print(f"[runner] loading {spec.get('id') or 'config model'} ({spec['dtype']}, {spec['device']})",
-          file=sys.stderr, flush=True)
-    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir)
-
-
-def _run_step(step: Step, lm, base_dir: Path, out_dir: Path) -> dict:
-    import torch
-
-    from runner.steps import STEP_RUNNERS
-
+def _run_step(step: Step, lm, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     try:
-        result = STEP_RUNNERS[step.mode](step, lm, base_dir, out_dir)
+        result = STEP_RUNNERS[step.mode](step, lm, base_dir, out_dir, progress)
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory in step {step.key}: {exc}") from None
     return {"step": step.key, "mode": step.mode, "hash": step.hash, "seed": step.seed, "model": lm.fingerprint,

@@ -56,7 +56,16 @@ class InputFileError(RunnerError):
 
 
 class StepError(RunnerError):
-    """A step cannot run with the inputs given (e.g. a prompt longer than max_seq_len)."""
+    """A step cannot run with the inputs given (e.g. a prompts file with no prompts)."""
+
+
+class InferenceError(RunnerError):
+    """The inference library cannot do what it was asked with these inputs: a prompt longer than max_seq_len,
+    no cache kind within the budget or through the quality gates."""
+
+
+class DataError(RunnerError):
+    """Evaluation text cannot be found, fetched, verified or is too short for what was asked."""
 
 
 def format_loc(loc: tuple) -> str:

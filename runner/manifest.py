@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
+from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -23,7 +23,6 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed's range
 MODES = ("generate", "auto-cache-select", "speculative", "bench")
 BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
           "bench": "bench"}  # mode → its block
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 class NumbersNotBooleans(BaseModel):
@@ -68,7 +67,7 @@ class ModelSpec(Strict):
         "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
     config: dict | None = Field(None, description=(
         "A transformers config (model_type + sizes) built with random weights from the seed."))
-    dtype: Literal[DTYPES] = Field("float32", description="Weights and compute dtype.")
+    dtype: Literal[tuple(DTYPES)] = Field("float32", description="Weights and compute dtype.")
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
@@ -225,7 +224,7 @@ class BenchSpec(Strict):
     max_new_tokens: list[int] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi2); default: the model's dtype."))
-    dtypes: list[Literal[DTYPES]] | None = Field(None, min_length=1, description=(
+    dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")

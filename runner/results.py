@@ -20,7 +20,7 @@ import pandas as pd
 
 from runner.errors import RunnerError
 
-DEFAULT_COLUMNS = ("tokens_per_s", "median_ratio_tok_s", "speedup", "acceptance_rate", "cache_kind.chosen")
+DEFAULT_COLUMNS = ("tokens_per_s", "median_ratio_tokens_per_s", "speedup", "acceptance_rate", "cache_kind.chosen")
 HIGHER_IS_BETTER = ("tok_s", "tokens_per_s", "speedup", "acceptance", "bw_fraction", "bandwidth", "top1")
 LOWER_IS_BETTER = ("_ms", "_s", "mib", "_mb", "bytes", "nll", "kl", "ppl", "failed")
 
@@ -213,13 +213,13 @@ def verdict(metric: str, delta: float | None, spread: float | None) -> str:
     return "improvement" if delta * direction(metric) > 0 else "REGRESSION"
 
 
-def print_frame(frame: pd.DataFrame, empty: str) -> None:
+def format_frame(frame: pd.DataFrame, empty: str) -> str:
+    """The table as the CLI prints it (every row and column), or `empty` when there is none."""
     if frame.empty:
-        print(empty)
-        return
+        return empty
     with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width",
                            max(os.get_terminal_size(0).columns if os.isatty(0) else 160, 80)):
-        print(frame.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}"))
+        return frame.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
 
 
 def _quoted(text: str) -> str:

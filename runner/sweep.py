@@ -12,16 +12,20 @@ folder `<sweep folder>/<N>/` and its own MLflow run, nested under the sweep's an
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from runner.compose import hydra_override, hydra_reason, load_points, override_problem, shown
+from runner.compose import hydra_override, hydra_reason, load_points, override_problem, override_value, shown
 from runner.errors import ManifestError, Problem, RunnerError
+from runner.files import atomic_write_json
 from runner.manifest import Manifest
-from runner.tracking import RunFolder, new_folder
+from runner.report import ProgressFactory, no_progress
+from runner.tracking import RunFolder, new_folder, tracker_for
+
+log = logging.getLogger(__name__)
 
 # Set by us for every sweep: the sweep folder is Hydra's sweep dir; Hydra writes no .hydra/ copies and
 # leaves logging alone; points run in the caller's working directory (relative paths keep their meaning).
@@ -93,12 +97,11 @@ def expand(arguments: list[str], file: str, from_manifest: list[str] | None = No
         _check_count(parsed, max_points, file, where)
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
     except HydraException as exc:
-        raise ManifestError([Problem("sweep", str(exc).strip().splitlines()[0], where or file)], file) from None
+        raise ManifestError([Problem("sweep", hydra_reason(exc), where or file)], file) from None
     swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
-    parser = OverridesParser.create()
     points = []
     for index, combination in enumerate(combinations):
-        values = {_key(o): _text(parser.parse_override(o).value()) for o in combination if _key(o) in swept}
+        values = {_key(o): _text(override_value(o)[0]) for o in combination if _key(o) in swept}
         points.append(Point(index, tuple(combination), values))
     return points
 
@@ -165,7 +168,7 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
 
 
 def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list[Point], hydra_args: list[str],
-              resume: Path | None = None) -> SweepOutcome:
+              resume: Path | None = None, progress: ProgressFactory = no_progress) -> SweepOutcome:
     """Launch every point through Hydra into one sweep folder; `resume`: an interrupted sweep's folder.
 
     `arguments` are the ones `points` were expanded from: Hydra expands them again, to the same points.
@@ -175,57 +178,54 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.engine import mirror_for
+    from runner.engine import LoadedModels
 
     record = _resumable(resume, points) if resume else None
     folder = resume or new_folder(manifest.tracking.runs_dir, manifest.name)
-    mirror = mirror_for(manifest)
+    tracker = tracker_for(manifest.tracking, manifest.name)
     tags = {"runner.sweep_folder": str(folder.resolve()), "runner.sweep_id": folder.name,
             "runner.manifest": str(path)}
-    sweep_run = None
-    if mirror:
-        mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
-        sweep_run = mirror.reopen(record["mlflow_run_id"]) if record and record.get("mlflow_run_id") else None
-        sweep_run = sweep_run or mirror.start(f"{manifest.name} (sweep)", {**tags, "runner.sweep": "parent"})
-    record = {"name": manifest.name, "manifest": str(path), "state": "running",
-              "started": (record or {}).get("started") or _now(), "on_failure": manifest.on_failure,
-              "hydra_args": hydra_args, "mlflow_run_id": sweep_run,
-              "points": [{"index": p.index, "overrides": list(p.overrides), "values": p.values, "folder": str(p.index)}
-                         for p in points]}
-    _write_json(folder / "sweep.json", record)
-    (folder / "STOP").unlink(missing_ok=True)
-    print(f"[runner] sweep of {len(points)} points: {folder}", file=sys.stderr, flush=True)
-    task = partial(run_point, {"manifest": str(path.resolve()), "name": path.stem, "points": points,
-                               "sweep_run": sweep_run, "tags": tags, "stop_file": str((folder / "STOP").resolve()),
-                               "on_failure": manifest.on_failure})
-    overrides = [f"hydra.sweep.dir={folder.resolve()}", *HYDRA_SETTINGS, *hydra_args, *arguments]
-    outcome, state = SweepOutcome(folder), "KILLED"
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
-            GlobalHydra.instance().hydra.multirun(config_name=path.stem, task_function=task,
-                                                  overrides=overrides)
-        state = "FINISHED"
-    except (HydraException, OmegaConfBaseException) as exc:
-        state = "FAILED"
-        raise RunnerError(f"the sweep could not be launched: {hydra_reason(exc)}") from None
-    finally:
+    tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
+    with tracker.run(f"{manifest.name} (sweep)", {**tags, "runner.sweep": "parent"},
+                     resume=(record or {}).get("mlflow_run_id")) as sweep_run:
+        record = {"name": manifest.name, "manifest": str(path), "state": "running",
+                  "started": (record or {}).get("started") or _now(), "on_failure": manifest.on_failure,
+                  "hydra_args": hydra_args, "mlflow_run_id": sweep_run.id,
+                  "points": [{"index": p.index, "overrides": list(p.overrides), "values": p.values,
+                              "folder": str(p.index)} for p in points]}
+        atomic_write_json(folder / "sweep.json", record)
+        (folder / "STOP").unlink(missing_ok=True)
+        log.info("sweep of %d points: %s", len(points), folder)
+        task = partial(run_point, {"manifest": str(path.resolve()), "name": path.stem, "points": points,
+                                   "sweep_run": sweep_run.id, "tags": tags, "on_failure": manifest.on_failure,
+                                   "stop_file": str((folder / "STOP").resolve()), "models": LoadedModels(),
+                                   "progress": progress})
+        overrides = [f"hydra.sweep.dir={folder.resolve()}", *HYDRA_SETTINGS, *hydra_args, *arguments]
+        outcome, state = SweepOutcome(folder), "interrupted"
         GlobalHydra.instance().clear()
-        _collect(outcome, points)
-        if state == "FINISHED" and outcome.failed:
-            state = "FAILED"
-        record.update(state={"FINISHED": "finished", "FAILED": "failed"}.get(state, "interrupted"), ended=_now())
-        for entry in record["points"]:
-            entry["state"] = outcome.states.get(entry["index"], "not started")
-            if entry["state"] == "running":  # its worker was stopped before it could say so
-                entry["state"] = outcome.states[entry["index"]] = "interrupted"
-        _write_json(folder / "sweep.json", record)
-        if mirror:
-            if state == "KILLED":  # parallel workers stopped mid-step cannot end their own runs
-                mirror.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
-            mirror.log(sweep_run, params={"manifest": manifest.name, "sweep.points": len(points),
-                                          "sweep.keys": sorted(points[0].values)})
-            mirror.end(sweep_run, state)
+        try:
+            with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
+                GlobalHydra.instance().hydra.multirun(config_name=path.stem, task_function=task,
+                                                      overrides=overrides)
+            state = "finished"
+        except (HydraException, OmegaConfBaseException) as exc:
+            state = "failed"
+            raise RunnerError(f"the sweep could not be launched: {hydra_reason(exc)}") from None
+        finally:
+            GlobalHydra.instance().clear()
+            _collect(outcome, points)
+            if state == "finished" and outcome.failed:
+                state, sweep_run.state = "failed", "FAILED"
+            record.update(state=state, ended=_now())
+            for entry in record["points"]:
+                entry["state"] = outcome.states.get(entry["index"], "not started")
+                if entry["state"] == "running":  # its worker was stopped before it could say so
+                    entry["state"] = outcome.states[entry["index"]] = "interrupted"
+            atomic_write_json(folder / "sweep.json", record)
+            if state == "interrupted":  # parallel workers stopped mid-step cannot end their own runs
+                tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
+            sweep_run.log(params={"manifest": manifest.name, "sweep.points": len(points),
+                                  "sweep.keys": sorted(points[0].values)})
     return outcome
 
 
@@ -251,16 +251,17 @@ def run_point(context: dict, cfg) -> dict:
     raw.setdefault("name", context["name"])
     raw.pop("sweep", None)  # the point's resolved manifest runs just this point again
     manifest_path = Path(context["manifest"])
-    print(f"[runner] point {point.index}: {point.label}", file=sys.stderr, flush=True)
+    log.info("point %d: %s", point.index, point.label)
     tags = {**context["tags"], "runner.sweep_point": point.index, **{f"sweep.{k}": v for k, v in point.values.items()}}
     try:
         manifest = Manifest.model_validate(raw)  # validated before the launch; again where the job runs
         outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
                           mlflow_parent=context["sweep_run"], tags=tags,
-                          run_name=f"{manifest.name}[{point.index}] {point.label}")
+                          run_name=f"{manifest.name}[{point.index}] {point.label}", models=context["models"],
+                          progress=context["progress"])
         failed = bool(outcome.failed)
     except (RunnerError, ValueError) as exc:  # a point that cannot start fails alone; the others go on
-        print(f"[runner] point {point.index} failed: {exc}", file=sys.stderr, flush=True)
+        log.error("point %d failed: %s", point.index, exc)
         folder.set(name=context["name"], error=str(exc))
         folder.finish("failed")
         failed = True
@@ -320,12 +321,6 @@ def _hydra_value(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def _now() -> str:

@@ -13,11 +13,15 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 from runner import __version__
 from runner.errors import ResourceError, RunnerError
+from runner.files import atomic_write
 
 
 class RunFolder:
@@ -63,13 +67,9 @@ class RunFolder:
 
     def write_text(self, relative: str, text: str) -> Path:
         target = self.path / relative
-        tmp = target.with_name(target.name + ".tmp")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, target)
+            atomic_write(target, text)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise ResourceError(f"cannot write {target}: {exc.strerror or exc} (disk full or not writable?)") from None
         return target
 
@@ -82,7 +82,44 @@ class RunFolder:
         self.write_json("status.json", self.status)
 
 
-class MlflowMirror:
+class Tracker:
+    """Opens and ends runs; MlflowMirror does it in an MLflow store, NoTracking nowhere."""
+
+    def start(self, name: str, tags: dict, parent: str | None = None) -> str | None:
+        raise NotImplementedError
+
+    def reopen(self, run_id: str) -> str | None:
+        raise NotImplementedError
+
+    def end(self, run_id: str | None, state: str) -> None:
+        raise NotImplementedError
+
+    def end_stale(self, tag: str, value: str) -> list[str]:
+        raise NotImplementedError
+
+    def log(self, run_id: str | None, **what) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def run(self, name: str, tags: dict, parent: str | None = None,
+            resume: str | None = None) -> Iterator["TrackedRun"]:
+        """A run open for the block (the `resume` run reopened when this store has it, else a new one nested under
+        `parent`), ended by how the block exits: normally → `run.state` (FINISHED unless set to FAILED),
+        KeyboardInterrupt → KILLED, any other exception → FAILED."""
+        run_id = (self.reopen(resume) if resume else None) or self.start(name, tags, parent)
+        run = TrackedRun(self, run_id)
+        try:
+            yield run
+        except KeyboardInterrupt:
+            self.end(run_id, "KILLED")
+            raise
+        except BaseException:
+            self.end(run_id, "FAILED")
+            raise
+        self.end(run_id, run.state)
+
+
+class MlflowMirror(Tracker):
     """Runs nested as sweep → manifest (or sweep point) → step; explicit client, no global active run.
 
     Every call to the store holds a file lock beside it: processes sharing one sqlite store (parallel
@@ -150,10 +187,54 @@ class MlflowMirror:
             if artifacts is not None:
                 self.client.log_artifacts(run_id, str(artifacts), artifact_path)
 
-    def end(self, run_id: str, state: str) -> None:
+    def end(self, run_id: str | None, state: str) -> None:
         """state: FINISHED, FAILED or KILLED."""
+        if run_id is None:
+            return
         with self.lock:
             self.client.set_terminated(run_id, state)
+
+
+@dataclass
+class TrackedRun:
+    """An open run: `log` to it; set `state = "FAILED"` to end it failed without raising."""
+
+    mirror: Tracker
+    id: str | None
+    state: str = "FINISHED"
+
+    def log(self, **what) -> None:
+        """As MlflowMirror.log (params, metrics, artifacts, series), to this run."""
+        self.mirror.log(self.id, **what)
+
+
+class NoTracking(Tracker):
+    """`tracking: {mlflow: false}`: the same calls, no store; runs have no id."""
+
+    def start(self, name: str, tags: dict, parent: str | None = None) -> None:
+        return None
+
+    def reopen(self, run_id: str) -> None:
+        return None
+
+    def end_stale(self, tag: str, value: str) -> list[str]:
+        return []
+
+    def log(self, run_id, **what) -> None:
+        pass
+
+    def end(self, run_id, state: str) -> None:
+        pass
+
+
+def tracker_for(tracking, default_experiment: str) -> Tracker:
+    """A manifest's `tracking:` block → its MLflow mirror, or NoTracking when mlflow is off."""
+    if not tracking.mlflow:
+        return NoTracking()
+    runs_dir = Path(tracking.runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    return MlflowMirror(tracking.tracking_uri or default_tracking_uri(runs_dir),
+                        tracking.experiment or default_experiment, runs_dir / "mlartifacts")
 
 
 def quiet_mlflow() -> None:
@@ -223,7 +304,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from runner.infer.bench import device_name
+    from runner.infer.timing import device_name
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from runner.plans import PlanStore
+from runner.infer.cache_plans import PlanStore
 from tests.conftest import TINY_LLAMA
 
 PROCESSES = 8

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.infer.decode import Generator, generate
+from runner.infer.generator import Generator, generate
 from runner.infer.config import DEFAULT_CANDIDATES, GenerateConfig, canonical_kind
 from tests.test_cli import run_cli
 
@@ -113,7 +113,7 @@ def test_bench_manifest_runs_on_the_real_model(tmp_path):
 
     table = pd.read_csv(folder / "smollm2" / "matrix" / "bench.csv")
     assert len(table) == 8 and (table["status"] == "ok").all()
-    assert (table["ratio_tok_s"] > 0.2).all()  # same work on both sides: far off means a broken measurement
+    assert (table["ratio_tokens_per_s"] > 0.2).all()  # same work on both sides: far off means a broken measurement
     assert (table["ours_bw_fraction"].between(0, 1)).all()
     q8, fp32 = (table[table["cache_kind"] == k].set_index(["batch", "prompt_len"]) for k in ("q8_0", "fp32"))
     assert ((q8["ours_kv_mib"] / fp32["ours_kv_mib"]).between(0.25, 0.3)).all()  # int8 + scale per 32 vs fp32

@@ -7,7 +7,7 @@ import pytest
 
 from runner import __version__
 from runner.errors import RunnerError
-from runner.plans import PlanStore, plan_key
+from runner.infer.cache_plans import PlanStore, plan_key
 
 FIELDS = {"model": "zoo:smollm2-135m", "model_sha256": "ab" * 32, "dtype": "float32", "device": "cpu",
           "device_name": "x86_64", "torch": "2.5.0", "transformers": "5.0.0", "batch": 1, "max_seq_len": 2048,

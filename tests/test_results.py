@@ -25,11 +25,11 @@ def store(tmp_path_factory):
     runs_dir.mkdir()
     ids = {
         "a": invocation(runs_dir, "bench", "bench", {"smol/matrix": ("bench", {
-            "b1.ours_tok_s": 100.0, "b1.ours_tok_s_spread": 4.0, "b1.ours_ttft_ms": 20.0,
-            "b1.ours_ttft_ms_spread": 1.0, "b4.ours_tok_s": 300.0, "b4.ours_tok_s_spread": 10.0}, {})}),
+            "b1.ours_tokens_per_s": 100.0, "b1.ours_tokens_per_s_spread": 4.0, "b1.ours_ttft_ms": 20.0,
+            "b1.ours_ttft_ms_spread": 1.0, "b4.ours_tokens_per_s": 300.0, "b4.ours_tokens_per_s_spread": 10.0}, {})}),
         "b": invocation(runs_dir, "bench", "bench", {"smol/matrix": ("bench", {
-            "b1.ours_tok_s": 90.0, "b1.ours_tok_s_spread": 3.0, "b1.ours_ttft_ms": 20.5,
-            "b1.ours_ttft_ms_spread": 1.0, "b4.ours_tok_s": 330.0, "b4.ours_tok_s_spread": 10.0}, {})}),
+            "b1.ours_tokens_per_s": 90.0, "b1.ours_tokens_per_s_spread": 3.0, "b1.ours_ttft_ms": 20.5,
+            "b1.ours_ttft_ms_spread": 1.0, "b4.ours_tokens_per_s": 330.0, "b4.ours_tokens_per_s_spread": 10.0}, {})}),
         "g": invocation(runs_dir, "quickstart", "quickstart", {
             "smol/greedy": ("generate", {"tokens_per_s": 40.0}, {"generate": {"temperature": 0.0}}),
             "smol/sampled": ("generate", {"tokens_per_s": 35.0}, {"generate": {"temperature": 0.8}})}),
@@ -49,8 +49,9 @@ def test_results_lists_steps_newest_first_and_filters(store):
     assert list(chosen["tokens_per_s"]) == [35.0, 40.0]
     assert list(chosen["generate.temperature"]) == ["0.8", "0.0"]
     assert list(results_table(s, where=["generate.temperature=0.80"])["name"]) == ["smol/sampled"]
-    matched = results_table(s, where=["runner.mode=bench", "b4.ours_tok_s=330"], columns=["b1.ours_tok_s"])
-    assert list(matched["b1.ours_tok_s"]) == [90.0]  # the second bench run, not the first
+    matched = results_table(s, where=["runner.mode=bench", "b4.ours_tokens_per_s=330"],
+                            columns=["b1.ours_tokens_per_s"])
+    assert list(matched["b1.ours_tokens_per_s"]) == [90.0]  # the second bench run, not the first
     assert results_table(s, where=["no.such.key=1"]).empty
 
 
@@ -74,10 +75,10 @@ def test_a_column_no_run_has_is_refused_with_the_closest_one(store):
 def test_compare_flags_only_changes_beyond_the_spread(store):
     _, s, ids = store
     table = compare_table(s, ids["a"][:8], ids["b"][:8]).set_index("metric")
-    assert table.loc["smol/matrix/b1.ours_tok_s", "delta"] == -10.0
-    assert table.loc["smol/matrix/b1.ours_tok_s", "spread"] == 4.0
-    assert table.loc["smol/matrix/b1.ours_tok_s", "verdict"] == "REGRESSION"  # 10 slower, spread 4
-    assert table.loc["smol/matrix/b4.ours_tok_s", "verdict"] == "improvement"  # 30 faster, spread 10
+    assert table.loc["smol/matrix/b1.ours_tokens_per_s", "delta"] == -10.0
+    assert table.loc["smol/matrix/b1.ours_tokens_per_s", "spread"] == 4.0
+    assert table.loc["smol/matrix/b1.ours_tokens_per_s", "verdict"] == "REGRESSION"  # 10 slower, spread 4
+    assert table.loc["smol/matrix/b4.ours_tokens_per_s", "verdict"] == "improvement"  # 30 faster, spread 10
     assert table.loc["smol/matrix/b1.ours_ttft_ms", "verdict"] == "within spread"  # 0.5 slower, spread 1
     assert not table.index.str.endswith("_spread").any()
 
@@ -105,7 +106,7 @@ def test_results_cli_prints_the_table_and_explains_a_missing_store(store, tmp_pa
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("b1.ours_tok_s", 1), ("tokens_per_s", 1), ("speedup", 1), ("acceptance_rate", 1), ("x/ours_bw_fraction", 1),
+    ("b1.ours_tokens_per_s", 1), ("tokens_per_s", 1), ("speedup", 1), ("acceptance_rate", 1), ("x/ours_bw_fraction", 1),
     ("ours_ttft_ms", -1), ("prefill_s", -1), ("ours_kv_mib", -1), ("fp16.delta_nll", -1), ("cells_failed", -1),
     ("cells", 0)])
 def test_direction_of_metric_names(name, expected):
@@ -113,8 +114,8 @@ def test_direction_of_metric_names(name, expected):
 
 
 def test_verdict_needs_a_spread_and_a_direction():
-    assert verdict("tok_s", -5.0, None) == ""
-    assert verdict("tok_s", None, 1.0) == "only in one run"
+    assert verdict("tokens_per_s", -5.0, None) == ""
+    assert verdict("tokens_per_s", None, 1.0) == "only in one run"
     assert verdict("cells", 3.0, 1.0) == "changed"
     assert verdict("ttft_ms", 3.0, 1.0) == "REGRESSION"
     assert verdict("ttft_ms", -3.0, 1.0) == "improvement"

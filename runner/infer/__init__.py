@@ -12,8 +12,8 @@ from importlib import import_module
 
 _EXPORTS = {
     "GenerateConfig": "runner.infer.config",
-    "Generator": "runner.infer.decode",
-    "generate": "runner.infer.decode",
+    "Generator": "runner.infer.generator",
+    "generate": "runner.infer.generator",
     "load_model": "runner.infer.models",
     "make_cache": "runner.infer.kvcache",
     "select_cache_kind": "runner.infer.autocache",

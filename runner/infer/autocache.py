@@ -3,7 +3,7 @@
     select_cache_kind → lookup plan (fresh: done, nothing measured)
                       → within_budget (estimated bytes at max_seq_len × batch)
                       → run_probe per kind, compare with the reference → gate_failures
-                      → time_decode the survivors → choose → PlanStore.put
+                      → time_decode_kinds the survivors → choose → PlanStore.put
 The reference is the model's own dtype in transformers' DynamicCache. Every candidate's row (bytes,
 ΔNLL, PPL ratio, KL, needle, tokens/s, verdict) is kept in the plan. Does not print tables, draw
 plots or know about manifests: the auto-cache-select step does that with the rows returned here.
@@ -12,29 +12,30 @@ plots or know about manifests: the auto-cache-select step does that with the row
 from __future__ import annotations
 
 import hashlib
-import logging
-import sys
-import time
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+import transformers
 
-from runner.errors import RunnerError, StepError
-from runner.infer.bench import device_name, time_decode_interleaved
+from runner.errors import InferenceError, RunnerError
+from runner.infer.cache_plans import PlanStore, plan_key
 from runner.infer.config import GenerateConfig, canonical_kind
 from runner.infer.data import EvalText, load_text, token_windows
 from runner.infer.kvcache import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.plans import PlanStore, plan_key
+from runner.infer.speed import time_decode_kinds
+from runner.infer.timing import Stopwatch, device_name
+from runner.report import ProgressFactory, no_progress
 
 MIB = 1024 * 1024
-CACHE_FORMAT = 1  # bump when a quantizer or the probe changes: persisted measurements then no longer apply
+CACHE_FORMAT = 2  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply (2: *_mib)
 # Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
                   "cache_quality_windows", "cache_quality_ppl_len", "cache_quality_on_fail", "cache_auto_benchmark",
+                  "cache_auto_tie_break",
                   "cache_auto_bench_steps", "cache_auto_bench_prompt_len", "cache_auto_bench_repeats", "max_seq_len")
 
 
@@ -53,17 +54,18 @@ class Selection:
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
-                      text: EvalText | None = None, base_dir: Path | None = None) -> Selection:
+                      text: EvalText | None = None, base_dir: Path | None = None,
+                      progress: ProgressFactory = no_progress) -> Selection:
     """Choose a cache kind for `model` under `config`'s budget and gates, reusing a fresh persisted plan."""
-    start = time.perf_counter()
+    watch = Stopwatch()  # how long the selection took (no device work to sync: the measurements sync their own)
     text = text or load_text(config.cache_quality_data, base_dir)
     fields = plan_fields(model, config, identity or model_identity(model), batch_size, text)
     key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
     plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
     if plan is not None:
         return Selection(plan["kind"], plan["source"], True, f"reused plan {key[:12]} ({why}): {plan['reason']}",
-                         plan["rows"], key, fields, str(store.path), time.perf_counter() - start)
-    rows = measure_candidates(model, tokenizer, config, batch_size, text)
+                         plan["rows"], key, fields, str(store.path), watch.lap())
+    rows = measure_candidates(model, tokenizer, config, batch_size, text, progress)
     reference = within_budget(model, reference_kind(model), config, batch_size)
     kind, source, reason = choose(rows, config, reference)
     try:
@@ -71,40 +73,39 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
         persist_error = ""
     except RunnerError as exc:  # the measurements stay: the caller records them and says what was not saved
         persist_error = str(exc)
-        logging.getLogger(__name__).warning("cache plan not saved: %s", exc)
     return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
-                     str(store.path), time.perf_counter() - start, persist_error)
+                     str(store.path), watch.lap(), persist_error)
 
 
-def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText) -> list[dict]:
+def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText,
+                       progress: ProgressFactory = no_progress) -> list[dict]:
     """Budget, quality and speed of every candidate; a row says why a candidate was dropped."""
     check_lengths(config)
     rows = [within_budget(model, kind, config, batch_size) for kind in candidates(config)]
     fitting = [row for row in rows if row["fits"]]
     if not fitting:
-        smallest = min(rows, key=lambda r: r["estimated_mb"])
-        estimates = ", ".join(f"{r['kind']} {r['estimated_mb']:.1f}" for r in rows)
-        raise StepError(
+        smallest = min(rows, key=lambda r: r["estimated_mib"])
+        estimates = ", ".join(f"{r['kind']} {r['estimated_mib']:.1f}" for r in rows)
+        raise InferenceError(
             f"no cache kind fits cache_budget_mb={config.cache_budget_mb:g} at max_seq_len={config.max_seq_len} × "
-            f"batch {batch_size}: the smallest, {smallest['kind']}, needs {smallest['estimated_mb']:.1f} MiB "
+            f"batch {batch_size}: the smallest, {smallest['kind']}, needs {smallest['estimated_mib']:.1f} MiB "
             f"(estimates in MiB: {estimates}); raise the budget or lower max_seq_len / batch_size")
     device = next(model.parameters()).device
     probe = build_probe(tokenizer, text, config.cache_quality_prompt_len, config.cache_quality_decode_steps,
                         config.cache_quality_windows, min(config.cache_quality_ppl_len, config.max_seq_len), device)
-    bar = tqdm(total=len(fitting) + 1, desc="cache quality", unit="kind", file=sys.stderr)
+    bar = progress("cache quality", len(fitting) + 1, "kind")
     reference = run_probe(model, probe, None)
-    bar.update()
+    bar.update(note="reference")
     for row in fitting:
-        bar.set_postfix_str(row["kind"])
         try:
             metrics = compare(reference, run_probe(model, probe, row["kind"]))
         except torch.OutOfMemoryError as exc:  # this kind only: the others are still measured
             _release(device)
             row.update(passed=False, verdict=f"out of memory: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
-            bar.update()
+            bar.update(note=row["kind"])
             continue
-        bar.update()
-        row.update(metrics, measured_mb=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
+        bar.update(note=row["kind"])
+        row.update(metrics, measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
         failures = gate_failures(metrics, config)
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
@@ -112,11 +113,12 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
     if config.cache_auto_benchmark and survivors:
         prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
                               device=device)
-        timings = time_decode_interleaved(model, prompt, config.cache_auto_bench_steps,
-                                          [row["kind"] for row in survivors], config.cache_auto_bench_repeats)
+        timings = time_decode_kinds(model, prompt, config.cache_auto_bench_steps,
+                                    [row["kind"] for row in survivors], config.cache_auto_bench_repeats)
         for row in survivors:
             timing = timings[row["kind"]]
-            row.update(tokens_per_s=timing.decode_tokens_per_s, prefill_ms=timing.prefill_ms)
+            row.update(tokens_per_s=timing.decode_tokens_per_s.median,
+                       tokens_per_s_spread=timing.decode_tokens_per_s.spread, prefill_ms=timing.ttft_s.median * 1e3)
     return rows
 
 
@@ -138,16 +140,16 @@ def check_lengths(config: GenerateConfig) -> None:
               config.cache_auto_bench_prompt_len + config.cache_auto_bench_steps)]
     too_long = [f"{name} = {n}" for name, n in needs if n > config.max_seq_len]
     if too_long:
-        raise StepError(f"{'; '.join(too_long)} exceed max_seq_len={config.max_seq_len}: lower them or raise "
+        raise InferenceError(f"{'; '.join(too_long)} exceed max_seq_len={config.max_seq_len}: lower them or raise "
                         "max_seq_len")
 
 
 def within_budget(model, kind: str, config: GenerateConfig, batch_size: int) -> dict:
     per_token = bytes_per_token(model.config, kind, model.dtype)
-    estimated_mb = estimate_cache_bytes(model.config, kind, batch_size, config.max_seq_len, model.dtype) / MIB
-    fits = config.cache_budget_mb is None or estimated_mb <= config.cache_budget_mb
-    verdict = "" if fits else f"over budget: {estimated_mb:.1f} MiB > {config.cache_budget_mb:g} MiB"
-    return {"kind": kind, "estimated_bytes_per_token": per_token, "estimated_mb": estimated_mb, "fits": fits,
+    estimated_mib = estimate_cache_bytes(model.config, kind, batch_size, config.max_seq_len, model.dtype) / MIB
+    fits = config.cache_budget_mb is None or estimated_mib <= config.cache_budget_mb
+    verdict = "" if fits else f"over budget: {estimated_mib:.1f} MiB > {config.cache_budget_mb:g} MiB"
+    return {"kind": kind, "estimated_bytes_per_token": per_token, "estimated_mib": estimated_mib, "fits": fits,
             "passed": False, "verdict": verdict}
 
 
@@ -170,19 +172,43 @@ def choose(rows: list[dict], config: GenerateConfig, reference: dict) -> tuple[s
         if config.cache_quality_on_fail == "error" or not reference["fits"]:
             why = ("cache_quality_on_fail is error" if reference["fits"]
                    else f"the fallback, the reference {reference['kind']}, is {reference['verdict']}")
-            raise StepError(f"no cache kind passed the quality gates ({failed}) and {why}; loosen the gates "
+            raise InferenceError(f"no cache kind passed the quality gates ({failed}) and {why}; loosen the gates "
                             "or raise the budget")
         kind = reference["kind"]
         return kind, "gate_failed", f"no candidate passed the gates; using the reference {kind}"
     if config.cache_auto_benchmark:
-        best = max(survivors, key=lambda r: r["tokens_per_s"])
-        for row in survivors:
-            row["verdict"] = "chosen: fastest" if row is best else "passed gates, slower"
-        return best["kind"], "measured", (f"{best['kind']}: fastest of {len(survivors)} passing "
-                                          f"({best['tokens_per_s']:.1f} tok/s)")
+        return _fastest(survivors, config.cache_auto_tie_break)
     best = survivors[0]
     best["verdict"] = "chosen: first passing candidate"
     return best["kind"], "measured", f"{best['kind']}: first of {len(survivors)} passing (benchmark off)"
+
+
+def speed_ties(survivors: list[dict]) -> list[dict]:
+    """The fastest survivor and every one whose median is within the larger of the two measured spreads of it:
+    differences that small are noise on the machine they were measured on."""
+    fastest = max(survivors, key=lambda r: r["tokens_per_s"])
+    return [row for row in survivors if fastest["tokens_per_s"] - row["tokens_per_s"]
+            <= max(fastest.get("tokens_per_s_spread", 0.0), row.get("tokens_per_s_spread", 0.0))]
+
+
+def _fastest(survivors: list[dict], tie_break: str) -> tuple[str, str, str]:
+    """The fastest beyond the spread; within it, by quality then bytes (or bytes then quality). Marks every row."""
+    ties = speed_ties(survivors)
+    quality, size = (lambda r: r.get("delta_nll", math.inf)), (lambda r: r.get("estimated_mib", math.inf))
+    order = (quality, size) if tie_break == "quality" else (size, quality)
+    best = min(ties, key=lambda r: (order[0](r), order[1](r)))
+    for row in survivors:
+        row["speed_verdict"] = "tied" if row in ties and len(ties) > 1 else "fastest" if row is best else "slower"
+        row["verdict"] = ("passed gates, slower" if row not in ties
+                          else f"passed gates, tied on speed, worse {tie_break}" if row is not best
+                          else "chosen: fastest beyond the spread" if len(ties) == 1
+                          else f"chosen: tied on speed within the spread, best {tie_break}")
+    if len(ties) == 1:
+        return best["kind"], "measured", (f"{best['kind']}: fastest of {len(survivors)} passing "
+                                          f"({best['tokens_per_s']:.1f} tok/s, beyond the others' spread)")
+    tied = ", ".join(f"{r['kind']} {r['tokens_per_s']:.1f}±{r.get('tokens_per_s_spread', 0.0):.1f}" for r in ties)
+    return best["kind"], "measured", (f"{best['kind']}: {len(ties)} candidates tied on speed within the spread "
+                                      f"({tied} tok/s); best {tie_break}")
 
 
 def reference_kind(model) -> str:
@@ -191,8 +217,6 @@ def reference_kind(model) -> str:
 
 def plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
     """Everything that could change the answer: model, dtype, device, versions, batch, settings, eval text."""
-    import transformers
-
     device = next(model.parameters()).device
     return {
         "model": identity,

@@ -1,6 +1,6 @@
 """One bench cell: a model, a batch of equal-length prompts, a token count and a cache kind, timed three ways.
 
-    measure_ours         our prefill + greedy decode chain (runner.infer.decode), a tick per token
+    measure_ours         our prefill + greedy decode chain (runner.infer.speed), a tick per token
     measure_hf           transformers' own model.generate() on the same model, inputs and cache kind
     measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only
     measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way
@@ -17,9 +17,11 @@ from typing import Callable
 
 import torch
 
-from runner.infer.bench import greedy_prefill, greedy_steps
-from runner.infer.decode import sync
+from runner.infer.config import SpeculativeConfig
+from runner.infer.forward import sync
 from runner.infer.kvcache import cache_bytes, make_cache
+from runner.infer.speculative import SpeculativeGenerator
+from runner.infer.speed import greedy_prefill, greedy_steps
 from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_ticks
 
 MIB = 2**20
@@ -72,9 +74,6 @@ def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repe
 def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
                         adaptive: bool, repeats: int, warmup: int) -> dict:
     """Greedy speculative decoding of the cell (rows one after another): tokens/s and acceptance."""
-    from runner.infer.config import SpeculativeConfig
-    from runner.infer.speculative import SpeculativeGenerator
-
     config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
                                cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2)
     gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config)
@@ -106,7 +105,7 @@ def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens:
         marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, sync=lambda: sync(ids.device))
     seconds = Summary.of([m[-1] for m in marks])
     rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
-    return {"tok_s": rates.median, "tok_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
+    return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
             "total_ms_p90": seconds.p90 * 1e3, "peak_mib": peak.bytes / MIB}
 
 
@@ -120,8 +119,9 @@ def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
         "ttft_ms_spread": timing.ttft_s.spread * 1e3,
         "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
         "itl_ms_spread": timing.itl_s.spread * 1e3,
-        "decode_tok_s": timing.decode_tokens_per_s.median, "decode_tok_s_spread": timing.decode_tokens_per_s.spread,
-        "tok_s": timing.tokens_per_s.median, "tok_s_spread": timing.tokens_per_s.spread,
+        "decode_tokens_per_s": timing.decode_tokens_per_s.median,
+        "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
+        "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
         "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB,
     }
     if bandwidth:

@@ -11,11 +11,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The one dtype table: a model dtype's manifest name → the cache kind that stores K/V in that dtype.
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2")
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
 KIVI_BITS = {"kivi4": 4, "kivi2": 2}
 KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a manifest dtype name ("bfloat16") or a plain cache kind ("bf16")."""
+    import torch  # here, not at the top: the manifest schema imports this module without torch
+
+    return getattr(torch, {kind: dtype for dtype, kind in DTYPES.items()}.get(name, name))
 
 
 def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
@@ -104,7 +113,11 @@ class AutoCacheConfig(BaseModel):
     cache_quality_on_fail: Literal["error", "reference"] = Field("reference", description=(
         "When no candidate passes the gates: fail the step, or use the reference kind (recorded as gate_failed)."))
     cache_auto_benchmark: bool = Field(True, description=(
-        "Time the survivors and pick the fastest median; off = the first survivor."))
+        "Time the survivors and pick the fastest median (only when faster beyond the spread measured); off = the "
+        "first survivor."))
+    cache_auto_tie_break: Literal["quality", "bytes"] = Field("quality", description=(
+        "Among survivors whose speeds differ by less than their measured spread: the lowest ΔNLL first (quality), "
+        "or the fewest estimated bytes first (bytes); the other criterion breaks what is left."))
     cache_auto_bench_steps: int = Field(8, ge=1, le=100_000, description="Decode steps timed per repeat.")
     cache_auto_bench_prompt_len: int = Field(64, ge=1, le=1_000_000, description=(
         "Prompt tokens before the timed decode."))

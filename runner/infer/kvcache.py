@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
-from runner.infer.config import KIVI_BITS, kivi_options, parse_kind
+from runner.infer.config import DTYPES, KIVI_BITS, kivi_options, parse_kind, torch_dtype
 from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
                                 quantize, quantize_groups)
 
-STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+STORAGE_DTYPES = {kind: torch_dtype(kind) for kind in DTYPES.values()}  # the plain kinds: K/V stored as is
 
 
 class CastLayer(DynamicLayer):

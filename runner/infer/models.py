@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,13 @@ from typing import Any
 import torch
 
 from runner.errors import ModelError, ResourceError
+from runner.files import atomic_write_json
+from runner.infer.config import torch_dtype
+from runner.infer.pinned import cache_root
 from runner.infer.zoo import ZOO_PREFIX, zoo_entry, zoo_model_dir
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -62,16 +66,16 @@ def load_model(
     base_dir: Path | None = None,
 ) -> LoadedModel:
     """Load `source` (or build `config` with random weights) in `dtype` on `device`."""
-    torch_dtype, target = DTYPES[dtype], resolve_device(device)
+    target = resolve_device(device)
     if trust_remote_code:
-        print(f"[runner] WARNING: trust_remote_code is ON for {source or 'config model'}: code shipped with this "
-              "model will run here", file=sys.stderr, flush=True)
+        log.warning("trust_remote_code is ON for %s: code shipped with this model will run here",
+                    source or "config model")
     try:
         if config is not None:
             model, tokenizer, identity = _from_config(config, seed)
         else:
             model, tokenizer, identity = _from_source(source, revision, trust_remote_code, base_dir)
-        model = model.to(device=target, dtype=torch_dtype).eval()
+        model = model.to(device=target, dtype=torch_dtype(dtype)).eval()
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory loading {source or 'config model'} on {target}: {exc}") from None
     tokenizer.padding_side = "left"
@@ -163,7 +167,6 @@ def byte_tokenizer():
 
 def content_hash(files: list[Path]) -> str:
     """sha256 over the files' bytes, memoised in the cache by (path, size, mtime): big files hash once."""
-    from runner.infer.zoo import cache_root
 
     memo_path = cache_root() / "content_hashes.json"
     try:
@@ -182,8 +185,7 @@ def content_hash(files: list[Path]) -> str:
             memo[key] = file_digest.hexdigest()
         digest.update(memo[key].encode())
     try:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        memo_path.write_text(json.dumps(memo))
+        atomic_write_json(memo_path, memo, indent=None)
     except OSError:
         pass  # the memo is only a speed-up
     return digest.hexdigest()

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.errors import StepError
-from runner.infer.data import DataError, EvalText, needle_prompt, token_windows
-from runner.infer.decode import forward_last, positions_for
+from runner.errors import DataError, InferenceError
+from runner.infer.data import EvalText, needle_prompt, token_windows
+from runner.infer.forward import decode_one_token, forward_last, positions_for, prefill, trim_mask
 from runner.infer.kvcache import cache_bytes, make_cache
+from runner.infer.window import DecodePlan, make_planned_cache
 
 PPL_CHUNK = 128  # tokens per forward when feeding the perplexity window through the cache
 
@@ -54,7 +55,7 @@ def build_probe(tokenizer, text: EvalText, prompt_len: int, decode_steps: int, w
         _, answer = needle_prompt(tokenizer, text, ppl_len)
         needle, answer = needle_prompt(tokenizer, text, ppl_len - len(answer))  # prompt + answer fit in ppl_len
     except DataError as exc:
-        raise StepError(f"{exc}: raise cache_quality_ppl_len (and max_seq_len, which caps it)") from None
+        raise InferenceError(f"{exc}: raise cache_quality_ppl_len (and max_seq_len, which caps it)") from None
     return Probe(windows=torch.tensor(ids, device=device), prompt_len=prompt_len,
                  ppl_ids=torch.tensor(ppl, device=device), needle_ids=torch.tensor([needle], device=device),
                  answer_ids=torch.tensor(answer, device=device))
@@ -137,3 +138,21 @@ def compare(reference: ProbeRun, candidate: ProbeRun) -> dict:
         "ppl": math.exp(candidate.ppl_nll),
         "measured_bytes_per_token": candidate.bytes_per_token,
     }
+
+
+@torch.inference_mode()
+def planned_nll(model, ids: torch.Tensor, prompt_len: int, plan: DecodePlan, kind: str | None = None) -> float:
+    """The decode-time quality of a decode plan: prefill ids[:, :prompt_len] as planned, then feed the rest one token
+    at a time through the planned cache; mean NLL (nats) of each true next token predicted during decoding. [1,T]."""
+    cache = make_planned_cache(kind, model, plan)
+    ones = torch.ones_like(ids)
+    logits, mask, _ = prefill(model, ids[:, :prompt_len], None, ones[:, :prompt_len],
+                              torch.arange(prompt_len, device=ids.device)[None], cache, plan.q_chunk)
+    nll = []
+    for pos in range(prompt_len, ids.shape[1]):
+        nll.append(-torch.log_softmax(logits.float(), dim=-1)[0, ids[0, pos]])
+        if pos + 1 < ids.shape[1]:
+            mask = torch.cat([mask, ones[:, :1]], dim=1)
+            logits = decode_one_token(model, ids[:, pos], mask, torch.tensor([pos], device=ids.device), cache)
+            mask = trim_mask(mask, cache)
+    return float(torch.stack(nll).mean())

@@ -28,15 +28,15 @@ verification with per-row cache offsets is not done (correctness first).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from runner.errors import StepError
+from runner.errors import InferenceError
 from runner.infer.config import GenerateConfig, SpeculativeConfig
-from runner.infer.decode import sync
+from runner.infer.forward import eos_ids, pad_id, sync
 from runner.infer.kvcache import make_cache
+from runner.infer.timing import time_once
 from runner.infer.sampling import process_logits
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -191,7 +191,7 @@ class SpeculativeGenerator:
         cfg = self.config
         self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         self.vocab = target_model.get_output_embeddings().weight.shape[0]
-        self.eos_ids = _eos_ids(target_model)
+        self.eos_ids = eos_ids(target_model)
         self.stats = SpecStats()
 
     @property
@@ -206,11 +206,13 @@ class SpeculativeGenerator:
         batch, k_max = ids.shape[0], 2 * self.config.spec_k if self.config.spec_k_adaptive else self.config.spec_k
         self.stats = SpecStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
                                fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch)
-        start = time.perf_counter()
-        rows = [self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch)]  # [N_r] each
-        sync(self.device)
-        self.stats.seconds = time.perf_counter() - start
-        new = torch.full((batch, max(len(r) for r in rows)), _pad_id(self.target, self.tokenizer, self.eos_ids),
+        rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
+
+        def decode_rows() -> None:
+            rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
+
+        self.stats.seconds = time_once(decode_rows, sync=lambda: sync(self.device))
+        new = torch.full((batch, max(len(r) for r in rows)), pad_id(self.target, self.tokenizer, self.eos_ids),
                          dtype=torch.long, device=self.device)
         for r, tokens in enumerate(rows):
             new[r, :len(tokens)] = tokens
@@ -220,9 +222,9 @@ class SpeculativeGenerator:
         """[T] real prompt tokens → [N] new tokens of row r, stop rules applied."""
         cfg = self.config
         if prompt.numel() == 0:
-            raise StepError(f"row {r} of the batch has no prompt tokens")
+            raise InferenceError(f"row {r} of the batch has no prompt tokens")
         if prompt.numel() >= cfg.max_seq_len:
-            raise StepError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
+            raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
         row = _Row(prompt, make_cache(cfg.cache_kind, self.target),
                    None if self.lookup else make_cache(cfg.cache_kind, self.draft))
         self._prefill(row)
@@ -342,16 +344,3 @@ def _first_eos(tokens: torch.Tensor, eos_ids: set[int]) -> int:
     hits = [i for i, t in enumerate(tokens.tolist()) if t in eos_ids]
     return hits[0] if hits else tokens.numel()
 
-
-def _eos_ids(model) -> set[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
-def _pad_id(model, tokenizer, eos_ids: set[int]) -> int:
-    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad is None and tokenizer is not None:
-        pad = tokenizer.pad_token_id
-    return int(pad if pad is not None else min(eos_ids, default=0))

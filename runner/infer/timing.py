@@ -1,14 +1,16 @@
-"""Clock hygiene for benchmarks: warm-up excluded, device synchronised before every clock read,
-repeats summarised as median, p90 and spread; peak memory and the machine's copy bandwidth.
+"""The one timing harness: warm-up excluded, device synchronised before every clock read, variants
+interleaved, repeats summarised as median, p90 and spread; peak memory and the machine's copy bandwidth.
 
-The harness takes its clock and its sync as arguments, so it is tested on a fake clock. It does not
-know what is being timed: a `run_once(tick)` callable generates once and calls `tick()` whenever a
-token is decided (the first tick ends the prefill).
+Every figure runner reports goes through `time_interleaved` (bench cells, the cache selector's speed pick,
+the steps' wall clocks, benchmarks/*.py). The harness takes its clock and its sync as arguments, so it is
+tested on a fake clock. It does not know what is being timed: a `run_once(tick)` callable generates once
+and calls `tick()` whenever a token is decided (the first tick ends the prefill).
 """
 
 from __future__ import annotations
 
 import math
+import platform
 import resource
 import statistics
 import time
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from runner.infer.forward import sync
 
 
 @dataclass(frozen=True)
@@ -43,25 +47,70 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def time_ticks(run_once: Callable[[Callable[[], None]], None], repeats: int, warmup: int = 1,
+Tick = Callable[[], None]
+
+
+def time_interleaved(variants: dict[str, Callable[[Tick], None]], repeats: int, warmup: int = 1,
+                     clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None,
+                     ) -> dict[str, list[list[float]]]:
+    """The one timing harness. Each variant's `run_once(tick)` does its work once and calls `tick()` whenever a
+    token is decided. Every variant is warmed up `warmup` times (not timed), then the variants run round-robin,
+    the order reversed every other round, so drift on a shared machine hits them alike; the device is synced
+    before every clock read. → name → per timed repeat, the seconds from its start to each of its ticks."""
+    for run_once in variants.values():
+        for _ in range(warmup):
+            run_once(lambda: None)
+    marks: dict[str, list[list[float]]] = {name: [] for name in variants}
+    names = list(variants)
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            marks[name].append(_timed(variants[name], clock, sync))
+    return marks
+
+
+def _timed(run_once: Callable[[Tick], None], clock: Callable[[], float], sync: Callable[[], None]) -> list[float]:
+    ticks: list[float] = []
+    sync()
+    start = clock()
+
+    def tick() -> None:
+        sync()
+        ticks.append(clock() - start)
+
+    run_once(tick)
+    return ticks
+
+
+def time_ticks(run_once: Callable[[Tick], None], repeats: int, warmup: int = 1,
                clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] = lambda: None,
                ) -> list[list[float]]:
-    """Seconds from the start of each timed repeat to each of its ticks; the `warmup` runs are not returned."""
-    for _ in range(warmup):
-        run_once(lambda: None)
-    repeats_marks = []
-    for _ in range(repeats):
-        marks: list[float] = []
+    """One variant through `time_interleaved`: seconds from the start of each timed repeat to each of its ticks."""
+    return time_interleaved({"": run_once}, repeats, warmup, clock, sync)[""]
+
+
+def time_once(run_once: Callable[[], object], sync: Callable[[], None] = lambda: None,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds one call of `run_once` takes (no warm-up: a step's own wall clock), synced before both clock reads."""
+    watch = Stopwatch(sync, clock)
+    run_once()
+    return watch.lap()
+
+
+class Stopwatch:
+    """Seconds between laps, the device synced before every clock read: for a loop that times its own phases (a
+    streaming generator's prefill and decode), which cannot hand its body to `time_interleaved`."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter):
+        self.sync, self.clock = sync, clock
         sync()
-        start = clock()
+        self.last = clock()
 
-        def tick() -> None:
-            sync()
-            marks.append(clock() - start)
-
-        run_once(tick)
-        repeats_marks.append(marks)
-    return repeats_marks
+    def lap(self) -> float:
+        """Seconds since the start or the last lap."""
+        self.sync()
+        now = self.clock()
+        seconds, self.last = now - self.last, now
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -141,16 +190,20 @@ def _rss_peak_bytes() -> int:
 def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
     """Bytes per second of a large on-device copy (read + write counted), median of `repeats` after a warm-up:
     the memory bandwidth a decode step can at best use."""
-    from runner.infer.decode import sync
-
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times)
+    marks = time_ticks(lambda tick: (dst.copy_(src), tick()), repeats, warmup=1, sync=lambda: sync(device))
+    return 2 * src.numel() * 4 / statistics.median(m[-1] for m in marks)
+
+
+def device_name(device: torch.device) -> str:
+    """What a timing was taken on: the GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -7,12 +7,13 @@ The plan (`plan_decode`) follows the seed guide's `decode_plan`:
            L ≤ decode_bucket_mid → chunked prefill, full cache; longer → chunked prefill + sliding window.
 Chunked prefill is exact (same logits, lower peak memory); the window is lossy, so a plan that turns it on
 says so in `describe()` (the generate step prints and records it) and its ΔNLL is measured by
-benchmarks/long_context.py.
+benchmarks/long_context.py (quality.planned_nll).
 
 The window cache keeps the first `sinks` slots and the newest `window` slots of every layer (StreamingLLM,
 arXiv 2309.17453); keys keep the positions they were rotated with. Eviction happens after attention, so the
 tokens of a forward always see each other and everything kept before them. The caller keeps its 2-D attention
-mask in step with `trim_mask`. Sinks are cache slots: in a left-padded row the first slots may be pads.
+mask in step with `forward.trim_mask`, which asks the layer's `keep_columns`. Sinks are cache slots: in a
+left-padded row the first slots may be pads.
 Owns the plan and the window layers; does not know about decoding loops or manifests.
 """
 
@@ -78,6 +79,10 @@ class WindowMixin:
         super().__init__(**kwargs)
         self.window, self.sinks = window, sinks
 
+    def keep_columns(self, mask: torch.Tensor) -> torch.Tensor:
+        """[B,n] mask of what was fed → the columns this layer still holds (forward.trim_mask asks)."""
+        return keep_slots(mask, self.sinks, self.window, dim=1)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)  # attention sees all of these
         evict = lambda t: keep_slots(t, self.sinks, self.window, dim=-2)  # noqa: E731
@@ -103,31 +108,3 @@ def make_planned_cache(kind: str | None, model, plan: DecodePlan) -> Cache:
     if plan.local_window:
         return make_window_cache(kind, model, plan.local_window, plan.sink_tokens)
     return make_cache(kind, model)
-
-
-def trim_mask(mask: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """[B,n] mask of what was fed → the mask of what the cache still holds (same columns as its layers keep)."""
-    layer = cache.layers[0] if cache.layers else None
-    if not isinstance(layer, WindowMixin):
-        return mask
-    return keep_slots(mask, layer.sinks, layer.window, dim=1)
-
-
-@torch.inference_mode()
-def planned_nll(model, ids: torch.Tensor, prompt_len: int, plan: DecodePlan, kind: str | None = None) -> float:
-    """The decode-time quality of a plan: prefill ids[:, :prompt_len] as planned, then feed the rest one token at
-    a time through the planned cache; mean NLL (nats) of each true next token predicted during decoding. [1,T]."""
-    from runner.infer.decode import decode_one_token, prefill
-
-    cache = make_planned_cache(kind, model, plan)
-    ones = torch.ones_like(ids)
-    logits, mask, _ = prefill(model, ids[:, :prompt_len], None, ones[:, :prompt_len],
-                              torch.arange(prompt_len, device=ids.device)[None], cache, plan.q_chunk)
-    nll = []
-    for pos in range(prompt_len, ids.shape[1]):
-        nll.append(-torch.log_softmax(logits.float(), dim=-1)[0, ids[0, pos]])
-        if pos + 1 < ids.shape[1]:
-            mask = torch.cat([mask, ones[:, :1]], dim=1)
-            logits = decode_one_token(model, ids[:, pos], mask, torch.tensor([pos], device=ids.device), cache)
-            mask = trim_mask(mask, cache)
-    return float(torch.stack(nll).mean())

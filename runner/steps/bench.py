@@ -2,63 +2,65 @@
 with our decode chain and, beside each, transformers' own generate() on the same model, inputs and cache.
 
 Owns the matrix, real prompts cut from the eval text, failure per cell (recorded with its reason; the others
-go on), the table (CSV, parquet when pyarrow is present, markdown printed at the end), the plots and the
+go on), the table (CSV, parquet when pyarrow is present, markdown shown at the end), the plots and the
 metrics. Timing itself is runner.infer.cells and runner.infer.timing.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from runner.errors import RunnerError
 from runner.infer.cells import measure_hf, measure_hf_assisted, measure_ours, measure_speculative
 from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
+from runner.infer.config import DTYPES
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
 from runner.paths import model_source, text_source
 from runner.plan import Step
+from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens")
-DTYPE_KIND = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-HEADLINE = ("tok_s", "decode_tok_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction", "acceptance")
+HEADLINE = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction",
+            "acceptance")
 
 
-def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+log = logging.getLogger(__name__)
+
+
+def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = BenchSpec.model_validate(step.spec)
     cells = matrix(spec, step.model["dtype"])
     text = load_text(text_source(spec.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
-        print(f"[{step.key}] memory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+        log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
     draft = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else None
-    rows, bar = [], tqdm(total=len(cells), desc=step.key, unit="cell", file=sys.stderr)
+    rows, bar = [], progress(step.key, len(cells), "cell")
     for dtype, group in itertools.groupby(cells, key=lambda c: c["dtype"]):
         model = lm.model if dtype == step.model["dtype"] else _reload(step, dtype, base_dir)
         for cell in group:
-            bar.set_postfix_str(_label(cell))
             rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth))
             write_table(pd.DataFrame(rows), out_dir)  # after every cell: an interrupted matrix keeps what it measured
-            if "ours_tok_s" in rows[-1]:
-                bar.set_postfix_str(f"{_label(cell)} {rows[-1]['ours_tok_s']:.1f} tok/s")
-            bar.update()
+            speed = f" {rows[-1]['ours_tokens_per_s']:.1f} tok/s" if "ours_tokens_per_s" in rows[-1] else ""
+            bar.update(note=_label(cell) + speed)
         del model
     bar.close()
     table = with_spec_speedup(pd.DataFrame(rows))
     write_table(table, out_dir)
     plot_throughput(table, out_dir / "throughput_vs_batch.png")
     plot_latency(table, out_dir / "latency_vs_prompt_len.png")
-    print(f"\n[{step.key}] bench results (ours; hf = transformers generate(); ratio = ours / hf):\n"
-          f"{markdown(summary_columns(table))}", flush=True)
+    show(f"\n[{step.key}] bench results (ours; hf = transformers generate(); ratio = ours / hf):\n"
+         f"{markdown(summary_columns(table))}")
     cells_json = table.astype(object).where(table.notna(), None).to_dict("records")  # NaN → null
     return {"cells": cells_json, "bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
             "metrics": metrics(table, bandwidth), "params": {"bench.cells": len(rows)}}
@@ -69,7 +71,7 @@ def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
     dtypes = spec.dtypes or [model_dtype]
     speculative = ["off", "on"] if spec.speculative else ["off"]
     return [dict(zip(AXES, values)) for dtype in dtypes for values in itertools.product(
-        [dtype], spec.cache_kinds or [DTYPE_KIND[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
+        [dtype], spec.cache_kinds or [DTYPES[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
         spec.max_new_tokens)]
 
 
@@ -95,7 +97,8 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
             else:
                 hf = measure_hf(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
             row |= _prefixed("hf", hf)
-            row |= {f"ratio_{name}": row[f"ours_{name}"] / hf[name] for name in ("tok_s", "decode_tok_s", "ttft_ms")
+            row |= {f"ratio_{name}": row[f"ours_{name}"] / hf[name]
+                    for name in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
                     if name in hf and f"ours_{name}" in row and hf[name]}
         except (RunnerError, RuntimeError, ValueError) as exc:
             row["hf_error"] = _reason(exc)
@@ -104,13 +107,13 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
 
 def with_spec_speedup(table: pd.DataFrame) -> pd.DataFrame:
     """Speculative rows get `spec_speedup`: their tokens/s over the same cell's without speculation."""
-    if "ours_tok_s" not in table or not (table["speculative"] == "on").any():
+    if "ours_tokens_per_s" not in table or not (table["speculative"] == "on").any():
         return table
     keys = [a for a in AXES if a != "speculative"]
-    plain = table[table["speculative"] == "off"].set_index(keys)["ours_tok_s"]
+    plain = table[table["speculative"] == "off"].set_index(keys)["ours_tokens_per_s"]
     on = table["speculative"] == "on"
     table.loc[on, "spec_speedup"] = [
-        row["ours_tok_s"] / plain.get(tuple(row[k] for k in keys), math.nan) for _, row in table[on].iterrows()]
+        row["ours_tokens_per_s"] / plain.get(tuple(row[k] for k in keys), math.nan) for _, row in table[on].iterrows()]
     return table
 
 
@@ -131,10 +134,9 @@ def write_table(table: pd.DataFrame, out_dir: Path) -> None:
 
 def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
-    wanted = [*AXES, "ours_tok_s", "hf_tok_s", "ratio_tok_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms",
-              "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "spec_speedup",
-              "error",
-              "hf_error"]
+    wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms",
+              "ours_itl_ms", "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance",
+              "spec_speedup", "error", "hf_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
     for column in ("error", "hf_error"):
@@ -173,12 +175,12 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
                 spread = row.get(f"{side}_{figure}_spread")
                 if _number(spread):
                     out[f"{name}.{side}_{figure}_spread"] = spread
-        for ratio in ("ratio_tok_s", "ratio_decode_tok_s", "ratio_ttft_ms", "spec_speedup"):
+        for ratio in ("ratio_tokens_per_s", "ratio_decode_tokens_per_s", "ratio_ttft_ms", "spec_speedup"):
             if _number(row.get(ratio)):
                 out[f"{name}.{ratio}"] = row[ratio]
-    ratios = table["ratio_tok_s"].dropna() if "ratio_tok_s" in table else pd.Series(dtype=float)
+    ratios = table["ratio_tokens_per_s"].dropna() if "ratio_tokens_per_s" in table else pd.Series(dtype=float)
     if len(ratios):
-        out["median_ratio_tok_s"] = float(ratios.median())
+        out["median_ratio_tokens_per_s"] = float(ratios.median())
     return out
 
 
@@ -191,7 +193,7 @@ def metric_name(row: dict) -> str:
 
 def plot_throughput(table: pd.DataFrame, path: Path) -> None:
     """Tokens/s against batch size, one line per cache kind (hf dashed), one panel per prompt length."""
-    _plot(table, path, x="batch", y="tok_s", panel="prompt_len", xlabel="batch size", ylabel="tokens/s",
+    _plot(table, path, x="batch", y="tokens_per_s", panel="prompt_len", xlabel="batch size", ylabel="tokens/s",
           title="prompt {} tokens")
 
 
@@ -230,7 +232,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 
 def _reload(step: Step, dtype: str, base_dir: Path):
     spec = step.model
-    print(f"[{step.key}] loading {spec.get('id') or 'config model'} as {dtype}", file=sys.stderr, flush=True)
+    log.info("[%s] loading %s as %s", step.key, spec.get("id") or "config model", dtype)
     return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype).model
 
 
@@ -241,7 +243,7 @@ def _prefixed(side: str, figures: dict) -> dict:
 def _failed(row: dict, exc: Exception) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    print(f"[bench] {_label(row)} failed: {_reason(exc)}", file=sys.stderr, flush=True)
+    log.warning("[bench] %s failed: %s", _label(row), _reason(exc))
     return {**row, "status": "failed", "error": _reason(exc)}
 
 

@@ -1,17 +1,17 @@
 """`mode: auto-cache-select`, and `cache_kind: auto` in `generate`: choose, show and record a cache kind.
 
-Owns the step's side of selection: the config from the manifest's block, the printed table, the
+Owns the step's side of selection: the config from the manifest's block, the table shown, the
 CSV / PNG / plan JSON in the step folder and the metrics. The choosing is runner.infer.autocache.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import logging
 from pathlib import Path
 
 import pandas as pd
 
+from runner.files import atomic_write_json
 from runner.infer.autocache import Selection, select_cache_kind
 from runner.infer.config import GenerateConfig
 from runner.infer.data import load_text
@@ -19,46 +19,50 @@ from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, library_config
 from runner.paths import text_source
 from runner.plan import Step
+from runner.report import ProgressFactory, show
+
+log = logging.getLogger(__name__)
 
 COLUMNS = {  # row key → table heading
-    "kind": "kind", "estimated_mb": "est MiB", "measured_mb": "meas MiB", "delta_nll": "ΔNLL",
+    "kind": "kind", "estimated_mib": "est MiB", "measured_mib": "meas MiB", "delta_nll": "ΔNLL",
     "ppl_ratio": "PPL ratio", "mean_kl": "mean KL", "needle_found": "needle", "tokens_per_s": "tok/s",
+    "tokens_per_s_spread": "± tok/s",
     "verdict": "verdict",
 }
 
 
-def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
-    selection = select_for(step, spec, library_config(spec, GenerateConfig), lm, base_dir, out_dir)
+    selection = select_for(step, spec, library_config(spec, GenerateConfig), lm, base_dir, out_dir, progress)
     return {"selection": describe(selection), "metrics": selection_metrics(selection), "params": params(selection)}
 
 
 def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
-               out_dir: Path) -> Selection:
-    """Select (or reuse a plan), print the table, and leave it in the step folder as CSV, PNG and JSON."""
-    print(f"[{step.key}] choosing a cache kind among {', '.join(config.cache_candidates)} "
-          f"(budget {_mib(config.cache_budget_mb)}, max_seq_len {config.max_seq_len}, batch {spec.batch_size})",
-          file=sys.stderr, flush=True)
+               out_dir: Path, progress: ProgressFactory) -> Selection:
+    """Select (or reuse a plan), show the table, and leave it in the step folder as CSV, PNG and JSON."""
+    log.info("[%s] choosing a cache kind among %s (budget %s, max_seq_len %d, batch %d)", step.key,
+             ", ".join(config.cache_candidates), _mib(config.cache_budget_mb), config.max_seq_len, spec.batch_size)
     selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
-                                  identity=lm.fingerprint,
+                                  identity=lm.fingerprint, progress=progress,
                                   text=load_text(text_source(config.cache_quality_data, base_dir)))
     table = candidates_table(selection.rows)
     how = selection.source + (", reused" if selection.reused else "")
-    print(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
-          f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]", flush=True)
+    show(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
+         f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]")
     if selection.persist_error:
-        print(f"[{step.key}] WARNING: the measurements are kept in {out_dir}, but the cache plan was not saved: "
-              f"{selection.persist_error}", file=sys.stderr, flush=True)
+        log.warning("[%s] the measurements are kept in %s, but the cache plan was not saved: %s", step.key, out_dir,
+                    selection.persist_error)
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
-    (out_dir / "cache_plan.json").write_text(json.dumps(describe(selection), indent=2, default=str) + "\n")
+    atomic_write_json(out_dir / "cache_plan.json", describe(selection))
     plot_candidates(selection, config, out_dir / "cache_candidates.png")
     return selection
 
 
 def candidates_table(rows: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame(rows).reindex(columns=list(COLUMNS)).rename(columns=COLUMNS)
-    return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1})
+    return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1,
+                        "± tok/s": 1})
 
 
 def describe(selection: Selection) -> dict:
@@ -73,7 +77,7 @@ def selection_metrics(selection: Selection) -> dict:
     metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused),
                "plan_saved": float(not selection.persist_error)}
     for row in selection.rows:
-        for name in ("estimated_mb", "measured_mb", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
+        for name in ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
             if row.get(name) is not None:
                 metrics[f"{row['kind']}.{name}"] = row[name]
     return metrics
@@ -90,7 +94,7 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
     rows = selection.rows
     kinds = [r["kind"] for r in rows]
     colours = ["tab:green" if r["kind"] == selection.kind else "tab:blue" if r["passed"] else "tab:gray" for r in rows]
-    panels = [("estimated_mb", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
+    panels = [("estimated_mib", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
               ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
               ("tokens_per_s", "decode tokens/s", None)]
     fig = Figure(figsize=(16, 3.6))
@@ -100,7 +104,7 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
         if limit is not None:
             ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
-    measured = [(r.get("estimated_mb"), r.get("delta_nll"), r["kind"], c) for r, c in zip(rows, colours)]
+    measured = [(r.get("estimated_mib"), r.get("delta_nll"), r["kind"], c) for r, c in zip(rows, colours)]
     measured = [m for m in measured if m[0] is not None and m[1] is not None]
     ax = axes[3]
     ax.scatter([m[0] for m in measured], [m[1] for m in measured], c=[m[3] for m in measured])

@@ -1,44 +1,48 @@
 """`mode: generate`: prompts → text, batched, optionally streamed, with timings per prompt.
 
-Owns prompt loading, batching, printing and the step's result dict. Decoding itself is
-runner.infer.decode; where results are written is the engine's business.
+Owns prompt loading, batching, what is shown (runner.report) and the step's result dict. Decoding itself is
+runner.infer.generator; where results are written is the engine's business.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
+import logging
 import warnings
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from runner.errors import StepError
 from runner.infer.config import GenerateConfig
-from runner.infer.decode import Generator
+from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, PromptSource, library_config
 from runner.paths import read_text
 from runner.plan import Step
+from runner.report import Progress, ProgressFactory, show, stream
 from runner.steps.cache_select import describe, params, select_for
 
 DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 
 
-def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+log = logging.getLogger(__name__)
+
+
+def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = GenerateSpec.model_validate(step.spec)
     configs = spec.strategy_configs(seed=step.seed)
     extra = {}
     if any(config.cache_kind == "auto" for config in configs.values()):
-        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir)
+        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir,
+                               progress)
         configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
         extra = {"cache_selection": describe(selection), "params": params(selection)}
     prompts = load_prompts(spec, base_dir)
     if not spec.strategies:
-        return {**_decode_all(step, spec, configs[""], prompts, lm, step.key), **extra}
-    results = {name: _decode_all(step, spec, config, prompts, lm, f"{step.key}/{name}")
+        return {**_decode_all(spec, configs[""], prompts, lm, step.key, progress), **extra}
+    results = {name: _decode_all(spec, config, prompts, lm, f"{step.key}/{name}", progress)
                for name, config in configs.items()}
     side_by_side = [{"prompt": prompt, "outputs": {name: r["prompts"][i]["output"] for name, r in results.items()}}
                     for i, prompt in enumerate(prompts)]
@@ -47,12 +51,11 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> 
     return {"prompts": side_by_side, "strategies": results, "metrics": metrics, **extra}
 
 
-def _decode_all(step: Step, spec: GenerateSpec, config: GenerateConfig, prompts: list[str], lm: LoadedModel,
-                label: str) -> dict:
+def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
+                progress: ProgressFactory) -> dict:
     """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
     rng = torch.Generator(lm.device).manual_seed(config.seed)
-    bar = None if spec.stream else tqdm(total=len(prompts) * config.max_new_tokens, desc=label, unit="tok",
-                                   file=sys.stderr)
+    bar = None if spec.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
     records, batches, plans = [], [], []
     for start in range(0, len(prompts), spec.batch_size):
         batch = prompts[start:start + spec.batch_size]
@@ -67,13 +70,13 @@ def _decode_all(step: Step, spec: GenerateSpec, config: GenerateConfig, prompts:
                 records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
         plan = generator.stats.plan
         if plan is not None and plan.decode_plan != "none" and plan.as_dict() not in plans:
-            print(f"[{label}] {plan.describe()}", file=sys.stderr, flush=True)
+            log.info("[%s] %s", label, plan.describe())
             plans.append(plan.as_dict())
         batches.append({"prefill_s": generator.stats.prefill_s, "decode_s": generator.stats.decode_s})
     if bar is not None:
         bar.close()
         for r in records:
-            print(f"\n[{label}] {r['prompt']!r} →\n{r['output']}", flush=True)
+            show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
     result = {"prompts": records, "metrics": _totals(records, batches)}
     if plans:
         result["decode_plans"] = plans
@@ -95,7 +98,7 @@ def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     if spec.prompts is not None:
         return list(spec.prompts)
     if spec.prompts_file is None:
-        print(f"[runner] no prompts given: using {DEFAULT_PROMPTS}", file=sys.stderr, flush=True)
+        log.info("no prompts given: using %s", DEFAULT_PROMPTS)
         return list(DEFAULT_PROMPTS)
     path, text = read_text(spec.prompts_file, base_dir, "prompts")
     lines = text.splitlines()
@@ -115,22 +118,23 @@ def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     return prompts
 
 
-def _generate_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig, bar) -> list[dict]:
+def _generate_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig,
+                    bar: Progress) -> list[dict]:
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     steps, stats = [], generator.stats
     for token in generator.steps(enc.input_ids, enc.attention_mask):
         steps.append(token)
         stats = generator.stats
         bar.update(sum(1 for n in stats.new_tokens if n == len(steps)))  # rows still generating
-    bar.total -= sum(config.max_new_tokens - n for n in stats.new_tokens)  # rows that stopped early
-    bar.refresh()
+    bar.set_total(bar.total - sum(config.max_new_tokens - n for n in stats.new_tokens))  # rows that stopped early
     new = torch.stack(steps, dim=1)
     return [_record(prompt, new[row, : stats.new_tokens[row]].tolist(), tokenizer, config, stats, row,
                     int(enc.attention_mask[row].sum()))
             for row, prompt in enumerate(prompts)]
 
 
-def _beam_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig, bar) -> list[dict]:
+def _beam_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig,
+                bar: Progress) -> list[dict]:
     """Beam search: each prompt's best hypothesis as its output; with num_return_sequences > 1 the others too."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     out = generator.generate(enc.input_ids, enc.attention_mask)  # [B·R, T+N], best first per prompt
@@ -155,18 +159,18 @@ def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateCo
     enc = tokenizer([prompt], return_tensors="pt")
     holdback = max((len(s) for s in config.stop_strings), default=1) - 1
     tokens, shown = [], 0
-    print(prompt, end="", flush=True)
+    stream(prompt)
     for token in generator.generate_iter(enc.input_ids, enc.attention_mask):
         tokens.append(token)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         ready = len(text) - holdback if not text.endswith("\ufffd") else len(text) - holdback - 1
         if ready > shown:
-            print(text[shown:ready], end="", flush=True)
+            stream(text[shown:ready])
             shown = ready
     record = _record(prompt, tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
-    print(record["output"][shown:], flush=True)
-    print(f"  [{record['new_tokens']} tokens, prefill {record['prefill_s'] * 1000:.0f} ms, "
-          f"{record['decode_tokens_per_s']:.1f} tok/s, stop: {record['stop_reason']}]", file=sys.stderr, flush=True)
+    show(record["output"][shown:])
+    log.info("  [%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s]", record["new_tokens"], record["prefill_s"] * 1000,
+             record["decode_tokens_per_s"], record["stop_reason"])
     return [record]
 
 

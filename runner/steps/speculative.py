@@ -6,25 +6,29 @@ the predicted speedup and the step's metrics. The algorithm itself is runner.inf
 
 from __future__ import annotations
 
-import sys
-import time
+import logging
 from pathlib import Path
 
 import torch
 
 from runner.errors import StepError
-from runner.infer.bench import time_decode
 from runner.infer.config import GenerateConfig, SpeculativeConfig
-from runner.infer.decode import Generator
+from runner.infer.forward import sync
+from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
+from runner.infer.speed import time_decode_kinds
+from runner.infer.timing import time_once
 from runner.paths import model_source
 from runner.plan import Step
+from runner.report import ProgressFactory, show
 from runner.steps.generate import load_prompts
 
+log = logging.getLogger(__name__)
 
-def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) -> dict:
+
+def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = SpeculativeSpec.model_validate(step.spec)
     config = library_config(spec, SpeculativeConfig, seed=step.seed)
     draft = load_draft(spec, lm, step, base_dir)
@@ -34,9 +38,8 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) 
         enc = lm.tokenizer(prompts[start:start + spec.batch_size], return_tensors="pt", padding=True).to(lm.device)
         rng = torch.Generator(lm.device).manual_seed(config.seed)
         gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng)
-        began = time.perf_counter()
         out = gen.generate(enc.input_ids, enc.attention_mask)
-        spec_s += time.perf_counter() - began
+        spec_s += gen.stats.seconds
         stats.append(gen.stats.as_dict())
         new = out[:, enc.input_ids.shape[1]:]
         for row, prompt in enumerate(prompts[start:start + spec.batch_size]):
@@ -45,13 +48,13 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path) 
                             "token_ids": tokens, "stop_reason": gen.stats.stop_reasons[row]})
         if spec.compare_target_only:
             base_s += _target_only_seconds(lm, enc, config)
-        print(f"[{step.key}] batch {start // spec.batch_size + 1}: acceptance {gen.acceptance_rate:.2f}, "
-              f"mean accepted {gen.stats.mean_accepted_length:.2f}", file=sys.stderr, flush=True)
+        log.info("[%s] batch %d: acceptance %.2f, mean accepted %.2f", step.key, start // spec.batch_size + 1,
+                 gen.acceptance_rate, gen.stats.mean_accepted_length)
     for r in records:
-        print(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}", flush=True)
+        show(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}")
     metrics = _metrics(stats, records, spec_s, base_s, _cost_ratio(lm, draft, config), config)
-    print(f"[{step.key}] speedup vs target-only {metrics.get('speedup', float('nan')):.2f}× (predicted "
-          f"{metrics['predicted_speedup']:.2f}×), acceptance {metrics['acceptance_rate']:.2f}", flush=True)
+    show(f"[{step.key}] speedup vs target-only {metrics.get('speedup', float('nan')):.2f}× (predicted "
+         f"{metrics['predicted_speedup']:.2f}×), acceptance {metrics['acceptance_rate']:.2f}")
     series = {"spec_k": [k for s in stats for row in s["k_history"] for k in row],  # k per round, rows in turn
               "accepted_length_hist": [sum(h) for h in _padded_hists(stats)]}  # rounds that accepted n (step n)
     return {"prompts": records, "telemetry": stats, "metrics": metrics, "series": series}
@@ -68,7 +71,7 @@ def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Pat
     if spec.draft == PROMPT_LOOKUP:
         return PROMPT_LOOKUP
     d = spec.draft
-    print(f"[runner] loading draft {d.id or 'config model'} ({d.dtype})", file=sys.stderr, flush=True)
+    log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
     draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
         raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
@@ -83,9 +86,8 @@ def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> flo
     baseline = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                               top_k=config.top_k, top_p=config.top_p, max_seq_len=config.max_seq_len,
                               cache_kind=config.cache_kind, seed=config.seed)
-    began = time.perf_counter()
-    Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask)
-    return time.perf_counter() - began
+    return time_once(lambda: Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask),
+                     sync=lambda: sync(lm.device))
 
 
 def _cost_ratio(lm: LoadedModel, draft, config: SpeculativeConfig) -> float:
@@ -93,8 +95,9 @@ def _cost_ratio(lm: LoadedModel, draft, config: SpeculativeConfig) -> float:
     if draft == PROMPT_LOOKUP:
         return 0.0
     prompt = torch.arange(1, 33, device=lm.device)[None]
-    target = time_decode(lm.model, prompt, 8, config.cache_kind, repeats=1).decode_tokens_per_s
-    drafted = time_decode(draft, prompt, 8, config.cache_kind, repeats=1).decode_tokens_per_s
+    kind = config.cache_kind
+    target = time_decode_kinds(lm.model, prompt, 8, [kind], repeats=1)[kind].decode_tokens_per_s.median
+    drafted = time_decode_kinds(draft, prompt, 8, [kind], repeats=1)[kind].decode_tokens_per_s.median
     return target / drafted
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import runner.infer.autocache as autocache
-from runner.errors import StepError
+from runner.errors import InferenceError
 from runner.infer.autocache import choose, gate_failures, select_cache_kind
 from runner.infer.config import GenerateConfig
-from runner.infer.decode import Generator
+from runner.infer.generator import Generator
 from runner.infer.kvcache import Q8_0Layer
 
 FAST = dict(cache_quality_prompt_len=12, cache_quality_decode_steps=2, cache_quality_windows=2,
@@ -45,11 +45,11 @@ def test_budget_drops_kinds_that_do_not_fit(tiny_lm, tmp_path):
     rows = {row["kind"]: row for row in selection.rows}
     assert rows["fp32"]["verdict"].startswith("over budget") and "delta_nll" not in rows["fp32"]
     assert selection.kind in {"q8_0", "q4_0"} and selection.source == "measured" and not selection.reused
-    assert all(rows[k]["estimated_mb"] <= 0.1 and rows[k]["tokens_per_s"] > 0 for k in ("q8_0", "q4_0"))
+    assert all(rows[k]["estimated_mib"] <= 0.1 and rows[k]["tokens_per_s"] > 0 for k in ("q8_0", "q4_0"))
 
 
 def test_nothing_fits_is_a_clear_error(tiny_lm, tmp_path):
-    with pytest.raises(StepError, match=r"no cache kind fits cache_budget_mb=0.001 .*the smallest, q4_0"):
+    with pytest.raises(InferenceError, match=r"no cache kind fits cache_budget_mb=0.001 .*the smallest, q4_0"):
         _select(tiny_lm, _config(tmp_path, cache_candidates=["fp16", "q4_0"], cache_budget_mb=0.001))
 
 
@@ -86,10 +86,10 @@ def test_no_survivor_follows_the_on_fail_policy(tiny_lm, tmp_path):
     assert (selection.kind, selection.source, selection.reused) == ("fp32", "gate_failed", False)
     reused = _select(tiny_lm, config)
     assert (reused.kind, reused.source, reused.reused) == ("fp32", "gate_failed", True)  # a reused plan keeps it
-    with pytest.raises(StepError, match="no cache kind passed the quality gates .*q4_0: mean KL"):
+    with pytest.raises(InferenceError, match="no cache kind passed the quality gates .*q4_0: mean KL"):
         _select(tiny_lm, _config(tmp_path / "other", **strict, cache_quality_on_fail="error"))
     # the fallback must fit the budget too: fp32 needs 0.125 MiB at 256 tokens
-    with pytest.raises(StepError, match="the fallback, the reference fp32, is over budget"):
+    with pytest.raises(InferenceError, match="the fallback, the reference fp32, is over budget"):
         _select(tiny_lm, _config(tmp_path / "third", **strict, cache_budget_mb=0.1))
 
 
@@ -144,6 +144,29 @@ def test_choose_takes_the_fastest_survivor_or_the_first_without_benchmark(tmp_pa
     assert choose(rows, GenerateConfig(cache_auto_benchmark=False), reference)[:2] == ("fp16", "measured")
 
 
+def test_a_speed_difference_within_the_spread_is_a_tie_broken_by_quality_then_bytes():
+    def rows():
+        return [{"kind": "fp16", "passed": True, "tokens_per_s": 14.0, "tokens_per_s_spread": 3.0, "delta_nll": 0.0,
+                 "estimated_mib": 8.0},
+                {"kind": "q8_0", "passed": True, "tokens_per_s": 12.1, "tokens_per_s_spread": 2.5, "delta_nll": 0.01,
+                 "estimated_mib": 2.1},
+                {"kind": "q4_0", "passed": True, "tokens_per_s": 9.0, "tokens_per_s_spread": 0.5, "delta_nll": 0.04,
+                 "estimated_mib": 1.1}]
+    reference = {"kind": "fp32", "fits": True, "verdict": ""}
+    quality = rows()
+    kind, _, reason = choose(quality, GenerateConfig(), reference)
+    assert kind == "fp16" and "2 candidates tied on speed within the spread" in reason and "best quality" in reason
+    assert [r["speed_verdict"] for r in quality] == ["tied", "tied", "slower"]  # 14 − 9 > 3: q4_0 is slower
+    assert quality[0]["verdict"] == "chosen: tied on speed within the spread, best quality"
+    smallest = rows()
+    assert choose(smallest, GenerateConfig(cache_auto_tie_break="bytes"), reference)[0] == "q8_0"
+    apart = rows()
+    apart[0]["tokens_per_s_spread"] = apart[1]["tokens_per_s_spread"] = 0.5  # 14 vs 12.1, spreads 0.5: a real gap
+    kind, _, reason = choose(apart, GenerateConfig(cache_auto_tie_break="bytes"), reference)
+    assert kind == "fp16" and "beyond the others' spread" in reason
+    assert apart[0]["verdict"] == "chosen: fastest beyond the spread"
+
+
 def _text_file(tmp_path):
     path = tmp_path / "eval.txt"
     path.write_text("A different evaluation text, long enough for every probe. " * 80)
@@ -155,9 +178,9 @@ def _must_not_measure(*args, **kwargs):
 
 
 def test_probes_longer_than_max_seq_len_name_the_settings(tiny_lm, tmp_path):
-    with pytest.raises(StepError, match=r"cache_quality_prompt_len \+ cache_quality_decode_steps \+ 1 = 303 exceed"):
+    with pytest.raises(InferenceError, match=r"cache_quality_prompt_len \+ cache_quality_decode_steps \+ 1 = 303 exceed"):
         _select(tiny_lm, _config(tmp_path, cache_quality_prompt_len=300))
-    with pytest.raises(StepError, match="raise cache_quality_ppl_len"):  # the needle probe needs ~100 byte tokens
+    with pytest.raises(InferenceError, match="raise cache_quality_ppl_len"):  # the needle probe needs ~100 byte tokens
         _select(tiny_lm, _config(tmp_path, cache_quality_ppl_len=60))
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runner.infer.config import GenerateConfig
-from runner.infer.decode import Generator, generate
+from runner.infer.generator import Generator, generate
 from runner.infer.kvcache import make_cache
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]

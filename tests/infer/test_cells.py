@@ -25,7 +25,7 @@ def test_ours_and_hf_leave_the_same_cache(tiny_lm, ids, kind):
         tiny_lm.model(input_ids=torch.cat([ids, ids[:, :5]], dim=1), past_key_values=cache, use_cache=True)
     assert ours["kv_mib"] == hf["kv_mib"] == cache_bytes(cache) / MIB
     for figures in (ours, hf):
-        assert figures["tok_s"] > 0 and figures["decode_tok_s"] > 0
+        assert figures["tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
         assert figures["ttft_ms"] > 0 and figures["itl_ms"] > 0
         assert figures["itl_ms_p90"] >= figures["itl_ms"]
         assert 0 < figures["bw_fraction"] < 1
@@ -37,7 +37,7 @@ def test_speculative_cells_report_acceptance(tiny_lm):
     ours = measure_speculative(tiny_lm.model, "prompt-lookup", repeating, 8, None, spec_k=3, adaptive=False,
                                repeats=2, warmup=0)
     hf = measure_hf_assisted(tiny_lm.model, "prompt-lookup", repeating, 8, None, spec_k=3, repeats=2, warmup=0)
-    assert ours["tok_s"] > 0 and hf["tok_s"] > 0
+    assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
     assert 0 <= ours["acceptance"] <= 1
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from runner.infer.config import GenerateConfig
 from runner.infer.contrastive import contrastive_scores
-from runner.infer.decode import Generator, generate
+from runner.infer.generator import Generator, generate
 
 
 def reference_contrastive(model, ids: torch.Tensor, top_k: int, alpha: float, steps: int) -> list[int]:

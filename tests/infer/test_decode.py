@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from runner.errors import StepError
+from runner.errors import InferenceError
 from runner.infer.config import GenerateConfig
-from runner.infer.decode import Generator, generate, positions_for
+from runner.infer.forward import positions_for
+from runner.infer.generator import Generator, generate
 from runner.infer.kvcache import cache_bytes, make_cache
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]
@@ -93,7 +94,7 @@ def test_eos_stops_a_row_and_pads_it(tiny_lm):
     out = gen.generate(enc.input_ids, enc.attention_mask)
     start = enc.input_ids.shape[1]
     assert gen.stats.stop_reasons[0] == "eos" and gen.stats.new_tokens[0] == 3
-    assert out[0, start + 3:].eq(gen._pad_id()).all()
+    assert out[0, start + 3:].eq(gen.pad_id).all()
     for row in range(1, len(PROMPTS)):  # other rows are unaffected up to their own stop
         n = gen.stats.new_tokens[row]
         assert torch.equal(out[row, start:start + n], free[row, start:start + n])
@@ -116,7 +117,7 @@ def test_max_seq_len_caps_the_sequence(tiny_lm):
     gen = Generator(tiny_lm.model, GenerateConfig(max_new_tokens=50, temperature=0, eos_token_id=[], max_seq_len=10))
     out = gen.generate(ids)
     assert out.shape[1] == 10 and gen.stats.stop_reasons == ["max_seq_len"]
-    with pytest.raises(StepError, match="max_seq_len"):
+    with pytest.raises(InferenceError, match="max_seq_len"):
         Generator(tiny_lm.model, GenerateConfig(max_seq_len=6)).generate(ids)
 
 

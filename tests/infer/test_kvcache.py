@@ -7,7 +7,8 @@ from transformers import DynamicCache, LlamaConfig
 
 from runner.infer.config import GenerateConfig
 from runner.infer.data import load_text
-from runner.infer.decode import Generator, generate
+from runner.infer.forward import DecodeState
+from runner.infer.generator import Generator, generate
 from runner.infer.kvcache import (BLOCK, NF4_LEVELS, CastLayer, Kivi2Layer, Kivi4Layer, KiviLayer, NF4Layer, Q4_0Layer,
                                   Q4_1Layer, Q8_0Layer, QuantLayer, bytes_per_token, cache_bytes, dequantize,
                                   estimate_cache_bytes, make_cache, parse_kind, quantize, residual_bytes)
@@ -560,7 +561,7 @@ def test_greedy_matches_transformers_with_kivi_options_and_many_flushes(tiny_lm,
     # GenerateConfig.cache_kind takes bare names: the cache with options is handed to the Generator directly.
     enc = tiny_lm.tokenizer(["The quick brown fox", "a"], return_tensors="pt", padding=True)
     gen = Generator(tiny_lm.model, GenerateConfig(max_new_tokens=20, temperature=0))
-    gen.cache = make_cache(kind, tiny_lm.model)
+    gen.state = DecodeState(make_cache(kind, tiny_lm.model))
     ours = gen.generate(enc.input_ids, enc.attention_mask)
     hf = tiny_lm.model.generate(**enc, max_new_tokens=20, do_sample=False,
                                 past_key_values=make_cache(kind, tiny_lm.model))

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from runner.infer.config import SpeculativeConfig
-from runner.infer.decode import generate
+from runner.infer.generator import generate
 from runner.infer.models import load_model
 from runner.infer.speculative import FALLBACK_MIN_ROUNDS, SpeculativeGenerator, lookup_proposal
 from tests.conftest import TINY_LLAMA

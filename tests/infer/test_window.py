@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from runner.infer.config import GenerateConfig
-from runner.infer.decode import Generator, decode_one_token, generate, positions_for, prefill
+from runner.infer.forward import decode_one_token, positions_for, prefill, trim_mask
+from runner.infer.generator import Generator, generate
 from runner.infer.kvcache import cache_bytes, make_cache
-from runner.infer.window import make_window_cache, plan_decode, trim_mask
+from runner.infer.window import make_window_cache, plan_decode
 
 PROMPTS = ["hello world, this is a somewhat longer prompt", "a", "The quick brown fox jumps"]
 
@@ -141,7 +142,8 @@ def test_decode_plan_settings_that_do_not_combine_are_rejected(settings, message
 def test_planned_nll_measures_the_window(tiny_lm):
     """Without a window it equals the quality module's teacher-forced NLL; a small window changes it."""
     from runner.infer.quality import teacher_forced_logprobs
-    from runner.infer.window import DecodePlan, planned_nll
+    from runner.infer.quality import planned_nll
+    from runner.infer.window import DecodePlan
 
     ids = _tokens(tiny_lm, 48, seed=5)
     logprobs = teacher_forced_logprobs(tiny_lm.model, ids, 24, None, score_prefill=True)[0]  # [24, V]

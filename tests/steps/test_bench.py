@@ -43,8 +43,8 @@ def test_every_cell_is_a_row_and_a_bad_cell_only_fails_itself(bench_run):
     assert failed["error"].str.contains("5000").all()
     ok = table[table["status"] == "ok"]
     plain = ok[ok["speculative"] == "off"]
-    assert (plain["ours_tok_s"] > 0).all() and (plain["hf_tok_s"] > 0).all()
-    assert (plain["ratio_tok_s"] - plain["ours_tok_s"] / plain["hf_tok_s"]).abs().max() < 1e-9
+    assert (plain["ours_tokens_per_s"] > 0).all() and (plain["hf_tokens_per_s"] > 0).all()
+    assert (plain["ratio_tokens_per_s"] - plain["ours_tokens_per_s"] / plain["hf_tokens_per_s"]).abs().max() < 1e-9
     assert (plain["ours_ttft_ms"] > 0).all() and (plain["ours_itl_ms_p90"] >= plain["ours_itl_ms"]).all()
     q8, fp32 = plain[plain["cache_kind"] == "q8"], plain[plain["cache_kind"] == "fp32"]
     assert (q8["ours_kv_mib"].to_numpy() < fp32["ours_kv_mib"].to_numpy()).all()
@@ -68,8 +68,8 @@ def test_metrics_reach_mlflow_with_their_spread(bench_run):
     (run,) = [r for r in store.runs() if r.data.tags.get("runner.mode") == "bench"]
     metrics = run.data.metrics
     assert metrics["cells"] == 16 and metrics["cells_failed"] == 8
-    assert metrics["b1_p12_n4_q8_float32.ours_tok_s"] > 0
-    assert "b1_p12_n4_q8_float32.ours_tok_s_spread" in metrics
+    assert metrics["b1_p12_n4_q8_float32.ours_tokens_per_s"] > 0
+    assert "b1_p12_n4_q8_float32.ours_tokens_per_s_spread" in metrics
     assert metrics["bandwidth_gbs"] > 0
 
 
@@ -85,24 +85,26 @@ def test_matrix_groups_cells_by_dtype_and_defaults_to_the_dtype_kind():
 def test_spec_speedup_is_over_the_same_cell_without_speculation():
     base = {"dtype": "float32", "cache_kind": "fp32", "batch": 1, "prompt_len": 8, "new_tokens": 4}
     table = with_spec_speedup(pd.DataFrame([
-        {**base, "speculative": "off", "ours_tok_s": 100.0}, {**base, "speculative": "on", "ours_tok_s": 150.0},
-        {**base, "prompt_len": 16, "speculative": "on", "ours_tok_s": 90.0}]))
+        {**base, "speculative": "off", "ours_tokens_per_s": 100.0},
+        {**base, "speculative": "on", "ours_tokens_per_s": 150.0},
+        {**base, "prompt_len": 16, "speculative": "on", "ours_tokens_per_s": 90.0}]))
     assert table["spec_speedup"].iloc[1] == 1.5
     assert math.isnan(table["spec_speedup"].iloc[0]) and math.isnan(table["spec_speedup"].iloc[2])
 
 
 def test_metric_names_are_mlflow_safe_and_failed_cells_are_counted():
     row = {"batch": 2, "prompt_len": 8, "new_tokens": 4, "cache_kind": "kivi4:g32:r32", "dtype": "float16",
-           "speculative": "off", "status": "ok", "ours_tok_s": 5.0, "ours_tok_s_spread": 0.5}
+           "speculative": "off", "status": "ok", "ours_tokens_per_s": 5.0, "ours_tokens_per_s_spread": 0.5}
     assert metric_name(row) == "b2_p8_n4_kivi4-g32-r32_float16"
     out = metrics(pd.DataFrame([row, {**row, "batch": 4, "status": "failed"}]), bandwidth=None)
-    assert out == {"cells": 2.0, "cells_failed": 1.0, "b2_p8_n4_kivi4-g32-r32_float16.ours_tok_s": 5.0,
-                   "b2_p8_n4_kivi4-g32-r32_float16.ours_tok_s_spread": 0.5}
+    assert out == {"cells": 2.0, "cells_failed": 1.0, "b2_p8_n4_kivi4-g32-r32_float16.ours_tokens_per_s": 5.0,
+                   "b2_p8_n4_kivi4-g32-r32_float16.ours_tokens_per_s_spread": 0.5}
 
 
 def test_markdown_rounds_and_marks_missing_values():
-    text = markdown(pd.DataFrame([{"kind": "q8|0", "tok_s": 1234.56, "ratio": 0.98765, "x": float("nan")}]))
-    assert text.splitlines() == ["| kind | tok_s | ratio | x |", "|---|---|---|---|", "| q8\\|0 | 1235 | 0.988 | - |"]
+    text = markdown(pd.DataFrame([{"kind": "q8|0", "tokens_per_s": 1234.56, "ratio": 0.98765, "x": float("nan")}]))
+    assert text.splitlines() == ["| kind | tokens_per_s | ratio | x |", "|---|---|---|---|",
+                                 "| q8\\|0 | 1235 | 0.988 | - |"]
 
 
 def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
@@ -116,5 +118,5 @@ def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
     assert "loading config model as bfloat16" in done.stderr
     table = pd.read_csv(next((tmp_path / "runs").glob("*-t")) / "tiny" / "dtypes" / "bench.csv")
     assert list(table["cache_kind"]) == ["fp32", "bf16"] and (table["status"] == "ok").all()
-    assert "hf_tok_s" not in table and "ours_bw_fraction" not in table
+    assert "hf_tokens_per_s" not in table and "ours_bw_fraction" not in table
     assert table["ours_kv_mib"].iloc[1] * 2 == pytest.approx(table["ours_kv_mib"].iloc[0])

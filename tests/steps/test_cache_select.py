@@ -50,7 +50,7 @@ def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     child = next(r for r in runs if r.info.run_name == "tiny/pick")
     assert child.data.params["cache_kind.chosen"] == chosen
-    assert child.data.metrics[f"{chosen}.estimated_mb"] <= 0.1
+    assert child.data.metrics[f"{chosen}.estimated_mib"] <= 0.1
     assert {"cache_candidates.png", "cache_plan.json"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,6 +22,9 @@ from filelock import FileLock, Timeout
 
 from runner import __version__
 from runner.errors import RunnerError
+from runner.files import atomic_write_json
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DEFAULT_PATH = Path("plans") / "cache_plans.json"
@@ -126,29 +129,15 @@ class PlanStore:
         except OSError as exc:
             raise RunnerError(f"cache plans {self.path.resolve()} are unreadable ({problem}) and cannot be moved "
                               f"aside: {exc.strerror}") from None
-        print(f"[runner] WARNING: cache plans {self.path} were unreadable ({problem}); moved them to {aside} "
-              "and started with no plans", file=sys.stderr)
+        log.warning("cache plans %s were unreadable (%s); moved them to %s and started with no plans", self.path,
+                    problem, aside)
 
     def _write(self, doc: dict) -> None:
         """Replace the file whole: a reader sees the old file or the new one, never half of one."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            atomic_write_json(self.path, doc, sort_keys=True, default=None)
         except OSError as exc:
-            with suppress(OSError):
-                tmp.unlink()
             raise RunnerError(f"cannot write cache plans {self.path.resolve()}: {exc.strerror}") from None
-        if os.name == "posix":  # make the rename itself durable
-            with suppress(OSError):
-                fd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
 
     @contextmanager
     def _locked(self):

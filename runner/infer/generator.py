@@ -1,28 +1,32 @@
-"""Our prefill + decode loop over a transformers Cache: batches, streaming, stop rules, continuation.
+"""The Generator: the seed API over the forward chain (batches, streaming, stop rules, continuation).
 
-The chain, in call order (shapes in comments):
-    plan_decode → positions_from → prefill (chunked when planned) → choose (next_token, or the contrastive
-    look-ahead) → decode_one_token → ... → finished_rows
-`Generator` keeps the cache between calls, so a second `.generate()` continues the conversation.
+Per call, in order:
+    plan_decode → make the cache (cache_kind auto: select_cache_kind) → DecodeState.prefill → choose (next_token,
+    or the contrastive look-ahead) → DecodeState.feed → ... → finished_rows
+`Generator` keeps its DecodeState between calls, so a second `.generate()` continues the conversation.
 Rows of a left-padded batch are independent: a finished row keeps being fed a masked pad token.
-Beam search (beam.py) has its own loop over the same prefill and decode functions.
+Beam search (beam.py) decides tokens; this loop feeds them and reorders the cache.
 Does not know about manifests, tracking or printing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from runner.errors import StepError
+from runner.errors import InferenceError
+from runner.infer.autocache import select_cache_kind
+from runner.infer.beam import BeamSearch
 from runner.infer.config import GenerateConfig
+from runner.infer.contrastive import ContrastiveSearch
+from runner.infer.forward import DecodeState, eos_ids, pad_id, sync
 from runner.infer.sampling import next_token
-from runner.infer.window import DecodePlan, make_planned_cache, plan_decode, trim_mask
+from runner.infer.timing import Stopwatch
+from runner.infer.window import DecodePlan, make_planned_cache, plan_decode
 
 
 @dataclass
@@ -43,59 +47,6 @@ class DecodeStats:
         return steps * len(self.new_tokens) / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
 
 
-def positions_from(count: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each new token = real tokens before it in its row. [B] count so far, [B,T] → [B,T]."""
-    before = count[:, None] if count is not None else 0
-    return (before + new_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def positions_for(past_mask: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
-    """As positions_from, counting the real tokens of `past_mask` [B,P]."""
-    return positions_from(past_mask.sum(-1) if past_mask is not None else None, new_mask)
-
-
-def forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
-            hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `ids` [B,T] into `cache` → logits of the last position [B,V] and, if asked, the last layer's hidden
-    states of every position [B,T,H]."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
-    return out.logits[:, -1, :], out.hidden_states[-1] if hidden else None
-
-
-def forward_last(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    """Run `ids` through the model into `cache`; logits of the last position. [B,T] → [B,V]."""
-    return forward(model, ids, mask, positions, cache)[0]
-
-
-def decode_one_token(model, token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    """[B] token, full mask [B,P+1], positions [B] → [B,V] logits."""
-    return forward_last(model, token[:, None], mask, positions[:, None], cache)
-
-
-def prefill(model, ids: torch.Tensor, past_mask: torch.Tensor | None, new_mask: torch.Tensor,
-            positions: torch.Tensor, cache, q_chunk: int | None = None, hidden: bool = False):
-    """Feed the prompt [B,T] in chunks of `q_chunk` tokens (None = at once) → (last logits [B,V], the mask of what
-    the cache now holds [B,n], hidden states [B,T,H] or None). Chunks bound the activations and attention scores
-    to q_chunk rows; the logits equal the whole prefill's up to float rounding."""
-    step = q_chunk or ids.shape[1]
-    mask, states = past_mask, []
-    for start in range(0, ids.shape[1], step):
-        part = slice(start, start + step)
-        mask = new_mask[:, part] if mask is None else torch.cat([mask, new_mask[:, part]], dim=1)
-        logits, h = forward(model, ids[:, part], mask, positions[:, part], cache, hidden)
-        mask = trim_mask(mask, cache)
-        states.append(h)
-    return logits, mask, torch.cat(states, dim=1) if hidden else None
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 class Generator:
     """Stateful generation with the seed API: `.generate()`, `.generate_iter()`, `.reset()`."""
 
@@ -110,17 +61,15 @@ class Generator:
         self.selection = None  # what cache_kind='auto' chose for the last call's batch size
         self._selections: dict = {}  # batch size → Selection: the budget depends on the batch
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_ids(model, self.config.eos_token_id)
+        self.pad_id = pad_id(model, tokenizer, self.eos_ids)  # what finished rows are filled with
         self.stats = DecodeStats()
         self.plan: DecodePlan | None = None  # the decode plan of the last call
         self.reset()
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts from an empty cache."""
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # [B,n] mask of what the cache holds (n < length with a window)
-        self.seen: torch.Tensor | None = None  # [B] real tokens fed so far: the next position
-        self.length = 0  # columns (tokens and pads) fed so far, for max_seq_len
+        self.state: DecodeState | None = None  # the cache and what was fed into it; None until the first call
         self.sequence: torch.Tensor | None = None  # [B,P+1] every token so far (penalties)
         self.pending: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
         self.search = None  # ContrastiveSearch state (hidden states of the context) when penalty_alpha is set
@@ -143,33 +92,26 @@ class Generator:
     def _start(self, ids: torch.Tensor, batch_for_kind: int) -> None:
         """Plan this call and make the cache if there is none yet."""
         if self.length + ids.shape[1] >= self.config.max_seq_len:
-            raise StepError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
+            raise InferenceError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
                             f"max_seq_len={self.config.max_seq_len}")
         self.plan = plan_decode(self.config, self.length + ids.shape[1])
-        if self.cache is not None:  # a continued conversation keeps the cache (and window) of its first call
-            window = getattr(self.cache.layers[0], "window", None) if self.cache.layers else None
+        if self.state is not None:  # a continued conversation keeps the cache (and window) of its first call
+            layers = self.state.cache.layers
+            window = getattr(layers[0], "window", None) if layers else None
             self.plan = dataclasses.replace(self.plan, local_window=window)
         if self.plan.local_window:
             warnings.warn(self.plan.describe(), stacklevel=3)
-        if self.cache is None:
-            self.cache = make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan)
+        if self.state is None:
+            self.state = DecodeState(make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan))
 
-    def _prefill(self, ids: torch.Tensor, new_mask: torch.Tensor, hidden: bool = False):
-        positions = positions_from(self.seen, new_mask)
-        self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
-        self.length += ids.shape[1]
-        logits, self.mask, states = prefill(self.model, ids, self.mask, new_mask, positions, self.cache,
-                                            self.plan.q_chunk, hidden)
-        return logits, states
+    @property
+    def length(self) -> int:
+        """Columns (tokens and pads) fed into the cache so far."""
+        return self.state.length if self.state is not None else 0
 
-    def _feed(self, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """One decode step: [B] token (live [B] 0/1: finished rows feed a masked pad) → [B,V] logits."""
-        positions = self.seen
-        self.seen, self.length = self.seen + live, self.length + 1
-        self.mask = torch.cat([self.mask, live[:, None]], dim=1)
-        logits = decode_one_token(self.model, token, self.mask, positions, self.cache)
-        self.mask = trim_mask(self.mask, self.cache)
-        return logits
+    @property
+    def cache(self):
+        return self.state.cache if self.state is not None else None
 
     @torch.inference_mode()
     def steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
@@ -189,25 +131,21 @@ class Generator:
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
                                  stop_reasons=[""] * batch, plan=self.plan)
 
-        start = time.perf_counter()
-        logits, states = self._prefill(ids, new_mask, hidden=cfg.contrastive)
+        watch = Stopwatch(lambda: sync(self.device))
+        logits, states = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk, hidden=cfg.contrastive)
         if cfg.contrastive:
-            from runner.infer.contrastive import ContrastiveSearch
-
-            self.search = self.search or ContrastiveSearch(cfg.top_k, cfg.penalty_alpha)
+            self.search = self.search or ContrastiveSearch(cfg)
             self.search.add_context(states)
         self.sequence = ids if self.sequence is None else torch.cat([self.sequence, ids], dim=1)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        pad = torch.full((batch,), self._pad_id(), dtype=torch.long, device=self.device)
+        pad = torch.full((batch,), self.pad_id, dtype=torch.long, device=self.device)
         for step in range(cfg.max_new_tokens):
             if cfg.contrastive:  # the look-ahead feeds the chosen token: the cache already holds it
-                token, logits = self.search.choose(self, logits)
+                token, logits = self.search.choose(self.model, self.state, self.sequence, logits)
             else:
                 token = torch.where(done, pad, next_token(logits, self.sequence, cfg, self.rng))
             if step == 0:
-                sync(self.device)
-                self.stats.prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
+                self.stats.prefill_s = watch.lap()
             self.sequence = torch.cat([self.sequence, token[:, None]], dim=1)
             self.pending = None if cfg.contrastive else token
             newly_done = self._finished_rows(token, done, step)
@@ -216,37 +154,31 @@ class Generator:
             if bool(done.all()):
                 break
             if not cfg.contrastive:
-                logits = self._feed(token, (~done).long())
-        sync(self.device)
-        self.stats.decode_s = time.perf_counter() - start
+                logits = self.state.feed(self.model, token, (~done).long())
+        self.stats.decode_s = watch.lap()
 
     @torch.inference_mode()
     def _beam_search(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        from runner.infer.beam import BeamSearch
-
         cfg = self.config
-        if self.pending is not None or self.cache is not None:
+        if self.pending is not None or self.state is not None:
             raise ValueError("beam search starts from an empty cache: call reset() before it")
         ids = input_ids.to(self.device).repeat_interleave(cfg.num_beams, dim=0)  # [B·K,T]: every beam, as transformers
         new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         new_mask = new_mask.repeat_interleave(cfg.num_beams, dim=0)
         self._start(ids, ids.shape[0])
         max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
-        search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self._pad_id(), max_len)
+        search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self.pad_id, max_len)
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
-        start = time.perf_counter()
-        logits, _ = self._prefill(ids, new_mask)
-        sync(self.device)
-        self.stats.prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
+        watch = Stopwatch(lambda: sync(self.device))
+        logits, _ = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk)
+        self.stats.prefill_s = watch.lap()
         while True:
             parents, go_on = search.step(logits)
-            self.cache.reorder_cache(parents)
+            self.state.cache.reorder_cache(parents)
             if not go_on:
                 break
-            logits = self._feed(search.next_tokens(), torch.ones_like(parents))
-        sync(self.device)
-        self.stats.decode_s = time.perf_counter() - start
+            logits = self.state.feed(self.model, search.next_tokens(), torch.ones_like(parents))
+        self.stats.decode_s = watch.lap()
         result = search.result()
         self.stats.new_tokens, self.stats.scores = result.new_tokens, result.scores.tolist()
         self.stats.stop_reasons = [self._beam_stop_reason(seq, n, ids.shape[1], max_len)
@@ -263,8 +195,6 @@ class Generator:
         if self.config.cache_kind != "auto":
             return self.config.cache_kind
         if batch not in self._selections:
-            from runner.infer.autocache import select_cache_kind
-
             self._selections[batch] = select_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
         self.selection = self._selections[batch]
         return self.selection.kind
@@ -293,20 +223,6 @@ class Generator:
         tail = max(len(s) for s in stops) + 8  # tokens: enough to hold the longest stop string
         text = self.tokenizer.decode(self.sequence[row, -min(n_new, tail):], skip_special_tokens=False)
         return any(s in text for s in stops)
-
-    def _eos_ids(self) -> set[int]:
-        eos = self.config.eos_token_id
-        if eos is None:
-            eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
-        return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-    def _pad_id(self) -> int:
-        pad = getattr(getattr(self.model, "generation_config", None), "pad_token_id", None)
-        if pad is None and self.tokenizer is not None:
-            pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else min(self.eos_ids, default=0))
 
 
 def generate(model, input_ids: torch.Tensor, config: GenerateConfig | None = None,

@@ -1,0 +1,54 @@
+"""Decode speed of our forward chain per cache kind: greedy prefill + one-token steps, timed by the harness.
+
+Greedy with no stop rules, so every repeat of every kind does the same work. Used by the cache selector's
+speed pick, bench cells (measure_ours) and benchmarks/*.py. Does not know about manifests, selection or where
+figures are written.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runner.infer.forward import decode_one_token, forward_last, positions_for, sync
+from runner.infer.kvcache import make_cache
+from runner.infer.timing import TokenTiming, time_interleaved
+
+
+@torch.inference_mode()
+def greedy_prefill(model, prompt: torch.Tensor, kind: str | None):
+    """Prefill `prompt` [B,P] into a fresh cache of `kind` → (cache, first greedy token [B], mask [B,P])."""
+    cache, mask = make_cache(kind, model), torch.ones_like(prompt)
+    token = forward_last(model, prompt, mask, positions_for(None, mask), cache).argmax(-1)
+    return cache, token, mask
+
+
+@torch.inference_mode()
+def greedy_steps(model, cache, token: torch.Tensor, mask: torch.Tensor, steps: int,
+                 tick: Callable[[], None] = lambda: None) -> None:
+    """`steps` greedy one-token steps into `cache` (it grows; the caller's `mask` is left as it was);
+    `tick()` after each token."""
+    for _ in range(steps):
+        positions = mask.sum(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+        tick()
+
+
+def greedy_run(model, prompt: torch.Tensor, steps: int, kind: str | None) -> Callable[[Callable[[], None]], None]:
+    """A `run_once(tick)` for the harness: prefill `prompt` [B,P] (tick), then `steps` greedy steps (a tick each)."""
+    def run_once(tick: Callable[[], None]) -> None:
+        cache, token, mask = greedy_prefill(model, prompt, kind)
+        tick()
+        greedy_steps(model, cache, token, mask, steps, tick)
+
+    return run_once
+
+
+def time_decode_kinds(model, prompt: torch.Tensor, steps: int, kinds: list, repeats: int,
+                      warmup: int = 1) -> dict:
+    """Time several cache kinds interleaved → kind → TokenTiming (ttft = prefill; decode = the `steps` steps)."""
+    marks = time_interleaved({kind: greedy_run(model, prompt, steps, kind) for kind in kinds}, repeats, warmup,
+                             sync=lambda: sync(prompt.device))
+    return {kind: TokenTiming.of(marks[kind], prompt.shape[0]) for kind in kinds}
