@@ -122,13 +122,13 @@ STRATEGY_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "ty
                  "penalty_alpha", "seed", "decode_plan", "decode_q_chunk", "decode_local_window", "decode_sink_tokens")
 def _optional(field):
     """The field's type (with its bounds) or None."""
-    return Annotated[field.annotation | None, *field.metadata] if field.metadata else field.annotation | None
+    return Annotated[(field.annotation | None, *field.metadata)] if field.metadata else field.annotation | None
 
 
 Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys and bounds, each overriding the block's
     "Strategy", __base__=Strict,
-    **{key: (_optional(GenerateConfig.model_fields[key]), Field(None, description=GenerateConfig.model_fields[key].description))
-       for key in STRATEGY_KEYS})
+    **{key: (_optional(GenerateConfig.model_fields[key]),
+             Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
 
 
 class StrategyError(ValueError):

@@ -28,7 +28,7 @@ from runner.infer.data import BUILTIN_TEXTS  # torch-free, like everything `run 
 
 MAX_INPUT_MB = int(os.environ.get("RUNNER_MAX_INPUT_MB", "256"))  # a prompts file or eval text, in MiB
 CHUNK = 1 << 20
-_MEMO: dict[tuple, "InputFile"] = {}
+_MEMO: dict[tuple, InputFile] = {}
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
         raise InputFileError(f"{what} {name!r} does not exist (looked for {path})") from None
     except OSError as exc:
         raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror} (looked for {path})") from None
-    if kind == "model" and stat.S_ISDIR(info.st_mode) and not path.suffix == ".gguf":
+    if kind == "model" and stat.S_ISDIR(info.st_mode) and path.suffix != ".gguf":
         return InputFile(path, kind, _folder_digest(path, name))  # a folder's own time misses edits inside
     key = (str(path), kind, info.st_size, info.st_mtime_ns)
     if key not in _MEMO:

@@ -74,7 +74,7 @@ class Store:
         """MLflow's answer; a store it cannot read (not an MLflow database, unreachable) is a RunnerError."""
         try:
             return call(*args, **kwargs)
-        except Exception as exc:  # MLflow raises its own, SQLAlchemy's and OS errors alike
+        except Exception as exc:  # noqa: BLE001 -- MLflow raises its own, SQLAlchemy's and OS errors alike
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             raise RunnerError(f"cannot read the MLflow store {self.uri}: {first} (is it an MLflow store? "
                               "'run results' reads <runs-dir>/mlflow.db or --tracking-uri)") from None

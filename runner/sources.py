@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from runner.errors import ManifestError, Problem, format_loc
-from runner.yamlsafe import compose_checked, load_checked
+from runner.yamlsafe import load_checked
 
 MAX_FILE_BYTES = 4 * 2**20  # a manifest or a fragment: a few KiB in practice
 MAX_DEPTH = 8  # fragments that name fragments

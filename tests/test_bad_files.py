@@ -124,7 +124,7 @@ def test_a_prompts_file_broken_after_check_fails_its_step_with_our_error(tmp_pat
 
 
 def test_a_thousand_point_sweep_is_composed_by_hydra_once(tmp_path, monkeypatch):
-    import runner.compose as compose
+    from runner import compose
 
     path = manifest(tmp_path)
     calls = []
@@ -145,12 +145,12 @@ def test_check_of_a_thousand_point_sweep_answers(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["results", "--where", "temperature"], "error: --where 'temperature': expected KEY=VALUE (e.g. --where "
-                                            "sweep.temperature=0.7)"),
+    (["results", "--where", "temperature"], ("error: --where 'temperature': expected KEY=VALUE (e.g. --where "
+                                             "sweep.temperature=0.7)")),
     (["results", "--limit", "-3"], "error: argument --limit: expected a positive whole number, got '-3'"),
     (["results", "--limit", "0"], "error: argument --limit: expected a positive whole number, got '0'"),
-    (["results", "--tracking-uri", "sqlit:///x.db"], "error: --tracking-uri: unknown tracking URI scheme 'sqlit': "
-                                                     "did you mean 'sqlite://'?"),
+    (["results", "--tracking-uri", "sqlit:///x.db"], ("error: --tracking-uri: unknown tracking URI scheme 'sqlit': "
+                                                      "did you mean 'sqlite://'?")),
     (["compare", "a", "b", "--tracking-uri", "gopher://x"], "error: --tracking-uri: unknown tracking URI scheme"),
     (["results", "--tracking-uri", "sqlite:///no-such.db"], "error: --tracking-uri: no MLflow store at"),
 ])
