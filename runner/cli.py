@@ -145,12 +145,12 @@ def _browse(command: str, argv: list[str]) -> int:
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
     from runner import sweep
 
-    arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     from runner.sources import read_sources
 
+    arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
     points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
-    sweep.validate_points(path, points)
+    sweep.validate_points(path, points, sweep.manifest_keys(manifest.sweep, overrides))
     sweep.validate_launcher(path, arguments, hydra_args)
     if command == "check":
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")

@@ -67,6 +67,10 @@ def validate(raw: dict, path: Path, sources: Sources, overrides=()) -> Manifest:
     except ValidationError as exc:
         raise ManifestError(problems_from(exc, sources, overrides), sources.file) from None
     missing = input_problems(manifest, path.parent)
+    runs_dir = Path(manifest.tracking.runs_dir)
+    if runs_dir.exists() and not runs_dir.is_dir():
+        missing.append((("tracking", "runs_dir"), f"runs_dir {str(runs_dir)!r} is a file, not a folder: run folders "
+                        "cannot be made in it"))
     if missing:
         raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))
                              for loc, message in missing], sources.file)
@@ -102,6 +106,8 @@ def override_problem(override: str, data) -> str | None:
     if not KEY_PATH.match(key) and not re.match(r"^[\w/-]+(@[\w.-]+)?$", key):
         return (f"{key!r} is not a key path: names and list indices joined by single dots "
                 "(e.g. targets.0.runs.0.generate.seed)")
+    if len(key) > 500:
+        return f"the key is {len(key):,} characters long: no key path is"
     if ENV_RESOLVER.search(value):
         return ENV_MESSAGE
     try:
@@ -156,7 +162,7 @@ def _compose(path: Path, overrides: list[str], sources: Sources, resolve: bool =
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Hydra's advice (e.g. on _self_) is no error; the library prints nothing
             cfg = compose(config_name=path.stem, overrides=[hydra_override(o) for o in overrides])
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+    except (HydraException, OmegaConfBaseException, ValueError, OSError, RecursionError) as exc:
         named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in str(exc)]
         loc = _key_loc(_full_key(exc)) or _holding(sources.data, hydra_reason(exc))
         if not loc and not named and ("defaults",) in sources.locations:
@@ -307,6 +313,8 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
             loc += ("strategies", error.name) + ((error.key,) if error.key else ())
             err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
         message, hint = _describe(err, loc)
+        if loc and loc[-1] == "[key]":  # a mapping's key (a strategy's name) is what is wrong
+            loc, message = loc[:-1], f"the name {loc[-2]!r}: {message}"
         problems.append(Problem(format_loc(loc), message, _source(loc, sources, overrides), hint))
     return problems
 
@@ -364,8 +372,9 @@ def _types(annotation) -> set:
 
 
 def _source(loc: Loc, sources: Sources, overrides=()) -> str:
-    for override in overrides:
-        if loc[: len(ov := _override_loc(override))] == ov:
+    for override in overrides:  # the override set the value, or added the key the value sits under
+        ov = _override_loc(override)
+        if loc[: len(ov)] == ov or (loc and ov[: len(loc)] == loc and loc not in sources.locations):
             return f"override '{shown(override)}'"
     return sources.at(loc)
 

@@ -8,6 +8,7 @@ they never touch torch, devices or disk (paths are resolved later, relative to t
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -131,6 +132,9 @@ Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys 
              Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
 
 
+StrategyName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]  # names columns and metrics
+
+
 class StrategyError(ValueError):
     """A strategy that does not validate with its block's settings: names the strategy and the key."""
 
@@ -146,7 +150,7 @@ class GenerateSpec(GenerateConfig, PromptSource):
     """
 
     stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
-    strategies: dict[str, Strategy] | None = Field(None, min_length=1, description=(
+    strategies: dict[StrategyName, Strategy] | None = Field(None, min_length=1, description=(
         "Decode the same prompts once per named strategy (each overrides the block's decoding keys); outputs "
         "side by side in the results and outputs.csv."))
 
@@ -353,12 +357,19 @@ class Manifest(Strict):
     sweep_max_points: int = Field(1000, ge=1, le=1_000_000, description=(
         "Most points a sweep may have (a guard against a typo such as range(0,100000)); raise it to run more."))
 
-    @field_validator("sweep")
+    @field_validator("sweep", mode="before")
     @classmethod
-    def _sweep_values(cls, sweep: dict) -> dict:
-        for key, values in sweep.items():
+    def _sweep_values(cls, sweep):
+        for key, values in sweep.items() if isinstance(sweep, dict) else ():
+            if not isinstance(key, str) or not re.match(r"^[\w-]+(\.[\w-]+)*$", key):
+                raise ValueError(f"sweep key {key!r} is not a key path: names and list indices joined by dots "
+                                 "(e.g. targets.0.runs.0.generate.temperature)")
             if isinstance(values, list) and not values:
                 raise ValueError(f"sweep key {key!r} has no values")
+            if not isinstance(values, (list, str)) or any(isinstance(v, (list, dict)) for v in values if
+                                                          isinstance(values, list)):
+                raise ValueError(f"sweep key {key!r}: expected a list of values or a string in Hydra's sweep grammar "
+                                 f"('0.1,0.5', 'range(1,4)'), got {type(values).__name__}")
         return sweep
 
     @field_validator("version")

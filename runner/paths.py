@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 import os
 import stat
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from runner.infer.data import BUILTIN_TEXTS  # torch-free, like everything `run 
 
 MAX_INPUT_MB = int(os.environ.get("RUNNER_MAX_INPUT_MB", "256"))  # a prompts file or eval text, in MiB
 CHUNK = 1 << 20
+MAX_FOLDER_FILES = 10_000
 _MEMO: dict[tuple, InputFile] = {}
 
 
@@ -79,7 +81,7 @@ def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
             _readable(path, name, what)
             _MEMO[key] = InputFile(path, kind, _stat_digest([(path.name, info)]))
         else:
-            _MEMO[key] = InputFile(path, kind, _text_digest(path, name, what, info.st_size))
+            _MEMO[key] = InputFile(path, kind, _text_digest(path, name, what, info.st_size, kind))
     return _MEMO[key]
 
 
@@ -110,22 +112,26 @@ def _readable(path: Path, name: str, what: str) -> None:
         raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror or exc} (looked for {path})") from None
 
 
-def _text_digest(path: Path, name: str, what: str, size: int) -> str:
+def _text_digest(path: Path, name: str, what: str, size: int, kind: str) -> str:
+    """sha256 of the file, read once in chunks: checked as UTF-8 (and a prompts file's lines) on the way."""
     if size > MAX_INPUT_MB * 2**20:
         raise InputFileError(f"{what} {name!r} is {size / 2**20:,.0f} MiB; input text files are limited to "
                              f"{MAX_INPUT_MB} MiB (set RUNNER_MAX_INPUT_MB to raise the limit)")
     digest, decoder, offset, line = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), 0, 1
+    lines = _PromptLines(name, path.suffix) if kind == "prompts" else None
     try:
         with path.open("rb") as f:
             while chunk := f.read(CHUNK):
                 digest.update(chunk)
                 try:
-                    decoder.decode(chunk)
+                    text = decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
                     bad = offset + max(exc.start, 0)
                     line += chunk[:max(exc.start, 0)].count(b"\n")
                     raise InputFileError(f"{what} {name!r} is not UTF-8 text (byte 0x{chunk[exc.start]:02x} at "
                                          f"offset {bad}, line {line})") from None
+                if lines is not None:
+                    lines.feed(text)
                 line += chunk.count(b"\n")
                 offset += len(chunk)
             decoder.decode(b"", final=True)
@@ -133,15 +139,60 @@ def _text_digest(path: Path, name: str, what: str, size: int) -> str:
         raise InputFileError(f"{what} {name!r} is not UTF-8 text (it ends inside a character)") from None
     except OSError as exc:
         raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror or exc} (looked for {path})") from None
+    if lines is not None:
+        lines.close()
+    elif not size:
+        raise InputFileError(f"{what} {name!r} is empty")
     return digest.hexdigest()
 
 
+class _PromptLines:
+    """A prompts file's lines as they stream by: a .jsonl line is an object with a "prompt"; one prompt at least."""
+
+    def __init__(self, name: str, suffix: str):
+        self.name, self.jsonl, self.rest, self.number, self.prompts = name, suffix == ".jsonl", "", 0, 0
+
+    def feed(self, text: str) -> None:
+        *complete, self.rest = (self.rest + text).split("\n")
+        for line in complete:
+            self._line(line)
+
+    def close(self) -> None:
+        self._line(self.rest)
+        if not self.prompts:
+            raise InputFileError(f"prompts file {self.name!r} holds no prompts (every line is blank)")
+
+    def _line(self, line: str) -> None:
+        self.number += 1
+        if not line.strip():
+            return
+        if self.jsonl:
+            try:
+                value = json.loads(line)
+                value["prompt"]  # the key must be there
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise InputFileError(f"prompts file {self.name!r}, line {self.number}: expected a JSON object with "
+                                     'a "prompt" key, e.g. {"prompt": "Hello"}') from None
+        self.prompts += 1
+
+
 def _folder_digest(path: Path, name: str) -> str:
+    """The files directly in a model folder (where transformers looks), at most MAX_FOLDER_FILES of them."""
     try:
-        entries = sorted((p.relative_to(path).as_posix(), p.stat()) for p in path.rglob("*") if p.is_file())
-    except (OSError, RuntimeError) as exc:
-        raise InputFileError(f"model folder {name!r} cannot be listed: {exc} (looked for {path})") from None
-    return _stat_digest(entries)
+        entries = []
+        for child in path.iterdir():
+            if len(entries) >= MAX_FOLDER_FILES:
+                raise InputFileError(f"model folder {name!r} holds more than {MAX_FOLDER_FILES:,} files: is it a "
+                                     f"model folder? (looked for {path})")
+            if child.is_file():
+                entries.append((child.name, child.stat()))
+    except OSError as exc:
+        raise InputFileError(f"model folder {name!r} cannot be listed: {exc.strerror or exc} (looked for {path})"
+                             ) from None
+    if "config.json" not in {n for n, _ in entries}:
+        raise InputFileError(f"model folder {name!r} has no config.json: not a transformers model folder "
+                             f"(looked for {path})")
+    return _stat_digest(sorted(entries))
 
 
 def _stat_digest(entries: list) -> str:

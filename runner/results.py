@@ -46,6 +46,8 @@ class Store:
                                   "or --tracking-uri")
             tracking_uri = default_tracking_uri(runs_dir)
         quiet_mlflow()
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a read-only view answers, or says why, fast
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri

@@ -111,7 +111,7 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         named = _entry(entry, group)
         if named is None:
             continue
-        config, pkg = named
+        config, pkg, optional = named
         if pkg and depth == 0:
             sources.locations.setdefault(pkg, where)  # keys the fragment brings, at least at their entry
         if any(part in ("..", "") for part in config.split("/")) or config.startswith("/") or "\\" in config:
@@ -121,6 +121,8 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
             continue
         path = folder / f"{config}.yaml"
         shown = str(Path(sources.file).parent / f"{config}.yaml")
+        if not path.is_file() and optional:
+            continue  # Hydra skips an optional fragment that is not there
         if not path.is_file():
             problems.append(Problem(format_loc(loc + (i,)), f"no fragment {config!r} (looked for {shown})"
                                     + _closest(path), where))
@@ -151,27 +153,28 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         sources.locations.update(inner)
 
 
-def _entry(entry: yaml.Node, group: str) -> tuple[str, Loc] | None:
-    """A defaults entry → (config path without .yaml, package as a key path); None for _self_, Hydra's own
-    entries and anything Hydra will judge itself."""
+def _entry(entry: yaml.Node, group: str) -> tuple[str, Loc, bool] | None:
+    """A defaults entry → (config path without .yaml, package as a key path, optional); None for _self_, Hydra's
+    own entries and anything Hydra will judge itself."""
     if isinstance(entry, yaml.ScalarNode) and isinstance(entry.value, str):
         name = entry.value.strip()
         if name in ("_self_", "") or name.startswith("hydra/"):
             return None
         config = f"{group}/{name}" if group and not name.startswith("/") else name.lstrip("/") if group else name
-        return config, _package(config.rpartition("/")[0])
+        return config, _package(config.rpartition("/")[0]), False
     if isinstance(entry, yaml.MappingNode) and len(entry.value) == 1:
         key, value = entry.value[0]
         if not isinstance(key, yaml.ScalarNode) or not isinstance(value, yaml.ScalarNode) or value.tag.endswith("null"):
             return None
         words = str(key.value).split()
+        optional = bool(words) and words[0] == "optional"
         if words and words[0] in ("optional", "override"):
             words = words[1:]
         if len(words) != 1 or words[0].startswith("hydra") or value.value == "???":
             return None
         grp, _, pkg = words[0].partition("@")
         grp = f"{group}/{grp}" if group and not grp.startswith("/") else grp.lstrip("/") if group else grp
-        return f"{grp}/{value.value}", _package(pkg or grp)
+        return f"{grp}/{value.value}", _package(pkg or grp), optional
     return None
 
 

@@ -96,7 +96,7 @@ def expand(arguments: list[str], file: str, from_manifest: list[str] | None = No
         parsed = OverridesParser.create().parse_overrides(arguments)
         _check_count(parsed, max_points, file, where)
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
-    except HydraException as exc:
+    except (HydraException, ValueError) as exc:
         raise ManifestError([Problem("sweep", hydra_reason(exc), where or file)], file) from None
     swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
     points = []
@@ -116,17 +116,25 @@ def _text(value) -> str:
 
 
 def _check_count(parsed: list, max_points: int, file: str, where: str) -> None:
-    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
 
     sizes = {}
     for override in parsed:
-        value = override.value() if override.is_sweep_override() else None
+        value, key = override.value(), _key(override.input_line)
         if isinstance(value, RangeSweep):
-            step = value.step or 1
-            sizes[_key(override.input_line)] = max(0, math.ceil((value.stop - value.start) / step))
+            if not value.step:
+                raise ManifestError([Problem("sweep", f"{key}: a range's step cannot be 0", where or file)], file)
+            sizes[key] = max(0, math.ceil((value.stop - value.start) / value.step))
         elif isinstance(value, ChoiceSweep):
-            sizes[_key(override.input_line)] = len(value.list)
+            sizes[key] = len(value.list)
+        elif override.is_sweep_override() or isinstance(value, Glob):
+            raise ManifestError([Problem("sweep", f"{key}: only lists of values (a,b,c), range() and choice() are "
+                                         "swept here; list the values", where or file)], file)
     total = math.prod(sizes.values())
+    if total == 0:
+        empty = ", ".join(k for k, n in sizes.items() if n == 0)
+        raise ManifestError([Problem("sweep", f"the sweep has no points: {empty} has no values (an empty range?)",
+                                     where or file)], file)
     if total > max_points:
         counts = " × ".join(f"{k}: {n:,}" for k, n in sizes.items())
         raise ManifestError([Problem("sweep", f"the sweep has {total:,} points ({counts}); the most is "
@@ -135,13 +143,24 @@ def _check_count(parsed: list, max_points: int, file: str, where: str) -> None:
                                      where or file)], file)
 
 
-def validate_points(path: Path, points: list[Point]) -> None:
-    """Compose and validate every point; all bad points are reported at once, each named."""
+def manifest_keys(manifest_sweep: dict, overrides: list[str]) -> list[str]:
+    """The keys swept by the manifest's sweep: (the command line's win per key)."""
+    given = {_key(o) for o in overrides}
+    return [key for key in manifest_sweep if key not in given]
+
+
+def validate_points(path: Path, points: list[Point], from_manifest: list[str] = ()) -> None:
+    """Compose and validate every point; all bad points are reported at once, each named. A value that came
+    from the manifest's sweep: is located at its entry there, not at the override it became."""
+    from runner.sources import read_sources
+
+    located = {f"override '{shown(o)}'": read_sources(path).at(("sweep", _key(o)))
+               for p in points for o in p.overrides if _key(o) in from_manifest} if from_manifest else {}
     problems = []
     for point, error in zip(points, load_points(path, [p.overrides for p in points])):
         if error is not None:
-            problems += [Problem(p.path, p.message, f"point {point.index} ({point.label}): {p.source}", p.hint)
-                         for p in error.problems]
+            problems += [Problem(p.path, p.message, f"point {point.index} ({point.label}): "
+                                 f"{located.get(p.source, p.source)}", p.hint) for p in error.problems]
     if problems:
         raise ManifestError(problems, f"{path} (sweep of {len(points)} points; nothing ran)")
 

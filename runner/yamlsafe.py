@@ -16,7 +16,8 @@ import yaml
 from runner.errors import ManifestError, Problem, format_loc
 
 STR, MERGE = "tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"
-MAX_VALUES = 100_000  # a manifest expanded: scalars, lists and mappings counted
+MAX_VALUES = 100_000
+MAX_DIGITS = 100  # Python refuses to read integers past 4,300 digits; no setting needs more than 20  # a manifest expanded: scalars, lists and mappings counted
 PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map",
                                                          "seq", "merge", "timestamp")}
 
@@ -27,6 +28,9 @@ def compose_checked(text: str, file: str) -> yaml.Node | None:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise ManifestError([Problem("", f"YAML syntax error: {_reason(exc)}", _at(file, _mark(exc)))], file) from None
+    except RecursionError:  # PyYAML composes recursively
+        raise ManifestError([Problem("", "the YAML nests too deep (hundreds of levels of lists or mappings): a "
+                                     "manifest is shallow", file)], file) from None
     if root is not None:
         _check_size(root, file)
         _check_nodes(root, file)
@@ -98,6 +102,9 @@ def _check_nodes(root: yaml.Node, file: str) -> None:
         if id(node) in seen:
             continue
         seen.add(id(node))
+        if node.tag.endswith(":int") and len(node.value) > MAX_DIGITS:
+            raise ManifestError([Problem(format_loc(loc), f"a number with {len(node.value):,} digits: no setting takes "
+                                         "a number that large", _at(file, node.start_mark))], file)
         if node.tag not in PLAIN_TAGS:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             raise ManifestError([Problem(format_loc(loc), f"YAML tag {tag!r} is not allowed: a manifest holds "
