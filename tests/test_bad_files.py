@@ -123,6 +123,15 @@ def test_a_prompts_file_broken_after_check_fails_its_step_with_our_error(tmp_pat
         load_prompts(GenerateSpec(prompts_file="p.txt"), tmp_path)
 
 
+def test_valid_inputs_still_pass(tmp_path, capsys):
+    """The checks refuse what is wrong, not what is unusual: an optional fragment that is not there, a byte-order
+    mark, a date as a name, a prompts file whose last line has no newline."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b", "extra": 1}')
+    path = manifest(tmp_path, "{prompts_file: p.jsonl}",
+                    head="\ufeffname: 2024-01-01\ndefaults:\n  - optional frags@models.m: absent\n  - _self_\n")
+    assert main(["check", str(path)]) == 0, capsys.readouterr().err
+
+
 def test_a_thousand_point_sweep_is_composed_by_hydra_once(tmp_path, monkeypatch):
     from runner import compose
 
