@@ -127,6 +127,8 @@ def _browse(command: str, argv: list[str]) -> int:
     parser.add_argument("--runs-dir", default="runs", help="where run folders and mlflow.db are (default runs)")
     parser.add_argument("--tracking-uri", help="an MLflow tracking URI instead of <runs-dir>/mlflow.db")
     args = _parse(parser, argv)
+    for condition in getattr(args, "where", ()):  # the options' form first, before any store is opened
+        results.where_condition(condition)
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None

@@ -35,10 +35,9 @@ class Store:
         problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
         if problem:
             raise RunnerError(f"--tracking-uri: {problem}")
-        if tracking_uri is not None and tracking_uri.startswith("sqlite:///"):
-            db = Path(tracking_uri.removeprefix("sqlite:///"))
-            if not db.is_file():  # MLflow would create an empty store and show nothing
-                raise RunnerError(f"--tracking-uri: no MLflow store at {db.resolve()}")
+        local = _local_store(tracking_uri) if tracking_uri is not None else None
+        if local is not None and not local.exists():  # MLflow would create an empty store and show nothing
+            raise RunnerError(f"--tracking-uri: no MLflow store at {local.resolve()}")
         if tracking_uri is None:
             db = Path(runs_dir) / "mlflow.db"
             if not db.is_file():
@@ -106,7 +105,7 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
     runs = store.runs(experiment, " and ".join(clauses), limit=10_000)
     if not all_runs:
         runs = [r for r in runs if "runner.mode" in r.data.tags]
-    conditions = [_condition(c) for c in where]
+    conditions = [where_condition(c) for c in where]
     known = _known_columns(runs)
     for column in columns or ():  # (a --where key no run has simply matches nothing)
         _check_column(column, known)
@@ -121,7 +120,8 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
     return pd.DataFrame(rows)
 
 
-def _condition(condition: str) -> tuple[str, str]:
+def where_condition(condition: str) -> tuple[str, str]:
+    """`KEY=VALUE` → (key, value); anything else is a RunnerError saying the form."""
     key, equals, wanted = condition.partition("=")
     if not equals or not key.strip():
         raise RunnerError(f"--where {condition!r}: expected KEY=VALUE (e.g. --where sweep.temperature=0.7)")
@@ -144,6 +144,15 @@ def _check_column(name: str, known: set[str]) -> None:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise RunnerError(f"no run has a metric, param or tag {name!r}: {hint}(see 'run results --all' for runs, "
                           "'run compare A B --all' for a run's metrics)")
+
+
+def _local_store(uri: str) -> Path | None:
+    """The file or folder a local tracking URI names (sqlite:///db, file:///folder, a plain folder)."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///"))
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    return Path(uri) if "://" not in uri else None
 
 
 def _default_columns(runs: list) -> list[str]:
