@@ -274,6 +274,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; keep its message but say where to look."""
 
     def error(self, message: str):
+        message = message.replace("manifest, overrides", "manifest")  # argparse lists the optional overrides too
         self.print_usage(sys.stderr)
         print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(2)
