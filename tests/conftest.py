@@ -7,8 +7,16 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 
+from runner import report  # noqa: E402
+
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(autouse=True)
+def _console():
+    """The library's messages shown as the CLI shows them (status and warnings on stderr, results on stdout)."""
+    report.configure(0)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from runner.infer.timing import PeakMemory, Summary, TokenTiming, percentile, time_ticks
+from runner.infer.timing import (PeakMemory, Stopwatch, Summary, TokenTiming, percentile, time_interleaved, time_once,
+                                 time_ticks)
 
 
 class FakeDevice:
@@ -88,3 +89,28 @@ def test_peak_memory_sees_an_allocation_inside_the_block():
     if small.scope == "block":  # Linux: the high-water mark was reset on entry
         assert big.bytes - small.bytes > 48 * 2**20
     assert big.bytes > 64 * 2**20
+
+
+def test_variants_are_interleaved_with_the_order_reversed_every_other_round():
+    order = []
+
+    def variant(name):
+        return lambda tick: (order.append(name), tick())
+
+    marks = time_interleaved({"a": variant("a"), "b": variant("b"), "c": variant("c")}, repeats=3, warmup=1)
+    assert order == ["a", "b", "c",  # warm-ups
+                     "a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert {name: len(runs) for name, runs in marks.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_stopwatch_laps_sync_before_each_clock_read():
+    device = FakeDevice()
+    watch = Stopwatch(device.sync, device.clock)
+    device.now += 2.5
+    first = watch.lap()
+    device.now += 1.0
+    assert (first, watch.lap()) == (2.5, 1.0)
+    assert device.events == ["sync", "clock"] * 3
+    device.events.clear()
+    assert time_once(lambda: setattr(device, "now", device.now + 4), device.sync, device.clock) == 4
+    assert device.events == ["sync", "clock"] * 2

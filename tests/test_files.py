@@ -1,0 +1,41 @@
+"""The one atomic write: the old file or the new one, never half; nothing left behind when it fails."""
+
+import json
+import os
+
+import pytest
+
+from runner.files import atomic_write, atomic_write_json
+
+
+def test_replaces_whole_and_creates_folders(tmp_path):
+    target = tmp_path / "a" / "b" / "status.json"
+    atomic_write_json(target, {"state": "running"})
+    atomic_write(target, "new text")
+    assert target.read_text() == "new text"
+    assert sorted(os.listdir(target.parent)) == ["status.json"]  # no temporary file left
+
+
+def test_json_is_indented_with_a_final_newline_and_strings_for_the_rest(tmp_path):
+    target = atomic_write_json(tmp_path / "x.json", {"path": tmp_path, "n": 1})
+    text = target.read_text()
+    assert text.endswith("}\n") and json.loads(text) == {"path": str(tmp_path), "n": 1}
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "plans.json"
+    target.write_text("old")
+
+    class Unwritable:  # not str or bytes: fails inside the write, after the temporary file was opened
+        pass
+
+    with pytest.raises(TypeError):
+        atomic_write(target, Unwritable())
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["plans.json"]
+
+
+def test_an_unwritable_folder_raises_oserror(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(OSError):
+        atomic_write(blocked / "x.json", "{}")  # a file where the folder should be
