@@ -4,7 +4,8 @@ Hydra composes (a `defaults:` list may pull fragments from folders beside the ma
 `key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so
 runner.sources reads the manifest and every fragment first and maps each key path to its file, line
 and column; each problem is reported at its source: `file:line:col` or the override as typed.
-Overrides are checked in plain words before Hydra sees them (its parser speaks in grammar tokens).
+Overrides are checked in plain words before Hydra sees them (its parser speaks in grammar tokens); schema
+problems are described by runner.problems. A sweep's points are validated without composing each in full.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import copy
 import difflib
 import functools
 import re
-import typing
 import warnings
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from runner.errors import ManifestError, Problem, format_loc
-from runner.manifest import Manifest, StrategyError
+from runner.manifest import Manifest
 from runner.paths import input_problems
+from runner.problems import fields_at, override_loc, problems_from, shown, source_of  # noqa: F401 (fields_at: API)
 from runner.sources import ENV_RESOLVER, ENV_MESSAGE, Sources, read_sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
@@ -42,21 +43,50 @@ def load_points(path: Path, override_lists: list[tuple[str, ...]]) -> list[Manif
     plain `key=value` overrides are applied to a copy (a point with other overrides is composed in full)."""
     sources = read_sources(path)
     base = _compose(path, [], sources, resolve=False)
-    interpolated = "${" in str(base)  # else a point's raw dict is already resolved
+    refs = _references(base)  # None: interpolations other than plain ${a.b} references
+    try:
+        resolved = _resolve(copy.deepcopy(base), sources) if refs is not None else None
+    except ManifestError:
+        resolved = None  # each point reports it, resolved on its own
     outcome = []
     for overrides in override_lists:
         try:
             check_overrides(sources, overrides)
-            raw = _apply(base, overrides)
+            independent = resolved is not None and _independent(overrides, refs, base)
+            raw = _apply(resolved if independent else base, overrides)
             if raw is None:
                 load_manifest(path, overrides)
             else:
-                plain = not interpolated and not any("${" in o for o in overrides)
-                validate(raw if plain else _resolve(raw, sources, overrides), path, sources, overrides)
+                validate(raw if independent else _resolve(raw, sources, overrides), path, sources, overrides)
             outcome.append(None)
         except ManifestError as exc:
             outcome.append(exc)
     return outcome
+
+
+def _references(base: dict) -> set[tuple[str, ...]] | None:
+    """The key paths that `${a.b}` interpolations in `base` read; None when some interpolation is more than that."""
+    text = str(base)
+    found = re.findall(r"\$\{\s*([\w-]+(?:\.[\w-]+)*)\s*\}", text)
+    return {tuple(ref.split(".")) for ref in found} if text.count("${") == len(found) else None
+
+
+def _independent(overrides, refs: set, base: dict) -> bool:
+    """Whether the overrides can be applied to the already resolved manifest: they set plain values, no
+    interpolation reads what they set (or anything under or above it), and no path runs through an
+    interpolated value."""
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        parts = tuple(key.split("."))
+        if "${" in value or any(ref[: len(parts)] == parts or parts[: len(ref)] == ref for ref in refs):
+            return False
+        node = base
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else \
+                node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, str) and "${" in node:
+                return False
+    return True
 
 
 def validate(raw: dict, path: Path, sources: Sources, overrides=()) -> Manifest:
@@ -72,7 +102,7 @@ def validate(raw: dict, path: Path, sources: Sources, overrides=()) -> Manifest:
         missing.append((("tracking", "runs_dir"), f"runs_dir {str(runs_dir)!r} is a file, not a folder: run folders "
                         "cannot be made in it"))
     if missing:
-        raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))
+        raise ManifestError([Problem(format_loc(loc), message, source_of(loc, sources, overrides))
                              for loc, message in missing], sources.file)
     return manifest
 
@@ -84,7 +114,7 @@ def check_overrides(sources: Sources, overrides) -> None:
         reason = override_problem(override, sources.data)
         if reason:
             key = override.lstrip("+~").partition("=")[0]
-            path = format_loc(_override_loc(override)) if KEY_PATH.match(key) else ""
+            path = format_loc(override_loc(override)) if KEY_PATH.match(key) else ""
             problems.append(Problem(path, reason, f"override '{shown(override)}'"))
     if problems:
         raise ManifestError(problems, sources.file)
@@ -111,7 +141,7 @@ def override_problem(override: str, data) -> str | None:
     if ENV_RESOLVER.search(value):
         return ENV_MESSAGE
     try:
-        parse_override(hydra_override(override))
+        override_value(hydra_override(override))  # plain numbers and words need no parser
     except HydraException as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot read the value {value!r} ({reason}); quote it to pass it as text: {key}='...'"
@@ -137,11 +167,6 @@ def _path_problem(key: str, data) -> str | None:
             return None
         where = f"{where}.{part}" if where else part
     return None
-
-
-def shown(override: str) -> str:
-    """An override as the user typed it: without the `++` that sweeps and we add."""
-    return override.removeprefix("++")
 
 
 def hydra_override(override: str) -> str:
@@ -186,7 +211,7 @@ def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
     except OmegaConfBaseException as exc:
         loc = _key_loc(_full_key(exc))
         message = hydra_reason(exc) + _interpolation_hint(str(exc), raw)
-        raise ManifestError([Problem(format_loc(loc), message, _source(loc, sources, overrides))],
+        raise ManifestError([Problem(format_loc(loc), message, source_of(loc, sources, overrides))],
                             sources.file) from None
 
 
@@ -301,123 +326,3 @@ def _interpolation_hint(message: str, raw: dict) -> str:
 def _key_loc(full_key: str) -> Loc:
     """OmegaConf's `targets[0].model` → ("targets", 0, "model")."""
     return tuple(int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", full_key))
-
-
-def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[Problem]:
-    """One Problem per pydantic error, located in the file or in the override that set it."""
-    problems = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        error = (err.get("ctx") or {}).get("error")
-        if isinstance(error, StrategyError):
-            loc += ("strategies", error.name) + ((error.key,) if error.key else ())
-            err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
-        message, hint = _describe(err, loc)
-        if loc and loc[-1] == "[key]":  # a mapping's key (a strategy's name) is what is wrong
-            loc, message = loc[:-1], f"the name {loc[-2]!r}: {message}"
-        problems.append(Problem(format_loc(loc), message, _source(loc, sources, overrides), hint))
-    return problems
-
-
-OUT_OF_RANGE = {"int_parsing_size", "finite_number", "int_from_float"}
-
-
-def _describe(err: dict, loc: Loc) -> tuple[str, str]:
-    kind, message = err["type"], err["msg"].removeprefix("Value error, ")
-    if kind == "extra_forbidden":
-        valid = fields_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
-        return "unknown key", hint
-    if kind == "missing":
-        return "required key is missing", ""
-    if kind in OUT_OF_RANGE:
-        message = f"expected {_expected(loc)}"
-    hint = ""
-    if kind == "literal_error" and isinstance(err.get("input"), str):
-        valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
-        close = difflib.get_close_matches(err["input"], valid, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else ""
-    shown_input = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"],
-                                                                                                (dict, list))
-    if shown_input and not (kind == "value_error" and str(err["input"]) in message):  # our messages name it
-        value = err["input"]
-        if isinstance(value, str) and len(value) > 60:
-            message += f" (got {len(value)} characters: {value[:40]!r}...)"
-        else:
-            message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
-    return message, hint
-
-
-def _expected(loc: Loc) -> str:
-    """The type and range of the field at `loc`, e.g. "an integer from 1 to 1000000"."""
-    field = field_at(loc)
-    if field is None:
-        return "a smaller number"
-    low = next((getattr(m, a) for m in field.metadata for a in ("ge", "gt") if getattr(m, a, None) is not None), None)
-    high = next((getattr(m, a) for m in field.metadata for a in ("le", "lt") if getattr(m, a, None) is not None), None)
-    kind = "an integer" if int in _types(field.annotation) else "a number"
-    if low is not None and high is not None:
-        return f"{kind} from {low} to {high}"
-    return f"{kind} of at least {low}" if low is not None else f"{kind} of at most {high}" if high is not None else kind
-
-
-def _types(annotation) -> set:
-    out, parts = set(), [annotation]
-    while parts:
-        part = parts.pop()
-        out.add(part)
-        parts += typing.get_args(part)
-    return out
-
-
-def _source(loc: Loc, sources: Sources, overrides=()) -> str:
-    for override in overrides:  # the override set the value, or added the key the value sits under
-        ov = _override_loc(override)
-        if loc[: len(ov)] == ov or (loc and ov[: len(loc)] == loc and loc not in sources.locations):
-            return f"override '{shown(override)}'"
-    return sources.at(loc)
-
-
-def _override_loc(override: str) -> Loc:
-    key = override.split("=", 1)[0].lstrip("+~")
-    return tuple(int(p) if p.isdigit() else p for p in key.split("."))
-
-
-def field_at(loc: Loc):
-    """The schema's FieldInfo at `loc` (None when `loc` is not a field)."""
-    cls: type[BaseModel] | None = Manifest
-    parts, field = list(loc), None
-    while parts:
-        if cls is None:
-            return None
-        part = parts.pop(0)
-        if isinstance(part, int) or part not in cls.model_fields:
-            return None
-        field = cls.model_fields[part]
-        cls, skip = _model_in(field.annotation)
-        if skip and parts:
-            parts.pop(0)  # a dict key or list index
-    return field
-
-
-def fields_at(loc: Loc) -> list[str]:
-    """The valid keys of the schema object at `loc` (list indices and dict keys skipped)."""
-    if not loc:
-        return list(Manifest.model_fields)
-    field = field_at(loc)
-    cls = _model_in(field.annotation)[0] if field is not None else None
-    return list(cls.model_fields) if cls is not None else []
-
-
-def _model_in(annotation) -> tuple[type[BaseModel] | None, bool]:
-    """The pydantic model inside list[X] / dict[str, X] / X | None, and whether a key/index sits before it."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    container = origin in (list, dict)
-    for arg in args:
-        found, inner = _model_in(arg)
-        if found is not None:
-            return found, container or inner  # dict[str, X] | None: the key sits inside the optional
-    return None, False

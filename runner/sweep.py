@@ -154,8 +154,9 @@ def validate_points(path: Path, points: list[Point], from_manifest: list[str] = 
     from the manifest's sweep: is located at its entry there, not at the override it became."""
     from runner.sources import read_sources
 
-    located = {f"override '{shown(o)}'": read_sources(path).at(("sweep", _key(o)))
-               for p in points for o in p.overrides if _key(o) in from_manifest} if from_manifest else {}
+    sources = read_sources(path) if from_manifest else None
+    located = {f"override '{shown(o)}'": sources.at(("sweep", _key(o)))
+               for p in points for o in p.overrides if _key(o) in from_manifest} if sources else {}
     problems = []
     for point, error in zip(points, load_points(path, [p.overrides for p in points])):
         if error is not None:

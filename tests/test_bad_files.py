@@ -147,6 +147,22 @@ def test_a_thousand_point_sweep_is_composed_by_hydra_once(tmp_path, monkeypatch)
     assert "greater than or equal to 0" in str(outcome[500])
 
 
+def test_fast_point_validation_agrees_with_a_full_composition(tmp_path):
+    """Points are validated on the resolved manifest only when no interpolation reads what they set."""
+    path = manifest(tmp_path, head="models:\n  m: {id: zoo:smollm2-135m, dtype: float32}\n")
+    path.write_text(path.read_text().replace("  - name: smol\n", "  - name: smol\n    model: ${models.m}\n"))
+    points = [("++models.m.dtype=float64",), ("++seed=3",), ("++targets.0.model.dtype=float64",),
+              ("++models.m.device=gpu", "++seed=-1"), ("++name=${seed}",)]
+    for point, fast in zip(points, load_points(path, points)):
+        try:
+            load_manifest(path, list(point))
+            full = None
+        except ManifestError as exc:
+            full = exc
+        assert str(fast) == str(full), point
+    assert [e is None for e in load_points(path, points)] == [False, True, False, False, False]
+
+
 def test_check_of_a_thousand_point_sweep_answers(tmp_path, capsys):
     path = manifest(tmp_path, head="sweep: {seed: 'range(0,1000)'}\n")
     assert main(["check", str(path)]) == 0
