@@ -99,8 +99,8 @@ def validate(raw: dict, path: Path, sources: Sources, overrides=()) -> Manifest:
     missing = input_problems(manifest, path.parent)
     runs_dir = Path(manifest.tracking.runs_dir)
     if runs_dir.exists() and not runs_dir.is_dir():
-        missing.append((("tracking", "runs_dir"), f"runs_dir {str(runs_dir)!r} is a file, not a folder: run folders "
-                        "cannot be made in it"))
+        missing.append((("tracking", "runs_dir"),
+                        f"runs_dir {str(runs_dir)!r} is a file, not a folder: run folders cannot be made in it"))
     if missing:
         raise ManifestError([Problem(format_loc(loc), message, source_of(loc, sources, overrides))
                              for loc, message in missing], sources.file)
@@ -274,7 +274,7 @@ def hydra_reason(exc: Exception) -> str:
     while current is not None and len(lines) < 4:
         text = str(current).strip().split("Config search path:")[0]
         text = re.sub(r"(Available options in '[^']*'):\s*\n(.*)", lambda m: m.group(1) + ": "
-                      + ", ".join(m.group(2).split()), text, flags=re.S)
+                      + ", ".join(m.group(2).split()), text, flags=re.DOTALL)
         for line in text.splitlines():
             line = line.strip()
             internal = line.startswith(("full_key:", "object_type=", "reference_type=")) or line == "None"
