@@ -111,7 +111,7 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         named = _entry(entry, group)
         if named is None:
             continue
-        config, pkg, optional = named
+        config, pkg, optional, explicit = named
         if pkg and depth == 0:
             sources.locations.setdefault(pkg, where)  # keys the fragment brings, at least at their entry
         if any(part in ("..", "") for part in config.split("/")) or config.startswith("/") or "\\" in config:
@@ -121,9 +121,10 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
             continue
         path = folder / f"{config}.yaml"
         shown = str(Path(sources.file).parent / f"{config}.yaml")
-        if not path.is_file() and optional:
+        missing = not path.exists() and not path.is_symlink()  # a loop or a folder: read_file says which
+        if missing and optional:
             continue  # Hydra skips an optional fragment that is not there
-        if not path.is_file():
+        if missing:
             problems.append(Problem(format_loc(loc + (i,)), f"no fragment {config!r} (looked for {shown})"
                                     + _closest(path), where))
             continue
@@ -133,6 +134,11 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
             continue
         try:
             text = read_file(path, shown, where)
+        except ManifestError as exc:  # reported at the entry that names the fragment
+            problems += [Problem(format_loc(loc + (i,)) if p.source == where else p.path, p.message, p.source)
+                         for p in exc.problems]
+            continue
+        try:
             load_checked(text, shown)
         except ManifestError as exc:
             problems += exc.problems
@@ -143,8 +149,11 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         if not isinstance(root, yaml.MappingNode):
             problems.append(Problem("", "a fragment is a mapping of keys", _at(shown, root)))
             continue
-        pkg = _package_header(text, pkg)
+        pkg = pkg if explicit else _package_header(text, pkg)  # `group@pkg:` wins over `# @package`
         inner = _locate(root, pkg, shown)
+        if pkg + ("hydra",) == ("hydra",) and ("hydra",) in inner:
+            problems.append(Problem("hydra", "a fragment has no hydra: block (runner sets Hydra's options; choose a "
+                                    "launcher on the command line: -m hydra/launcher=joblib)", inner[("hydra",)]))
         problems += _env_problems(root, shown)
         nested = _node(root, "defaults")
         if isinstance(nested, yaml.SequenceNode):
@@ -153,15 +162,15 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         sources.locations.update(inner)
 
 
-def _entry(entry: yaml.Node, group: str) -> tuple[str, Loc, bool] | None:
-    """A defaults entry → (config path without .yaml, package as a key path, optional); None for _self_, Hydra's
-    own entries and anything Hydra will judge itself."""
+def _entry(entry: yaml.Node, group: str) -> tuple[str, Loc, bool, bool] | None:
+    """A defaults entry → (config path without .yaml, package as a key path, optional, package given); None for
+    _self_, Hydra's own entries and anything Hydra will judge itself."""
     if isinstance(entry, yaml.ScalarNode) and isinstance(entry.value, str):
         name = entry.value.strip()
         if name in ("_self_", "") or name.startswith("hydra/"):
             return None
         config = f"{group}/{name}" if group and not name.startswith("/") else name.lstrip("/") if group else name
-        return config, _package(config.rpartition("/")[0]), False
+        return config, _package(config.rpartition("/")[0]), False, False
     if isinstance(entry, yaml.MappingNode) and len(entry.value) == 1:
         key, value = entry.value[0]
         if not isinstance(key, yaml.ScalarNode) or not isinstance(value, yaml.ScalarNode) or value.tag.endswith("null"):
@@ -174,7 +183,7 @@ def _entry(entry: yaml.Node, group: str) -> tuple[str, Loc, bool] | None:
             return None
         grp, _, pkg = words[0].partition("@")
         grp = f"{group}/{grp}" if group and not grp.startswith("/") else grp.lstrip("/") if group else grp
-        return f"{grp}/{value.value}", _package(pkg or grp), optional
+        return f"{grp}/{value.value}", _package(pkg or grp), optional, bool(pkg)
     return None
 
 
@@ -202,7 +211,8 @@ def _closest(path: Path) -> str:
     close = difflib.get_close_matches(path.stem, siblings, n=1)
     if close:
         return f" (did you mean '{close[0]}'?)"
-    return f"; there are: {', '.join(siblings)}" if siblings else ""
+    shown = ", ".join(siblings[:8]) + (f", ... ({len(siblings)} in all)" if len(siblings) > 8 else "")
+    return f"; there are: {shown}" if siblings else ""
 
 
 def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
