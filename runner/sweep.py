@@ -231,6 +231,12 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
         except (HydraException, OmegaConfBaseException) as exc:
             state = "failed"
             raise RunnerError(f"the sweep could not be launched: {hydra_reason(exc)}") from None
+        except Exception as exc:
+            if not _job_died(exc):
+                raise
+            state = "failed"  # every other point has ended (manifests/launchers/' launchers wait for all)
+            raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
         finally:
             GlobalHydra.instance().clear()
             _collect(outcome, points)
@@ -242,7 +248,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
                 if entry["state"] == "running":  # its worker was stopped before it could say so
                     entry["state"] = outcome.states[entry["index"]] = "interrupted"
             atomic_write_json(folder / "sweep.json", record)
-            if state == "interrupted":  # parallel workers stopped mid-step cannot end their own runs
+            if state != "finished":  # workers stopped mid-step (interrupted, killed, cancelled) cannot end their runs
                 tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
             sweep_run.log(params={"manifest": manifest.name, "sweep.points": len(points),
                                   "sweep.keys": sorted(points[0].values)})
@@ -288,6 +294,12 @@ def run_point(context: dict, cfg) -> dict:
     if failed and context["on_failure"] == "stop":
         Path(context["stop_file"]).touch()
     return {"index": point.index, "state": "failed" if failed else "finished"}
+
+
+def _job_died(exc: Exception) -> bool:
+    """Ray or submitit saying a point's worker or job died under it (killed, cancelled): not a bug in the point."""
+    return type(exc).__module__.split(".")[0] in ("ray", "submitit") and type(exc).__name__ in (
+        "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "TaskCancelledError", "UncompletedJobError")
 
 
 def _resumable(folder: Path, points: list[Point]) -> dict:

@@ -169,7 +169,7 @@ def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateCo
             shown = ready
     record = _record(prompt, tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
     show(record["output"][shown:])
-    log.info("  [%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s]", record["new_tokens"], record["prefill_s"] * 1000,
+    log.info("%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s", record["new_tokens"], record["prefill_s"] * 1000,
              record["decode_tokens_per_s"], record["stop_reason"])
     return [record]
 
