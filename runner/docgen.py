@@ -146,6 +146,9 @@ def _docstring(model: type[BaseModel]) -> str:
 def _type(annotation) -> str:
     """A field's type as a user reads it: int, float, str, bool, list[...], map of ..., literal values, null."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained type, e.g. a map's key: the type, then its constraints
+        constraints = _constraints(list(annotation.__metadata__), "characters" if args[0] is str else "items")
+        return f"{_type(args[0])} ({constraints})" if constraints else _type(args[0])
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type(arg) for arg in args)
     if origin is typing.Literal:
@@ -206,9 +209,16 @@ def _description(field: FieldInfo) -> str:
 
 
 def _bounds(field: FieldInfo) -> str:
-    unit = "characters" if _mentions(field.annotation, str) else "items"
+    return _constraints(field.metadata, "characters" if _mentions(field.annotation, str) else "items")
+
+
+def _constraints(metadata: list, unit: str) -> str:
+    """Bounds, lengths (in `unit`) and patterns, as words."""
     words = []
-    for item in field.metadata:
+    for item in metadata:
+        if isinstance(item, FieldInfo):  # Annotated[T, Field(...)]: its own constraints
+            words += [_constraints(item.metadata, unit)]
+            continue
         if isinstance(item, at.Ge):
             words.append(f"≥ {_yaml(item.ge)}")
         elif isinstance(item, at.Gt):
