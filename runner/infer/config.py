@@ -61,7 +61,7 @@ def parse_kind(kind: str | None) -> tuple[str | None, dict]:
     given: dict[str, int] = {}
     for field in fields:
         option = KIVI_OPTIONS.get(field[:1])
-        if option is None or option in given or not field[1:].isdigit():
+        if option is None or option in given or not (field[1:].isascii() and field[1:].isdigit()):
             raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
                              f"r<residual length>, each at most once, e.g. {name}:g32:r128")
         given[option] = int(field[1:])
@@ -107,7 +107,7 @@ class AutoCacheConfig(BaseModel):
         "Text windows (a batch) the NLL and KL average over."))
     cache_quality_ppl_len: int = Field(512, ge=2, le=1_000_000, description=(
         "Tokens in the perplexity window and the needle probe (capped by max_seq_len)."))
-    cache_quality_data: str = Field("pydoc", min_length=1, description=(
+    cache_quality_data: str = Field("pydoc", min_length=1, json_schema_extra={"input_file": "text"}, description=(
         "Evaluation text: pydoc, shakespeare, britannica, a .txt file (relative to the manifest) or "
         "hf:OWNER/REPO/PATH."))
     cache_quality_on_fail: Literal["error", "reference"] = Field("reference", description=(
@@ -157,7 +157,7 @@ class GenerateConfig(AutoCacheConfig):
 
     max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens (0 or unset = off).")
+    top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     repetition_penalty: float = Field(
         1.0, gt=0.0, le=100.0, description="CTRL-style penalty on tokens already in the sequence (1 = off)."
@@ -174,7 +174,7 @@ class GenerateConfig(AutoCacheConfig):
         "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
         "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
     seed: int | None = Field(
-        None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
+        None, ge=0, le=2**63 - 1, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
     min_p: float | None = Field(None, ge=0.0, le=1.0, description=(
         "Keep tokens whose probability is at least min_p × the top token's (unset or 0 = off)."))
@@ -296,14 +296,14 @@ class SpeculativeConfig(BaseModel):
         "Fall back to target-only decoding when the recent acceptance rate falls below this (0 = never)."))
     max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens (0 or unset = off).")
+    top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
     engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 "
         "(options as in kivi4:g32:r128); unset = the model's dtype. auto is not supported here."))
-    seed: int | None = Field(None, description=(
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
         "Seed of the generator of every random draw; unset = the manifest's seed (0 in the library)."))
 
     @field_validator("cache_kind")

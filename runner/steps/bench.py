@@ -25,6 +25,7 @@ from runner.infer.models import LoadedModel, load_spec
 from runner.infer.config import DTYPES
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
+from runner.paths import model_source, text_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = BenchSpec.model_validate(step.spec)
     cells = matrix(spec, step.model["dtype"])
-    text = load_text(spec.data, base_dir)
+    text = load_text(text_source(spec.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
@@ -245,7 +246,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 def _reload(step: Step, dtype: str, base_dir: Path):
     spec = step.model
     log.info("[%s] loading %s as %s", step.key, spec.get("id") or "config model", dtype)
-    return load_spec(spec, step.model_seed, base_dir, dtype=dtype).model
+    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:

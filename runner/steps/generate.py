@@ -20,6 +20,7 @@ from runner.infer.config import GenerateConfig
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, PromptSource, library_config
+from runner.paths import read_text
 from runner.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
 from runner.steps.cache_select import describe, params, select_for
@@ -104,11 +105,8 @@ def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     if spec.prompts_file is None:
         log.info("no prompts given: using %s", DEFAULT_PROMPTS)
         return list(DEFAULT_PROMPTS)
-    path = (base_dir / spec.prompts_file).resolve()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise StepError(f"prompts_file {path}: {exc.strerror}") from None
+    path, text = read_text(spec.prompts_file, base_dir, "prompts")
+    lines = text.splitlines()
     if path.suffix == ".txt":
         prompts = [line for line in lines if line.strip()]
     else:
@@ -176,7 +174,7 @@ def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateCo
             shown = ready
     record = _record(prompt, tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
     show(record["output"][shown:])
-    log.info("  [%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s]", record["new_tokens"], record["prefill_s"] * 1000,
+    log.info("%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s", record["new_tokens"], record["prefill_s"] * 1000,
              record["decode_tokens_per_s"], record["stop_reason"])
     return [record]
 

@@ -21,6 +21,7 @@ from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
 from runner.infer.speed import time_decode_kinds
 from runner.infer.timing import time_once
+from runner.paths import model_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.generate import load_prompts
@@ -72,7 +73,7 @@ def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Pat
         return PROMPT_LOOKUP
     d = spec.draft
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
-    draft = load_spec(d.model_dump(), step.model_seed, base_dir, device=str(lm.device))
+    draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
         raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
                         f"({len(draft.tokenizer)} vs {len(lm.tokenizer)} tokens): speculative decoding needs the same "
