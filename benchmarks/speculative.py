@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
+from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
@@ -48,24 +49,27 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engine", default="eager", choices=["eager", "compiled"],
+                        help="runner's engine for ours target-only and ours speculative (compiled: in the warm-up)")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
-    target = load_model(args.target, dtype=args.dtype, device="cpu")
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
     lookup = args.draft == PROMPT_LOOKUP
-    draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device="cpu").model
+    draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device=args.device).model
     prompts = LOOKUP_PROMPTS if lookup else CODE_PROMPTS
     n = args.new_tokens
     print(f"target={args.target} draft={args.draft} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"new_tokens={n} repeats={args.repeats}")
+          f"new_tokens={n} repeats={args.repeats} engine={args.engine} device={target.device}")
     print(f"{'prompt':>6} {'k':>2} {'method':>18} {'tok/s':>7} {'vs ours':>8} {'vs hf':>6} {'accept':>7} same")
     for p_index, prompt in enumerate(prompts):
-        ids = target.tokenizer(prompt, return_tensors="pt").input_ids
+        ids = target.tokenizer(prompt, return_tensors="pt").input_ids.to(target.device)
         for k in args.k:
             methods = {
                 "ours target-only": lambda: Generator(target.model, GenerateConfig(
-                    max_new_tokens=n, temperature=0)).generate(ids),
-                "ours speculative": lambda: _speculative(target.model, draft, ids, n, k),
+                    max_new_tokens=n, temperature=0, engine=args.engine)).generate(ids),
+                "ours speculative": lambda: _speculative(target.model, draft, ids, n, k, args.engine),
                 "hf generate": lambda: target.model.generate(ids, attention_mask=torch.ones_like(ids),
                                                              max_new_tokens=n, do_sample=False),
                 "hf assisted": lambda: target.model.generate(
@@ -80,7 +84,8 @@ def main() -> None:
                     tick()
                 return run_once
 
-            marks = time_interleaved({name: timed(name) for name in methods}, args.repeats)  # CPU: no sync needed
+            marks = time_interleaved({name: timed(name) for name in methods}, args.repeats,
+                                     sync=lambda: sync(target.device))
             reference = outputs["ours target-only"]
             speed = {name: statistics.median((outputs[name].shape[1] - ids.shape[1]) / m[-1] for m in runs)
                      for name, runs in marks.items()}
@@ -97,9 +102,9 @@ class _Tokens(torch.Tensor):
     """Output ids that also carry the acceptance rate of the run that made them."""
 
 
-def _speculative(model, draft, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _speculative(model, draft, ids: torch.Tensor, n: int, k: int, engine: str = "eager") -> torch.Tensor:
     gen = SpeculativeGenerator(target_model=model, draft_model=draft,
-                               config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k))
+                               config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k, engine=engine))
     out = gen.generate(ids).as_subclass(_Tokens)
     out.acceptance = gen.acceptance_rate
     return out

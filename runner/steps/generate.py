@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from runner.errors import StepError
+from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel
@@ -78,6 +79,10 @@ def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], 
         for r in records:
             show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
     result = {"prompts": records, "metrics": _totals(records, batches)}
+    if config.engine == "compiled":  # compiling is never inside prefill_s / decode_s: it is reported apart
+        stats = engine_for(lm.model).stats
+        result["compile"] = {"seconds": stats.total_s, "compiles": stats.compiles, "recompiles": stats.recompiles}
+        result["metrics"] |= {"compile_s": stats.total_s, "recompiles": float(stats.recompiles)}
     if plans:
         result["decode_plans"] = plans
         result["metrics"]["sliding_window"] = float(any(p["local_window"] for p in plans))

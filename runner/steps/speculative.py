@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from runner.errors import StepError
+from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import sync
 from runner.infer.generator import Generator
@@ -85,7 +86,10 @@ def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> flo
     """The same prompts and settings decoded by the target alone, with our decode loop."""
     baseline = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                               top_k=config.top_k, top_p=config.top_p, max_seq_len=config.max_seq_len,
-                              cache_kind=config.cache_kind, seed=config.seed)
+                              cache_kind=config.cache_kind, seed=config.seed, engine=config.engine)
+    if config.engine == "compiled":  # compile the target-only shape now, outside the timing
+        engine_for(lm.model).state(config.cache_kind, enc.input_ids.shape[0],
+                                   enc.input_ids.shape[1] + config.max_new_tokens, config.max_seq_len)
     return time_once(lambda: Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask),
                      sync=lambda: sync(lm.device))
 

@@ -15,11 +15,11 @@ LAYERS = [
     ("config", ["config", "quant"]),
     ("loading", ["pinned", "zoo", "data", "models"]),
     ("forward", ["forward"]),
-    ("caches", ["kvcache", "window"]),
+    ("caches", ["kvcache", "window", "static"]),
     ("strategies", ["sampling", "beam", "contrastive"]),
     ("measure", ["timing", "speed", "quality"]),
     ("select", ["cache_plans", "autocache"]),
-    ("generators", ["generator", "speculative"]),
+    ("generators", ["compiled", "generator", "speculative"]),
     ("bench cells", ["cells"]),
 ]
 ORDER = [module for _, modules in LAYERS for module in modules]
