@@ -4,13 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: quickstart test setup bench clean
+.PHONY: quickstart test test-cluster setup bench clean
 
 quickstart: setup
 	$(BIN)/run manifests/quickstart.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Sweeps on real clusters on this machine (Ray, SLURM, submitit local, an MLflow server, the UI in chromium):
+# docs/clusters.md. Needs root; 6-11 minutes on 2 cores once installed (bounded at 30).
+test-cluster: setup
+	$(BIN)/pip install -q -e ".[cluster]"
+	bash cluster/test_cluster.sh
 
 setup: $(VENV)/.installed
 

@@ -64,12 +64,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate() (and assisted at b1)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engine", default="eager", choices=["eager", "compiled"],
+                        help="runner's engine (compiled: speculative rows go one after another)")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
-    target = load_model(args.target, dtype=args.dtype, device="cpu")
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
     lookup = args.draft == PROMPT_LOOKUP
-    draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device="cpu").model
+    draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device=args.device).model
     prompts = LOOKUP_PROMPTS if lookup else CODE_PROMPTS
     n, k = args.new_tokens, args.k
     print(f"target={args.target} draft={args.draft} dtype={args.dtype} threads={torch.get_num_threads()} "
@@ -77,12 +80,12 @@ def main() -> None:
     print(f"{'batch':>5} {'method':>18} {'tok/s':>7} {'spread':>7} {'vs ours':>8} {'accept':>7} {'rows':>11} same")
     for batch in args.batch:
         enc = target.tokenizer([prompts[i % len(prompts)] for i in range(batch)], return_tensors="pt", padding=True)
-        ids, mask = enc.input_ids, enc.attention_mask
+        ids, mask = enc.input_ids.to(target.device), enc.attention_mask.to(target.device)
         methods = {
             "ours target-only": lambda: Generator(target.model, GenerateConfig(
-                max_new_tokens=n, temperature=0)).generate(ids, mask),
-            "ours spec batched": lambda: _speculative(target.model, draft, ids, mask, n, k, batched=True),
-            "ours spec rows": lambda: _speculative(target.model, draft, ids, mask, n, k, batched=False),
+                max_new_tokens=n, temperature=0, engine=args.engine)).generate(ids, mask),
+            "ours spec batched": lambda: _speculative(target.model, draft, ids, mask, n, k, True, args.engine),
+            "ours spec rows": lambda: _speculative(target.model, draft, ids, mask, n, k, False, args.engine),
         }
         if args.hf:
             methods["hf generate"] = lambda: target.model.generate(ids, attention_mask=mask, max_new_tokens=n,
@@ -123,9 +126,9 @@ class _Tokens(torch.Tensor):
     """Output ids that also carry the stats of the run that made them."""
 
 
-def _speculative(model, draft, ids, mask, n: int, k: int, batched: bool) -> torch.Tensor:
+def _speculative(model, draft, ids, mask, n: int, k: int, batched: bool, engine: str) -> torch.Tensor:
     gen = SpeculativeGenerator(target_model=model, draft_model=draft, batched=batched,
-                               config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k))
+                               config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k, engine=engine))
     out = gen.generate(ids, mask).as_subclass(_Tokens)
     out.stats = gen.stats
     return out

@@ -115,7 +115,7 @@ def _browse(command: str, argv: list[str]) -> int:
                             "e.g. --where sweep.temperature=0.7")
         parser.add_argument("--columns", help="comma-separated metrics, params or tags to show "
                             "(e.g. tokens_per_s,params.generate.temperature)")
-        parser.add_argument("--limit", type=int, default=50, help="most rows (default 50)")
+        parser.add_argument("--limit", type=_positive, default=50, help="most rows (default 50)")
         parser.add_argument("--all", action="store_true", help="also the parent runs (one per invocation)")
     else:
         parser = _parser("compare", "Two runs' metrics side by side; a change is flagged only when it is larger "
@@ -127,6 +127,8 @@ def _browse(command: str, argv: list[str]) -> int:
     parser.add_argument("--runs-dir", default="runs", help="where run folders and mlflow.db are (default runs)")
     parser.add_argument("--tracking-uri", help="an MLflow tracking URI instead of <runs-dir>/mlflow.db")
     args = _parse(parser, argv)
+    for condition in getattr(args, "where", ()):  # the options' form first, before any store is opened
+        results.where_condition(condition)
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
@@ -145,9 +147,12 @@ def _browse(command: str, argv: list[str]) -> int:
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
     from runner import sweep
 
+    from runner.sources import read_sources
+
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
-    points = sweep.expand(arguments, str(path), list(manifest.sweep))
-    sweep.validate_points(path, points)
+    where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
+    points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
+    sweep.validate_points(path, points, sweep.manifest_keys(manifest.sweep, overrides))
     sweep.validate_launcher(path, arguments, hydra_args)
     if command == "check":
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
@@ -195,6 +200,12 @@ def _resume_folder(args, manifest, record: str) -> Path | None:
 def _catch_signals() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background, where SIGINT is ignored
         signal.signal(sig, _interrupt)
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
 
 
 def _count(n: int, word: str) -> str:
@@ -263,6 +274,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; keep its message but say where to look."""
 
     def error(self, message: str):
+        message = message.replace("manifest, overrides", "manifest")  # argparse lists the optional overrides too
         self.print_usage(sys.stderr)
         print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(2)

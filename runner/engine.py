@@ -24,6 +24,7 @@ from runner.errors import ResourceError, RunnerError
 from runner.files import atomic_write_json
 from runner.infer.models import load_spec
 from runner.manifest import Manifest
+from runner.paths import model_source
 from runner.plan import Plan, Step
 from runner.report import ProgressFactory, no_progress
 from runner.steps import STEP_RUNNERS
@@ -54,7 +55,7 @@ class LoadedModels:
             self.key, self.model = None, None  # free the previous model before loading the next
             spec = step.model
             log.info("loading %s (%s, %s)", spec.get("id") or "config model", spec["dtype"], spec["device"])
-            self.model, self.key = load_spec(spec, step.model_seed, base_dir), key
+            self.model, self.key = load_spec(model_source(spec, base_dir), step.model_seed, base_dir), key
         return self.model
 
 

@@ -27,7 +27,8 @@ class Problem:
     def __str__(self) -> str:
         where = f"{self.source}: " if self.source else ""
         hint = f" ({self.hint})" if self.hint else ""
-        return f"{where}{self.path or '<top>'}: {self.message}{hint}"
+        path = self.path or ("" if self.source.startswith(("override", "command line")) else "<top>")
+        return f"{where}{path + ': ' if path else ''}{self.message}{hint}"
 
 
 class ManifestError(RunnerError):
@@ -48,6 +49,10 @@ class ModelError(RunnerError):
 
 class ResourceError(RunnerError):
     """The machine ran out of something (memory, disk) while doing what the manifest asked."""
+
+
+class InputFileError(RunnerError):
+    """A file the manifest names (prompts, evaluation text, a local model) is missing, unreadable or unfit."""
 
 
 class StepError(RunnerError):

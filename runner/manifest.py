@@ -7,8 +7,11 @@ they never touch torch, devices or disk (paths are resolved later, relative to t
 
 from __future__ import annotations
 
+import difflib
+import re
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -16,19 +19,52 @@ from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig, parse
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
+NAME_MAX = 200  # a folder name is at most 255 bytes, with the run folder's time stamp in front
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range
 MODES = ("generate", "auto-cache-select", "speculative", "bench")
 BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
           "bench": "bench"}  # mode → its block
 
 
-class Strict(BaseModel):
+class NumbersNotBooleans(BaseModel):
+    """YAML 1.1 reads yes/no/on/off/true/false as booleans, which pydantic would take as 1 and 0: a number
+    field refuses them (`max_new_tokens: yes` is a mistake, not 1)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and _is_boolean(value) and _takes_numbers(field.annotation):
+            raise ValueError("expected a number, not a boolean (YAML reads yes/no/on/off/true/false as booleans)")
+        return value
+
+
+def _is_boolean(value) -> list:
+    """The booleans in `value` (itself, or a list's items)."""
+    items = value if isinstance(value, list) else [value]
+    return [v for v in items if isinstance(v, bool)]
+
+
+def _takes_numbers(annotation) -> bool:
+    """int or float somewhere in the annotation (list[int], float | None, ...) and bool nowhere."""
+    parts, numbers = [annotation], False
+    while parts:
+        part = parts.pop()
+        if part is bool:
+            return False
+        numbers |= part in (int, float)
+        parts += typing.get_args(part)
+    return numbers
+
+
+class Strict(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelSpec(Strict):
     """Which model to load: `id` or `config` (not both); neither means the embedded default."""
 
-    id: str | None = Field(None, min_length=1, description=(
+    id: str | None = Field(None, min_length=1, json_schema_extra={"input_file": "model"}, description=(
         "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
     config: dict | None = Field(None, description=(
         "A transformers config (model_type + sizes) built with random weights from the seed."))
@@ -65,11 +101,11 @@ class ModelSpec(Strict):
         return value
 
 
-class PromptSource(BaseModel):
+class PromptSource(NumbersNotBooleans):
     """Where prompts come from and how they are batched (shared by the generate and speculative blocks)."""
 
     prompts: list[str] | None = Field(None, min_length=1, description="Prompts, inline; none = one default prompt.")
-    prompts_file: str | None = Field(None, description=(
+    prompts_file: str | None = Field(None, json_schema_extra={"input_file": "prompts"}, description=(
         "A .txt file (one prompt per line) or .jsonl file ({\"prompt\": ...} per line), relative to the manifest."))
     batch_size: int = Field(1, ge=1, le=4096, description="Prompts decoded together (left-padded).")
 
@@ -85,10 +121,26 @@ class PromptSource(BaseModel):
 STRATEGY_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                  "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
                  "penalty_alpha", "seed", "decode_plan", "decode_q_chunk", "decode_local_window", "decode_sink_tokens")
-Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys, each overriding the block's
-    "Strategy", __config__=ConfigDict(extra="forbid", frozen=True),
-    **{key: (GenerateConfig.model_fields[key].annotation | None,
+def _optional(field):
+    """The field's type (with its bounds) or None."""
+    return Annotated[(field.annotation | None, *field.metadata)] if field.metadata else field.annotation | None
+
+
+Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys and bounds, each overriding the block's
+    "Strategy", __base__=Strict,
+    **{key: (_optional(GenerateConfig.model_fields[key]),
              Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
+
+
+StrategyName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]  # names columns and metrics
+
+
+class StrategyError(ValueError):
+    """A strategy that does not validate with its block's settings: names the strategy and the key."""
+
+    def __init__(self, name: str, key: str | None, message: str):
+        self.name, self.key = name, key
+        super().__init__(f"strategy {name!r}: {message}")
 
 
 class GenerateSpec(GenerateConfig, PromptSource):
@@ -98,7 +150,7 @@ class GenerateSpec(GenerateConfig, PromptSource):
     """
 
     stream: bool = Field(False, description="Print tokens as they are generated (batch_size 1).")
-    strategies: dict[str, Strategy] | None = Field(None, min_length=1, description=(
+    strategies: dict[StrategyName, Strategy] | None = Field(None, min_length=1, description=(
         "Decode the same prompts once per named strategy (each overrides the block's decoding keys); outputs "
         "side by side in the results and outputs.csv."))
 
@@ -128,7 +180,12 @@ class GenerateSpec(GenerateConfig, PromptSource):
         except ValidationError as exc:
             name = next(n for n, st in self.strategies.items()  # the first strategy that does not validate
                         if not _validates(self, st.model_dump(exclude_none=True) | updates))
-            raise ValueError(f"strategy {name!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+            err = exc.errors()[0]
+            key = next((part for part in err["loc"] if isinstance(part, str)), None)
+            given = self.strategies[name].model_dump(exclude_none=True)
+            shown = f" (got {given[key]!r})" if key in given else ""
+            raise StrategyError(name, key if key in given else None,
+                                err["msg"].removeprefix("Value error, ") + shown) from None
 
 
 class DraftSource(BaseModel):
@@ -141,7 +198,12 @@ class DraftSource(BaseModel):
     @field_validator("draft", mode="before")
     @classmethod
     def _lookup_or_model(cls, value):
-        return value if value == "prompt-lookup" else ModelSpec.model_validate(value)
+        if value == "prompt-lookup":
+            return value
+        if isinstance(value, str) and difflib.get_close_matches(value.lower(), ["prompt-lookup"], n=1, cutoff=0.8):
+            raise ValueError(f"unknown draft {value!r}: did you mean 'prompt-lookup'? (a model id would be "
+                             "zoo:NAME, OWNER/NAME or a local path)")
+        return ModelSpec.model_validate(value)
 
 
 class SpeculativeSpec(SpeculativeConfig, PromptSource, DraftSource):
@@ -172,18 +234,44 @@ class BenchSpec(Strict):
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
     warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
-    baseline: Literal["hf", "none"] = Field("hf", description=(
-        "hf: also time transformers' model.generate() on the same model, inputs and cache; ratios beside."))
+    engines: list[Literal["eager", "compiled"]] = Field(["eager"], min_length=1, description=(
+        "Our decode engines, an axis of the matrix (engine: one value is the same): eager, compiled (static "
+        "caches, a compiled decode step; compile seconds reported apart). The compiled engine takes every kind "
+        "but KIVI."))
+    baseline: list[Literal["hf", "hf-compiled"]] = Field(["hf"], description=(
+        "Baselines timed on the same model and inputs beside every cell, with ratios: hf (transformers' eager "
+        "model.generate() with the same cache kind), hf-compiled (transformers' own static cache and compiled "
+        "forward; model dtype only); one value or a list; none = no baseline."))
     roofline: bool = Field(True, description=(
         "Measure the memory bandwidth once and report the fraction of the bandwidth bound reached by decode."))
-    data: str = Field("pydoc", min_length=1, description=(
+    data: str = Field("pydoc", min_length=1, json_schema_extra={"input_file": "text"}, description=(
         "Text the prompts are cut from: pydoc, shakespeare, britannica, a .txt file or hf:OWNER/REPO/PATH."))
 
-    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_is_one_engine(cls, data):
+        """`engine: compiled` is `engines: [compiled]`."""
+        if isinstance(data, dict) and "engine" in data:
+            if "engines" in data:
+                raise ValueError("give engine (one) or engines (a list), not both")
+            data = {k: v for k, v in data.items() if k != "engine"} | {"engines": data["engine"]}
+        return data
+
+    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", "engines", "baseline",
+                     mode="before")
     @classmethod
     def _one_or_many(cls, value):
+        if value == "none":
+            return []
         return [value] if value is not None and not isinstance(value, list) else value
 
+    @model_validator(mode="after")
+    def _compiled_serves_the_kinds(self) -> "BenchSpec":
+        kivi = [k for k in self.cache_kinds or [] if k.startswith("kivi")]
+        if "compiled" in self.engines and kivi:
+            raise ValueError(f"engines: compiled has no static layout for KIVI cache kinds (cache_kinds: {kivi[0]}): "
+                             "bench them with engines: eager, or remove them")
+        return self
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
@@ -201,7 +289,8 @@ class BenchSpec(Strict):
 
 
 class Run(Strict):
-    id: str = Field(pattern=NAME_PATTERN, description="Unique within its target; names the results folder.")
+    id: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
+        "Unique within its target; names the results folder."))
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
     generate: GenerateSpec | None = Field(None, description=(
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
@@ -233,7 +322,7 @@ class Run(Strict):
 
 class Target(Strict):
     type: Literal["experiment"] = Field("experiment", description="Kind of target (only 'experiment' for now).")
-    name: str = Field(pattern=NAME_PATTERN, description="Unique within the manifest.")
+    name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description="Unique within the manifest.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model; omitted = " + DEFAULT_MODEL + ".")
     runs: list[Run] = Field(min_length=1, description="Runs on this target's model, in order.")
 
@@ -244,17 +333,44 @@ class Target(Strict):
         return runs
 
 
+URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not use `uri` (an unknown scheme), or None; checked before any run folder exists."""
+    if "://" not in uri:
+        return None if ":" not in uri.split("/")[0] else f"tracking URI {uri!r} has no '//' after its scheme"
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme in URI_SCHEMES or scheme.startswith("databricks"):
+        return None
+    close = difflib.get_close_matches(scheme, URI_SCHEMES, n=1)
+    hint = f"did you mean '{close[0]}://'? " if close else ""
+    return (f"unknown tracking URI scheme {scheme!r}: {hint}MLflow takes "
+            + ", ".join(f"{s}://" for s in URI_SCHEMES) + " or a folder")
+
+
 class Tracking(Strict):
     mlflow: bool = Field(True, description="Mirror results to MLflow.")
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the manifest's name.")
-    tracking_uri: str | None = Field(None, description="MLflow store; default sqlite:///<runs_dir>/mlflow.db.")
+    tracking_uri: str | None = Field(None, min_length=1, description=(
+        "MLflow store; default sqlite:///<runs_dir>/mlflow.db. " + ", ".join(f"{s}://" for s in URI_SCHEMES)
+        + " or a folder."))
     runs_dir: str = Field("runs", min_length=1, description="Where run folders go (relative to the working directory).")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str | None) -> str | None:
+        problem = tracking_uri_problem(uri) if uri is not None else None
+        if problem:
+            raise ValueError(problem)
+        return uri
 
 
 class Manifest(Strict):
     version: int = Field(1, description="Manifest format version (this runner reads 1).")
-    name: str = Field(pattern=NAME_PATTERN, description="Names the run folder; default: the file's stem.")
-    seed: int = Field(0, ge=0, description="Seeds weights of config models and every sampler.")
+    name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
+        "Names the run folder; default: the file's stem."))
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds weights of config models and every sampler.")
     tracking: Tracking = Field(default_factory=Tracking, description="Where results are mirrored.")
     models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
         "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
@@ -265,13 +381,22 @@ class Manifest(Strict):
     sweep: dict[str, list[str | int | float | bool | None] | str] = Field(default_factory=dict, description=(
         "Sweep: key path → values, a list or Hydra's sweep grammar ('0.1,0.5', 'range(1,4)', 'choice(a,b)'); "
         "every combination runs as one point (e.g. targets.0.runs.0.generate.temperature: [0.0, 0.7])."))
+    sweep_max_points: int = Field(1000, ge=1, le=1_000_000, description=(
+        "Most points a sweep may have (a guard against a typo such as range(0,100000)); raise it to run more."))
 
-    @field_validator("sweep")
+    @field_validator("sweep", mode="before")
     @classmethod
-    def _sweep_values(cls, sweep: dict) -> dict:
-        for key, values in sweep.items():
+    def _sweep_values(cls, sweep):
+        for key, values in sweep.items() if isinstance(sweep, dict) else ():
+            if not isinstance(key, str) or not re.match(r"^[\w-]+(\.[\w-]+)*$", key):
+                raise ValueError(f"sweep key {key!r} is not a key path: names and list indices joined by dots "
+                                 "(e.g. targets.0.runs.0.generate.temperature)")
             if isinstance(values, list) and not values:
                 raise ValueError(f"sweep key {key!r} has no values")
+            if not isinstance(values, (list, str)) or any(isinstance(v, (list, dict)) for v in values if
+                                                          isinstance(values, list)):
+                raise ValueError(f"sweep key {key!r}: expected a list of values or a string in Hydra's sweep grammar "
+                                 f"('0.1,0.5', 'range(1,4)'), got {type(values).__name__}")
         return sweep
 
     @field_validator("version")

@@ -1,10 +1,10 @@
 """Manifest → Plan: an ordered, frozen, printable list of steps, each with a content hash.
 
 No torch. The hash covers everything that decides a step's output: the model spec, the run spec,
-the seeds, the content of input files the spec names (prompts_file), the code (a hash of runner's
-source) and the environment (Python, torch, transformers versions, OS and machine), so equal hashes
-mean the step would compute the same thing, and `--resume` may skip a finished step by its hash.
-Model weights named by a local path are identified at load time (the fingerprint in results.json).
+the seeds, every input file the step reads (as runner.paths resolves and fingerprints them: the content
+of prompts and evaluation text files, a local model's file names, sizes and times), the code (a hash of
+runner's source) and the environment (Python, torch, transformers versions, OS and machine), so equal
+hashes mean the step would compute the same thing, and `--resume` may skip a finished step by its hash.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from runner import __version__
 from runner.manifest import BLOCKS, Manifest
+from runner.paths import input_digests
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,14 @@ def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> Plan:
     steps = []
     for target in manifest.targets:
         model = target.model.model_dump(mode="json")
+        model_files = {f"model.{k}": v for k, v in input_digests(target.model, Path(base_dir)).items()}
         for run in target.runs:
-            spec = getattr(run, _block_of(run.mode)).model_dump(mode="json", exclude_none=True)
+            block = getattr(run, _block_of(run.mode))
+            spec = block.model_dump(mode="json", exclude_none=True)
             seed = spec.get("seed", manifest.seed)
+            files = model_files | {f"spec.{k}": v for k, v in input_digests(block, Path(base_dir)).items()}
             content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "model_seed": manifest.seed,
-                       "files": _input_files(spec, Path(base_dir)), "environment": env}
+                       "files": files, "environment": env}
             digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
             steps.append(Step(len(steps), target.name, run.id, run.mode, model, spec, seed, manifest.seed, digest))
     return Plan(manifest.name, tuple(steps), env)
@@ -94,16 +98,6 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _input_files(spec: dict, base_dir: Path) -> dict:
-    """sha256 of each input file the spec names; a missing file hashes as None (the step reports it)."""
-    out = {}
-    for key in ("prompts_file",):
-        if spec.get(key):
-            path = base_dir / spec[key]
-            out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-    return out
 
 
 def _block_of(mode: str) -> str:

@@ -29,8 +29,15 @@ class Store:
     """A read-only view of an MLflow store."""
 
     def __init__(self, tracking_uri: str | None, runs_dir: str = "runs"):
+        from runner.manifest import tracking_uri_problem
         from runner.tracking import default_tracking_uri, quiet_mlflow
 
+        problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
+        if problem:
+            raise RunnerError(f"--tracking-uri: {problem}")
+        local = _local_store(tracking_uri) if tracking_uri is not None else None
+        if local is not None and not local.exists():  # MLflow would create an empty store and show nothing
+            raise RunnerError(f"--tracking-uri: no MLflow store at {local.resolve()}")
         if tracking_uri is None:
             db = Path(runs_dir) / "mlflow.db"
             if not db.is_file():
@@ -38,13 +45,15 @@ class Store:
                                   "or --tracking-uri")
             tracking_uri = default_tracking_uri(runs_dir)
         quiet_mlflow()
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a read-only view answers, or says why, fast
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self.uri = tracking_uri
+        self.client = self._read(MlflowClient, tracking_uri=tracking_uri)
 
     def experiments(self, name: str | None) -> list:
-        found = self.client.search_experiments()
+        found = self._read(self.client.search_experiments)
         if name is None:
             return found
         chosen = [e for e in found if e.name == name]
@@ -59,8 +68,17 @@ class Store:
         experiments = self.experiments(experiment)
         if not experiments:
             return []
-        return list(self.client.search_runs([e.experiment_id for e in experiments], filter_string,
-                                            order_by=["attributes.start_time DESC"], max_results=limit))
+        return list(self._read(self.client.search_runs, [e.experiment_id for e in experiments], filter_string,
+                               order_by=["attributes.start_time DESC"], max_results=limit))
+
+    def _read(self, call, *args, **kwargs):
+        """MLflow's answer; a store it cannot read (not an MLflow database, unreachable) is a RunnerError."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 -- MLflow raises its own, SQLAlchemy's and OS errors alike
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise RunnerError(f"cannot read the MLflow store {self.uri}: {first} (is it an MLflow store? "
+                              "'run results' reads <runs-dir>/mlflow.db or --tracking-uri)") from None
 
     def run(self, prefix: str):
         """The one run whose id starts with `prefix`."""
@@ -87,9 +105,12 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
     runs = store.runs(experiment, " and ".join(clauses), limit=10_000)
     if not all_runs:
         runs = [r for r in runs if "runner.mode" in r.data.tags]
-    for condition in where:
-        key, _, wanted = condition.partition("=")
-        runs = [r for r in runs if _matches(_value(r, key.strip()), wanted.strip())]
+    conditions = [where_condition(c) for c in where]
+    known = _known_columns(runs)
+    for column in columns or ():  # (a --where key no run has simply matches nothing)
+        _check_column(column, known)
+    for key, wanted in conditions:
+        runs = [r for r in runs if _matches(_value(r, key), wanted)]
     runs = runs[:limit]
     names = {e.experiment_id: e.name for e in store.experiments(None)}
     rows = [{"run_id": r.info.run_id[:12], "experiment": names.get(r.info.experiment_id, r.info.experiment_id),
@@ -97,6 +118,41 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
              "started": pd.Timestamp(r.info.start_time, unit="ms", tz="UTC").strftime("%Y-%m-%d %H:%M"),
              **{c: _value(r, c) for c in (columns or _default_columns(runs))}} for r in runs]
     return pd.DataFrame(rows)
+
+
+def where_condition(condition: str) -> tuple[str, str]:
+    """`KEY=VALUE` → (key, value); anything else is a RunnerError saying the form."""
+    key, equals, wanted = condition.partition("=")
+    if not equals or not key.strip():
+        raise RunnerError(f"--where {condition!r}: expected KEY=VALUE (e.g. --where sweep.temperature=0.7)")
+    return key.strip(), wanted.strip()
+
+
+def _known_columns(runs: list) -> set[str]:
+    known = set()
+    for run in runs:
+        for source in ("metrics", "params", "tags"):
+            names = getattr(run.data, source)
+            known |= set(names) | {f"{source}.{n}" for n in names}
+    return known
+
+
+def _check_column(name: str, known: set[str]) -> None:
+    """A column no run has is a typo, not a column of blanks (with no runs at all, nothing can be said)."""
+    if known and name not in known:
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise RunnerError(f"no run has a metric, param or tag {name!r}: {hint}(see 'run results --all' for runs, "
+                          "'run compare A B --all' for a run's metrics)")
+
+
+def _local_store(uri: str) -> Path | None:
+    """The file or folder a local tracking URI names (sqlite:///db, file:///folder, a plain folder)."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///"))
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    return Path(uri) if "://" not in uri else None
 
 
 def _default_columns(runs: list) -> list[str]:

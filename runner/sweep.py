@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from runner.compose import hydra_override, load_manifest
+from runner.compose import hydra_override, hydra_reason, load_points, override_problem, override_value, shown
 from runner.errors import ManifestError, Problem, RunnerError
 from runner.files import atomic_write_json
 from runner.manifest import Manifest
@@ -60,10 +61,15 @@ def split_sweep(overrides: list[str], file: str) -> tuple[list[str], list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    try:
-        parsed = OverridesParser.create().parse_overrides([hydra_override(o) for o in overrides])
-    except HydraException as exc:
-        raise ManifestError([Problem("", str(exc).strip().splitlines()[0], "command line")], file) from None
+    parser, parsed, problems = OverridesParser.create(), [], []
+    for override in overrides:
+        try:
+            parsed.append(parser.parse_override(hydra_override(override)))
+        except HydraException:
+            problems.append(Problem("", override_problem(override, None) or "cannot be read",
+                                    f"override '{shown(override)}'"))
+    if problems:
+        raise ManifestError(problems, file)
     swept = [o.is_sweep_override() for o in parsed]
     return ([o for o, s in zip(overrides, swept) if not s], [o for o, s in zip(overrides, swept) if s])
 
@@ -75,10 +81,12 @@ def sweep_arguments(manifest_sweep: dict, overrides: list[str]) -> list[str]:
     return from_manifest + [hydra_override(o) for o in overrides]
 
 
-def expand(arguments: list[str], file: str, from_manifest: list[str] | None = None) -> list[Point]:
+def expand(arguments: list[str], file: str, from_manifest: list[str] | None = None,
+           max_points: int = 1000, where: str = "") -> list[Point]:
     """Hydra's own expansion (BasicSweeper.split_arguments), in the order its launcher numbers the jobs.
 
     `from_manifest`: the keys of the manifest's sweep:, recorded as swept even with a single value.
+    More than `max_points` points (counted before anything is expanded) is an error at `where`.
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -86,14 +94,14 @@ def expand(arguments: list[str], file: str, from_manifest: list[str] | None = No
 
     try:
         parsed = OverridesParser.create().parse_overrides(arguments)
+        _check_count(parsed, max_points, file, where)
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
-    except HydraException as exc:
-        raise ManifestError([Problem("", str(exc).strip().splitlines()[0], "sweep")], file) from None
+    except (HydraException, ValueError) as exc:
+        raise ManifestError([Problem("sweep", hydra_reason(exc), where or file)], file) from None
     swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
-    parser = OverridesParser.create()
     points = []
     for index, combination in enumerate(combinations):
-        values = {_key(o): _text(parser.parse_override(o).value()) for o in combination if _key(o) in swept}
+        values = {_key(o): _text(override_value(o)[0]) for o in combination if _key(o) in swept}
         points.append(Point(index, tuple(combination), values))
     return points
 
@@ -107,15 +115,53 @@ def _text(value) -> str:
     return str(value)
 
 
-def validate_points(path: Path, points: list[Point]) -> None:
-    """Compose and validate every point; all bad points are reported at once, each named."""
+def _check_count(parsed: list, max_points: int, file: str, where: str) -> None:
+    from hydra.core.override_parser.types import ChoiceSweep, Glob, RangeSweep
+
+    sizes = {}
+    for override in parsed:
+        value, key = override.value(), _key(override.input_line)
+        if isinstance(value, RangeSweep):
+            if not value.step:
+                raise ManifestError([Problem("sweep", f"{key}: a range's step cannot be 0", where or file)], file)
+            sizes[key] = max(0, math.ceil((value.stop - value.start) / value.step))
+        elif isinstance(value, ChoiceSweep):
+            sizes[key] = len(value.list)
+        elif override.is_sweep_override() or isinstance(value, Glob):
+            raise ManifestError([Problem("sweep", f"{key}: only lists of values (a,b,c), range() and choice() are "
+                                         "swept here; list the values", where or file)], file)
+    total = math.prod(sizes.values())
+    if total == 0:
+        empty = ", ".join(k for k, n in sizes.items() if n == 0)
+        raise ManifestError([Problem("sweep", f"the sweep has no points: {empty} has no values (an empty range?)",
+                                     where or file)], file)
+    if total > max_points:
+        counts = " × ".join(f"{k}: {n:,}" for k, n in sizes.items())
+        raise ManifestError([Problem("sweep", f"the sweep has {total:,} points ({counts}); the most is "
+                                     f"sweep_max_points = {max_points:,}: sweep fewer values, or raise it "
+                                     f"(sweep_max_points={total} on the command line or in the manifest)",
+                                     where or file)], file)
+
+
+def manifest_keys(manifest_sweep: dict, overrides: list[str]) -> list[str]:
+    """The keys swept by the manifest's sweep: (the command line's win per key)."""
+    given = {_key(o) for o in overrides}
+    return [key for key in manifest_sweep if key not in given]
+
+
+def validate_points(path: Path, points: list[Point], from_manifest: list[str] = ()) -> None:
+    """Compose and validate every point; all bad points are reported at once, each named. A value that came
+    from the manifest's sweep: is located at its entry there, not at the override it became."""
+    from runner.sources import read_sources
+
+    sources = read_sources(path) if from_manifest else None
+    located = {f"override '{shown(o)}'": sources.at(("sweep", _key(o)))
+               for p in points for o in p.overrides if _key(o) in from_manifest} if sources else {}
     problems = []
-    for point in points:
-        try:
-            load_manifest(path, list(point.overrides))
-        except ManifestError as exc:
-            problems += [Problem(p.path, p.message, f"point {point.index} ({point.label}): {p.source}", p.hint)
-                         for p in exc.problems]
+    for point, error in zip(points, load_points(path, [p.overrides for p in points])):
+        if error is not None:
+            problems += [Problem(p.path, p.message, f"point {point.index} ({point.label}): "
+                                 f"{located.get(p.source, p.source)}", p.hint) for p in error.problems]
     if problems:
         raise ManifestError(problems, f"{path} (sweep of {len(points)} points; nothing ran)")
 
@@ -136,7 +182,7 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
     except (HydraException, OmegaConfBaseException) as exc:
         named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
         where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
-        raise ManifestError([Problem("hydra", str(exc).strip().splitlines()[0], where)], str(path)) from None
+        raise ManifestError([Problem("hydra", hydra_reason(exc), where)], str(path)) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -184,7 +230,13 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
             state = "finished"
         except (HydraException, OmegaConfBaseException) as exc:
             state = "failed"
-            raise RunnerError(f"the sweep could not be launched: {str(exc).strip().splitlines()[0]}") from None
+            raise RunnerError(f"the sweep could not be launched: {hydra_reason(exc)}") from None
+        except Exception as exc:
+            if not _job_died(exc):
+                raise
+            state = "failed"  # every other point has ended (manifests/launchers/' launchers wait for all)
+            raise RunnerError(f"a point's job died on the cluster ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0][:300]}); --resume runs what did not finish") from None
         finally:
             GlobalHydra.instance().clear()
             _collect(outcome, points)
@@ -196,7 +248,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
                 if entry["state"] == "running":  # its worker was stopped before it could say so
                     entry["state"] = outcome.states[entry["index"]] = "interrupted"
             atomic_write_json(folder / "sweep.json", record)
-            if state == "interrupted":  # parallel workers stopped mid-step cannot end their own runs
+            if state != "finished":  # workers stopped mid-step (interrupted, killed, cancelled) cannot end their runs
                 tracker.end_stale("runner.sweep_folder", tags["runner.sweep_folder"])
             sweep_run.log(params={"manifest": manifest.name, "sweep.points": len(points),
                                   "sweep.keys": sorted(points[0].values)})
@@ -242,6 +294,12 @@ def run_point(context: dict, cfg) -> dict:
     if failed and context["on_failure"] == "stop":
         Path(context["stop_file"]).touch()
     return {"index": point.index, "state": "failed" if failed else "finished"}
+
+
+def _job_died(exc: Exception) -> bool:
+    """Ray or submitit saying a point's worker or job died under it (killed, cancelled): not a bug in the point."""
+    return type(exc).__module__.split(".")[0] in ("ray", "submitit") and type(exc).__name__ in (
+        "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "TaskCancelledError", "UncompletedJobError")
 
 
 def _resumable(folder: Path, points: list[Point]) -> dict:

@@ -136,8 +136,10 @@ class MlflowMirror(Tracker):
         with self.lock:  # the client creates (and migrates) the store; one process creates the experiment
             self.client = MlflowClient(tracking_uri=tracking_uri)
             found = self.client.get_experiment_by_name(experiment)
+            # A tracking server keeps the artifacts itself (`mlflow server --serve-artifacts`: uploads over HTTP)
+            location = None if tracking_uri.startswith(("http://", "https://")) else artifact_root.resolve().as_uri()
             self.experiment_id = found.experiment_id if found else self.client.create_experiment(
-                experiment, artifact_location=artifact_root.resolve().as_uri())
+                experiment, artifact_location=location)
 
     def start(self, name: str, tags: dict, parent: str | None = None) -> str:
         """A new run, nested under `parent` (a run id) when given."""

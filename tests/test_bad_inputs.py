@@ -1,7 +1,9 @@
 """The catalogue of malformed manifests in tests/bad_inputs/: each file says, in its header, the overrides
 to pass (`# args: key=value`) and every problem line the user must see (`# expect: file:line:col: key: ...`,
-`{here}` standing for the folder). Each must exit 2 with exactly those lines and no traceback. Then the
-loader is fuzzed: whatever the bytes, it raises our ManifestError or nothing."""
+`{here}` standing for the folder). Each must exit 2 with exactly those lines and no traceback. The command
+lines in commands.txt (`run results`, `run compare`, argument errors) are held to the same rule. Then the
+loader is fuzzed: whatever the bytes, it raises our ManifestError or nothing (tests/test_bad_files.py fuzzes
+overrides and fragments)."""
 
 import time
 from pathlib import Path
@@ -59,6 +61,37 @@ def test_the_full_run_command_refuses_them_the_same_way(name):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert header(path)[1][0] in done.stderr
     assert not (HERE / "runs").exists(), "nothing runs, no run folder is made"
+
+
+def command_cases() -> list[tuple[list[str], list[str]]]:
+    """(argv, expected lines) for each `$ ARGS` block of commands.txt; {here} stands for the folder."""
+    here, cases = str(HERE.resolve()), []
+    for line in (HERE / "commands.txt").read_text(encoding="utf-8").splitlines():
+        if line.startswith("$ "):
+            cases.append((line[2:].replace("{here}", here).split(), []))
+        elif line.strip() and not line.startswith("#"):
+            cases[-1][1].append(line.strip().replace("{here}", here))
+    return cases
+
+
+@pytest.mark.parametrize("argv, expected", command_cases(), ids=lambda c: " ".join(c) if c and "-" not in c[0][:1]
+                         else None)
+def test_bad_command_lines_get_exactly_their_error_and_exit_2(argv, expected, monkeypatch, capsys):
+    monkeypatch.chdir(HERE)
+    before = sorted(p.name for p in HERE.iterdir())
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err.splitlines()
+    first = next(i for i, line in enumerate(err) if line.startswith("error:"))
+    assert code == 2 and [line.strip() for line in err[first:]] == expected
+    assert sorted(p.name for p in HERE.iterdir()) == before, "nothing was created"
+
+
+def test_the_command_catalogue_covers_results_compare_check_and_plan():
+    cases = command_cases()
+    assert len(cases) >= 15 and {argv[0] for argv, _ in cases} == {"results", "compare", "check", "plan"}
 
 
 YAML_PIECES = st.sampled_from([

@@ -62,6 +62,16 @@ def test_unknown_experiment_names_the_ones_there(store):
         results_table(store[1], experiment="benhc")
 
 
+def test_a_column_no_run_has_is_refused_with_the_closest_one(store):
+    from runner.errors import RunnerError
+
+    with pytest.raises(RunnerError, match="no run has a metric, param or tag 'tokens_per_sec': did you mean "
+                                          "'tokens_per_s'\\?"):
+        results_table(store[1], columns=["tokens_per_sec"])
+    assert list(results_table(store[1], columns=["params.generate.temperature"]).columns)[-1] == \
+        "params.generate.temperature"
+
+
 def test_compare_flags_only_changes_beyond_the_spread(store):
     _, s, ids = store
     table = compare_table(s, ids["a"][:8], ids["b"][:8]).set_index("metric")

@@ -150,8 +150,9 @@ def test_on_failure_stop_skips_the_remaining_points_and_continue_runs_them(tmp_p
 
 @pytest.mark.parametrize("launcher, target", [
     ("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
-    ("slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
-    ("ray", "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"),
+    ("slurm", "hydra_plugins.runner_launchers.waiting.SlurmLauncher"),
+    ("local", "hydra_plugins.runner_launchers.waiting.LocalLauncher"),
+    ("ray", "hydra_plugins.runner_launchers.waiting.RayLauncher"),
 ])
 def test_example_launcher_configs_compose_with_the_sweep_manifest(launcher, target):
     """Composed as Hydra composes a multirun (not launched: no cluster here)."""
@@ -168,11 +169,33 @@ def test_example_launcher_configs_compose_with_the_sweep_manifest(launcher, targ
     finally:
         GlobalHydra.instance().clear()
     assert cfg.hydra.launcher._target_ == target
-    expected = {"joblib": ("n_jobs", 2), "slurm": ("array_parallelism", 16), "ray": ("ray", None)}[launcher]
+    expected = {"joblib": ("n_jobs", 2), "slurm": ("array_parallelism", 16), "local": ("cpus_per_task", 1),
+                "ray": ("ray", None)}[launcher]
     if expected[1] is not None:
         assert cfg.hydra.launcher[expected[0]] == expected[1]
     else:
         assert cfg.hydra.launcher.ray.init.address == "auto"
+        assert cfg.hydra.launcher.ray.init.object_store_memory is None  # the plugin's 75 MB: refused by a cluster
+        assert cfg.hydra.launcher.ray.remote.max_retries == 0  # a killed point is recorded, not silently rerun
+
+
+def test_cluster_launchers_are_the_plugins_waiting_for_every_job():
+    """Hydra instantiates them (plugin scan: the hydra_plugins package); they differ from the plugins only in
+    waiting for every point before a dead one is reported (docs/clusters.md: the rest used to be abandoned)."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+    from hydra_plugins.runner_launchers import waiting
+
+    from runner.sweep import _job_died
+
+    names = set(Plugins.instance().class_name_to_class)
+    assert {f"hydra_plugins.runner_launchers.waiting.{n}" for n in ("SlurmLauncher", "LocalLauncher")} <= names
+    for ours, theirs in ((waiting.SlurmLauncher, submitit_launcher.SlurmLauncher),
+                         (waiting.LocalLauncher, submitit_launcher.LocalLauncher)):  # by name: Hydra's scan
+        bases = [f"{c.__module__}.{c.__qualname__}" for c in ours.__mro__]  # may import a module twice
+        assert f"{theirs.__module__}.{theirs.__qualname__}" in bases
+    died = type("UncompletedJobError", (Exception,), {"__module__": "submitit.core.utils"})
+    assert _job_died(died("job 5_1 was cancelled")) and not _job_died(KeyError("models"))
 
 
 def test_the_example_sweep_manifest_has_four_valid_points():

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from runner.errors import InferenceError
+from runner.errors import InferenceError, RunnerError
 from runner.infer.cache_plans import PlanStore, plan_key
 from runner.infer.config import GenerateConfig, canonical_kind
 from runner.infer.data import EvalText, load_text, token_windows
@@ -50,6 +50,7 @@ class Selection:
     fields: dict  # everything that could change the answer (model, device, versions, settings, eval text)
     plan_path: str
     seconds: float  # how long the selection took (a reused plan: no measurement at all)
+    persist_error: str = ""  # why the plan could not be saved (the measurements are kept all the same)
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
@@ -67,9 +68,13 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
     rows = measure_candidates(model, tokenizer, config, batch_size, text, progress)
     reference = within_budget(model, reference_kind(model), config, batch_size)
     kind, source, reason = choose(rows, config, reference)
-    store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+    try:
+        store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+        persist_error = ""
+    except RunnerError as exc:  # the measurements stay: the caller records them and says what was not saved
+        persist_error = str(exc)
     return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
-                     str(store.path), watch.lap())
+                     str(store.path), watch.lap(), persist_error)
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText,

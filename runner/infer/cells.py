@@ -1,7 +1,10 @@
 """One bench cell: a model, a batch of equal-length prompts, a token count and a cache kind, timed three ways.
 
-    measure_ours         our prefill + greedy decode chain (runner.infer.speed), a tick per token
+    measure_ours         our prefill + greedy decode chain (runner.infer.speed), a tick per token; with
+                         engine="compiled" the compiled engine's static state (compiled before the timing)
     measure_hf           transformers' own model.generate() on the same model, inputs and cache kind
+    measure_hf_compiled  transformers' static cache + its compiled forward (cache_implementation="static"), the
+                         fastest thing a transformers user sets up; the model's dtype only; compile timed apart
     measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only; a batch runs its rounds
                          together (batched=False: rows one after another, today's baseline)
     measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way; batch 1
@@ -19,12 +22,13 @@ from typing import Callable
 
 import torch
 
-from runner.infer.config import SpeculativeConfig
+from runner.infer.compiled import check_compilable, engine_for
+from runner.infer.config import DTYPES, SpeculativeConfig
 from runner.infer.forward import sync
 from runner.infer.kvcache import cache_bytes, make_cache
 from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.speed import greedy_prefill, greedy_steps
-from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_ticks
+from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_once, time_ticks
 
 MIB = 2**20
 ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch size 1 "
@@ -32,8 +36,10 @@ ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch
 
 
 def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-                 bandwidth: float | None = None) -> dict:
-    """ids [B,P] (no padding) → figures of our decode chain."""
+                 bandwidth: float | None = None, engine: str = "eager") -> dict:
+    """ids [B,P] (no padding) → figures of our decode chain (engine eager or compiled)."""
+    if engine == "compiled":
+        return _measure_compiled(model, ids, new_tokens, kind, repeats, warmup, bandwidth)
     last: dict = {}
 
     @torch.inference_mode()
@@ -46,12 +52,46 @@ def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, re
     return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
 
 
+def _measure_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                      bandwidth: float | None) -> dict:
+    """The compiled engine on the cell: prefill into a static state, then compiled one-token greedy steps."""
+    check_compilable(model, kind)
+    engine, columns = engine_for(model), ids.shape[1] + new_tokens
+    before = engine.stats.total_s
+    engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing
+    compile_s = engine.stats.total_s - before
+    live, last = torch.ones_like(ids[:, 0]), {}
+
+    @torch.inference_mode()
+    def run_once(tick: Callable[[], None]) -> None:
+        state = engine.state(kind, ids.shape[0], columns, columns)
+        logits, _ = state.prefill(model, ids, torch.ones_like(ids))
+        token = logits.argmax(-1)
+        tick()
+        for _ in range(new_tokens - 1):
+            token = state.feed(model, token, live).argmax(-1)
+            tick()
+        last["cache"] = state.cache
+
+    figures = _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    return {**figures, "compile_s": compile_s, "recompiles": engine.stats.recompiles}
+
+
 def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-               bandwidth: float | None = None) -> dict:
-    """The same cell through transformers' model.generate(); a streamer ticks per token."""
+               bandwidth: float | None = None, compiled: bool = False) -> dict:
+    """The same cell through transformers' model.generate(); a streamer ticks per token. `compiled`: through
+    transformers' own static cache and compiled forward (see measure_hf_compiled)."""
+    from transformers import CompileConfig
     from transformers.generation.streamers import BaseStreamer
 
     last: dict = {}
+    extra: dict = {}
+    if compiled:
+        if kind is not None and kind != DTYPES[str(model.dtype).removeprefix("torch.")]:
+            raise ValueError(f"hf-compiled uses transformers' static cache in the model's dtype; not {kind}")
+        config = CompileConfig(dynamic=False, fullgraph=False, mode="default")
+        config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+        extra = {"cache_implementation": "static", "compile_config": config}
 
     class TickStreamer(BaseStreamer):
         def __init__(self, tick):
@@ -66,22 +106,32 @@ def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repe
             pass
 
     def run_once(tick: Callable[[], None]) -> None:
-        cache = make_cache(kind, model)
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, past_key_values=cache,
-                       streamer=TickStreamer(tick), pad_token_id=0)
-        last["cache"] = cache
+        cache = None if compiled else make_cache(kind, model)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, past_key_values=cache,
+                             streamer=TickStreamer(tick), pad_token_id=0, return_dict_in_generate=True, **extra)
+        last["cache"] = out.past_key_values
 
-    return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    if not compiled:
+        return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    compile_s = time_once(lambda: run_once(lambda: None), sync=lambda: sync(ids.device))  # the first call compiles
+    return {**_measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last), "compile_s": compile_s}
+
+
+def measure_hf_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                        bandwidth: float | None = None) -> dict:
+    """The cell through transformers' StaticCache and compiled forward; `compile_s` = its first call (compile
+    included), timed apart."""
+    return measure_hf(model, ids, new_tokens, kind, repeats, warmup, bandwidth, compiled=True)
 
 
 def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        adaptive: bool, repeats: int, warmup: int, batched: bool = True, tokenizer=None,
-                        draft_tokenizer=None) -> dict:
+                        adaptive: bool, repeats: int, warmup: int, engine: str = "eager", batched: bool = True,
+                        tokenizer=None, draft_tokenizer=None) -> dict:
     """Greedy speculative decoding of the cell: tokens/s, acceptance (overall and the lowest / highest row's) and
-    whether the rounds ran batched (False at batch 1, for KIVI kinds, or when asked)."""
+    whether the rounds ran batched (False at batch 1, for KIVI kinds, the compiled engine, or when asked)."""
     config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
-                               cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2)
+                               cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2, engine=engine)
     gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched,
                                tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))

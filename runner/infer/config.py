@@ -61,7 +61,7 @@ def parse_kind(kind: str | None) -> tuple[str | None, dict]:
     given: dict[str, int] = {}
     for field in fields:
         option = KIVI_OPTIONS.get(field[:1])
-        if option is None or option in given or not field[1:].isdigit():
+        if option is None or option in given or not (field[1:].isascii() and field[1:].isdigit()):
             raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
                              f"r<residual length>, each at most once, e.g. {name}:g32:r128")
         given[option] = int(field[1:])
@@ -107,7 +107,7 @@ class AutoCacheConfig(BaseModel):
         "Text windows (a batch) the NLL and KL average over."))
     cache_quality_ppl_len: int = Field(512, ge=2, le=1_000_000, description=(
         "Tokens in the perplexity window and the needle probe (capped by max_seq_len)."))
-    cache_quality_data: str = Field("pydoc", min_length=1, description=(
+    cache_quality_data: str = Field("pydoc", min_length=1, json_schema_extra={"input_file": "text"}, description=(
         "Evaluation text: pydoc, shakespeare, britannica, a .txt file (relative to the manifest) or "
         "hf:OWNER/REPO/PATH."))
     cache_quality_on_fail: Literal["error", "reference"] = Field("reference", description=(
@@ -134,12 +134,30 @@ class AutoCacheConfig(BaseModel):
         return [_checked_kind(kind) for kind in value]
 
 
+ENGINE_DESCRIPTION = (
+    "Decode engine: eager (the reference loop over growing caches) or compiled (preallocated caches written in "
+    "place, one compiled decode step per batch and length bucket; CUDA graphs on GPU; compile time reported apart "
+    "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
+
+
+def _engine_conflicts(engine: str, cache_kind: str | None, **settings) -> None:
+    """What the compiled engine cannot serve, as an error naming the key."""
+    if engine != "compiled":
+        return
+    if cache_kind and cache_kind.split(":")[0].startswith("kivi"):
+        raise ValueError("engine: compiled has no static layout for KIVI cache kinds (cache_kind): use fp32, fp16, "
+                         "bf16, q8_0, q4_0, q4_1 or nf4, or engine: eager")
+    for key, value in settings.items():
+        if value:
+            raise ValueError(f"engine: compiled does not support {key} ({value!r}): remove it or use engine: eager")
+
+
 class GenerateConfig(AutoCacheConfig):
     """How to decode. `temperature: 0` means greedy; unset filters are off."""
 
     max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens (0 or unset = off).")
+    top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     repetition_penalty: float = Field(
         1.0, gt=0.0, le=100.0, description="CTRL-style penalty on tokens already in the sequence (1 = off)."
@@ -151,11 +169,12 @@ class GenerateConfig(AutoCacheConfig):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
+    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
         "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
     seed: int | None = Field(
-        None, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
+        None, ge=0, le=2**63 - 1, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
     min_p: float | None = Field(None, ge=0.0, le=1.0, description=(
         "Keep tokens whose probability is at least min_p × the top token's (unset or 0 = off)."))
@@ -226,6 +245,9 @@ class GenerateConfig(AutoCacheConfig):
         if self.decode_plan != "none" and self.cache_kind and self.cache_kind.startswith("kivi"):
             raise ValueError("the sliding window (decode_plan) does not support KIVI cache kinds: use fp16, q8_0, "
                              "q4_0, q4_1 or nf4, or decode_plan: none")
+        _engine_conflicts(self.engine, self.cache_kind if self.cache_kind != "auto" else None,
+                          penalty_alpha=self.penalty_alpha if self.contrastive else None,
+                          decode_plan=self.decode_plan if self.decode_plan != "none" else None)
         return self
 
     @property
@@ -274,13 +296,14 @@ class SpeculativeConfig(BaseModel):
         "Fall back to target-only decoding when the recent acceptance rate falls below this (0 = never)."))
     max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens to generate per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Sampling temperature; 0 = greedy.")
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens (0 or unset = off).")
+    top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
+    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 "
         "(options as in kivi4:g32:r128); unset = the model's dtype. auto is not supported here."))
-    seed: int | None = Field(None, description=(
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
         "Seed of the generator of every random draw; unset = the manifest's seed (0 in the library)."))
 
     @field_validator("cache_kind")
@@ -290,6 +313,11 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _checked_kind(value)
+
+    @model_validator(mode="after")
+    def _engine_serves(self) -> "SpeculativeConfig":
+        _engine_conflicts(self.engine, self.cache_kind)
+        return self
 
     @property
     def greedy(self) -> bool:

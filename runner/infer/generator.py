@@ -6,6 +6,7 @@ Per call, in order:
 `Generator` keeps its DecodeState between calls, so a second `.generate()` continues the conversation.
 Rows of a left-padded batch are independent: a finished row keeps being fed a masked pad token.
 Beam search (beam.py) decides tokens; this loop feeds them and reorders the cache.
+`engine: compiled` swaps DecodeState for compiled.StaticDecodeState (same methods): nothing else here changes.
 Does not know about manifests, tracking or printing.
 """
 
@@ -21,6 +22,7 @@ import torch
 from runner.errors import InferenceError
 from runner.infer.autocache import select_cache_kind
 from runner.infer.beam import BeamSearch
+from runner.infer.compiled import check_compilable, engine_for
 from runner.infer.config import GenerateConfig
 from runner.infer.contrastive import ContrastiveSearch
 from runner.infer.forward import DecodeState, eos_ids, pad_id, sync
@@ -101,7 +103,13 @@ class Generator:
             self.plan = dataclasses.replace(self.plan, local_window=window)
         if self.plan.local_window:
             warnings.warn(self.plan.describe(), stacklevel=3)
-        if self.state is None:
+        if self.state is None and self.config.engine == "compiled":
+            kind = self._cache_kind(batch_for_kind)
+            check_compilable(self.model, kind)
+            needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
+                                     self.config.max_new_tokens + 1)
+            self.state = engine_for(self.model).state(kind, ids.shape[0], needed, self.config.max_seq_len)
+        elif self.state is None:
             self.state = DecodeState(make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan))
 
     @property

@@ -22,11 +22,15 @@ k −= 1 if n < 0.5·k_r, clamped to [1, 2·spec_k]. Fallback: once a row has do
 if the acceptance rate over its last FALLBACK_WINDOW rounds is below spec_disable_below_accept, the row decodes
 target-only from then on (recorded in `stats.fallback_round`).
 
+engine: compiled gives each row static states (compiled.StaticDecodeState): verification of spec_k + 1 tokens and
+single-token steps run compiled, other chunk lengths the same static forward eagerly; rolling back is moving the
+write position (`crop`).
+
 Batches: a batch of more than one row runs its rounds together (`spec_batch.py`: one draft forward per draft
 token and one target forward per round for all live rows, ragged acceptance kept as masked holes in the caches,
 adaptive k and the fallback per batch). Cache kinds that cannot hold holes (KIVI, sliding windows: see
-`ragged.py`) and `batched=False` process rows one after another, each with its own batch-1 caches (its left
-padding stripped); forward counts are then summed over rows.
+`ragged.py`), the compiled engine and `batched=False` process rows one after another, each with its own batch-1
+caches (its left padding stripped); forward counts are then summed over rows.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.errors import InferenceError
+from runner.infer.compiled import StaticDecodeState, check_compilable, engine_for
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import eos_ids, pad_id, sync
 from runner.infer.kvcache import make_cache
@@ -107,7 +112,10 @@ def cached_len(cache) -> int:
 
 
 def feed(model, cache, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
-    """Append [t] tokens of a batch-1 row to `cache`; logits at the last `keep` of them. [t] → [keep,V] float32."""
+    """Append [t] tokens of a batch-1 row to `cache`; logits at the last `keep` of them. [t] → [keep,V] float32.
+    A static state of the compiled engine feeds itself (its own mask and columns)."""
+    if isinstance(cache, StaticDecodeState):
+        return cache.feed_row(model, tokens, keep)
     past = cached_len(cache)
     positions = torch.arange(past, past + tokens.shape[0], device=tokens.device)[None]
     mask = torch.ones(1, past + tokens.shape[0], dtype=torch.long, device=tokens.device)
@@ -181,13 +189,20 @@ class SpeculativeGenerator:
         rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
         if self.text_draft is not None:
             self.text_draft.reset()
-        self.stats.batched = batch > 1 and self.batched and not self._row_by_row_reason()
+        self.stats.batched = (batch > 1 and self.batched and self.config.engine != "compiled"
+                              and not self._row_by_row_reason())
 
         def decode_rows() -> None:
             if self.stats.batched:
                 rows.extend(generate_batched(self, ids, mask))
             else:
                 rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
+
+        if self.config.engine == "compiled":  # compile every shape the rows will use now, not inside the timing
+            for r in range(batch):
+                self._cache(self.target, ids[r][mask[r].bool()], verify=True)
+                if self.draft is not None:
+                    self._cache(self.draft, ids[r][mask[r].bool()], verify=False)
 
         self.stats.seconds = time_once(decode_rows, sync=lambda: sync(self.device))
         if self.text_draft is not None:
@@ -212,8 +227,8 @@ class SpeculativeGenerator:
             raise InferenceError(f"row {r} of the batch has no prompt tokens")
         if prompt.numel() >= cfg.max_seq_len:
             raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
-        row = _Row(prompt, make_cache(cfg.cache_kind, self.target),
-                   None if self.draft is None else make_cache(cfg.cache_kind, self.draft))
+        row = _Row(prompt, self._cache(self.target, prompt, verify=True),
+                   None if self.draft is None else self._cache(self.draft, prompt, verify=False))
         self._prefill(row)
         k, target_only = cfg.spec_k, False
         while True:
@@ -234,6 +249,18 @@ class SpeculativeGenerator:
                 k = self._adapt_k(k, *row.rounds[-1])
                 if not target_only and self._should_fall_back(row):
                     target_only, self.stats.fallback_round[r] = True, len(row.rounds)
+
+    def _cache(self, model, prompt: torch.Tensor, verify: bool):
+        """An empty cache for one row: the eager engine's growing cache, or a static state of the compiled engine
+        whose compiled steps take 1 token (and, verifying, spec_k + 1)."""
+        cfg = self.config
+        if cfg.engine == "eager":
+            return make_cache(cfg.cache_kind, model)
+        check_compilable(model, cfg.cache_kind)
+        columns = prompt.numel() + cfg.max_new_tokens + 2 * cfg.spec_k + 2
+        lengths = (1, cfg.spec_k + 1) if verify else (1,)
+        return engine_for(model).state(cfg.cache_kind, 1, columns, max(cfg.max_seq_len, columns), lengths,
+                                       slot="target" if verify else "draft")
 
     def _prefill(self, row: _Row) -> None:
         """Both caches take the prompt minus its last token (that one enters with the first round)."""

@@ -1,5 +1,6 @@
-"""`mode: bench`: time a matrix of cells (batch × prompt length × new tokens × cache kind × dtype × speculative)
-with our decode chain and, beside each, transformers' own generate() on the same model, inputs and cache.
+"""`mode: bench`: time a matrix of cells (engine × batch × prompt length × new tokens × cache kind × dtype ×
+speculative) with our decode chain and, beside each, the baselines: transformers' own generate() on the same model,
+inputs and cache (hf_*, ratio_*) and transformers' static cache + compiled forward (hfc_*, ratio_hfc_*).
 
 Owns the matrix, real prompts cut from the eval text, failure per cell (recorded with its reason; the others
 go on), the table (CSV, parquet when pyarrow is present, markdown shown at the end), the plots and the
@@ -18,19 +19,22 @@ import pandas as pd
 import torch
 
 from runner.errors import RunnerError
-from runner.infer.cells import ASSISTED_NA, measure_hf, measure_hf_assisted, measure_ours, measure_speculative
+from runner.infer.cells import (ASSISTED_NA, measure_hf, measure_hf_assisted, measure_hf_compiled, measure_ours,
+                                measure_speculative)
 from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.config import DTYPES
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
+from runner.paths import model_source, text_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
 
-AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens")
+AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine")
+RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
 HEADLINE = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction",
-            "acceptance")
+            "acceptance", "compile_s")
 
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ log = logging.getLogger(__name__)
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = BenchSpec.model_validate(step.spec)
     cells = matrix(spec, step.model["dtype"])
-    text = load_text(spec.data, base_dir)
+    text = load_text(text_source(spec.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
@@ -59,7 +63,8 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     write_table(table, out_dir)
     plot_throughput(table, out_dir / "throughput_vs_batch.png")
     plot_latency(table, out_dir / "latency_vs_prompt_len.png")
-    show(f"\n[{step.key}] bench results (ours; hf = transformers generate(); ratio = ours / hf):\n"
+    show(f"\n[{step.key}] bench results (ours; hf = transformers generate(); hfc = transformers static cache + "
+         f"compile; ratio = ours / baseline):\n"
          f"{markdown(summary_columns(table))}")
     cells_json = table.astype(object).where(table.notna(), None).to_dict("records")  # NaN → null
     return {"cells": cells_json, "bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
@@ -72,14 +77,15 @@ def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
     speculative = ["off", "on"] if spec.speculative else ["off"]
     return [dict(zip(AXES, values)) for dtype in dtypes for values in itertools.product(
         [dtype], spec.cache_kinds or [DTYPES[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
-        spec.max_new_tokens)]
+        spec.max_new_tokens, spec.engines)]
 
 
 def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None,
              tokenizers: dict | None = None) -> dict:
-    """One row of the table: the cell's axes, our figures (ours_*), the baseline's (hf_*) and their ratios.
-    A failure (out of memory, an unsupported combination) is the row's `error`; the matrix goes on.
-    `tokenizers`: target's and draft's, for a draft with another tokenizer (both sides then map through text)."""
+    """One row of the table: the cell's axes, our figures (ours_*), the baselines' (hf_*, hfc_*) and the ratios
+    (ratio_* = ours / hf, ratio_hfc_* = ours / hf-compiled). A failure (out of memory, an unsupported combination)
+    is the row's `error` (a baseline's: `hf_error`, `hfc_error`); the matrix goes on. `tokenizers`: target's and
+    draft's, for a draft with another tokenizer (both sides then map through text)."""
     tokenizers = tokenizers or {}
     row = {**cell, "status": "ok", "error": ""}
     try:
@@ -88,26 +94,33 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
         if cell["speculative"] == "on":
             row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, spec.speculative.spec_k,
                                                          spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup,
-                                                         **tokenizers))
+                                                         engine=cell["engine"], **tokenizers))
         else:
-            row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth))
+            row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth,
+                                                  engine=cell["engine"]))
     except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         return _failed(row, exc)
-    if spec.baseline == "hf" and cell["speculative"] == "on" and cell["batch"] > 1:
-        row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
-    elif spec.baseline == "hf":
+    for baseline, prefix in (("hf", "hf"), ("hf-compiled", "hfc")):
+        if baseline not in spec.baseline:
+            continue
+        if baseline == "hf" and cell["speculative"] == "on" and cell["batch"] > 1:
+            row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
+            continue
         try:
             if cell["speculative"] == "on":
-                hf = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
-                                         spec.warmup, **tokenizers)
+                if baseline != "hf":
+                    continue  # transformers' assisted generation has no static-cache path to compare with
+                figures = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
+                                              spec.warmup, **tokenizers)
             else:
-                hf = measure_hf(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
-            row |= _prefixed("hf", hf)
-            row |= {f"ratio_{name}": row[f"ours_{name}"] / hf[name]
-                    for name in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
-                    if name in hf and f"ours_{name}" in row and hf[name]}
+                measure = measure_hf if baseline == "hf" else measure_hf_compiled
+                figures = measure(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
+            row |= _prefixed(prefix, figures)
+            ratio = "ratio" if prefix == "hf" else "ratio_hfc"
+            row |= {f"{ratio}_{name}": row[f"ours_{name}"] / figures[name] for name in RATIOS
+                    if name in figures and f"ours_{name}" in row and figures[name]}
         except (RunnerError, RuntimeError, ValueError) as exc:
-            row["hf_error"] = _reason(exc)
+            row[f"{prefix}_error"] = _reason(exc)
     return row
 
 
@@ -140,13 +153,14 @@ def write_table(table: pd.DataFrame, out_dir: Path) -> None:
 
 def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
-    wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms",
-              "ours_itl_ms", "ours_itl_ms_p90", "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance",
-              "ours_acceptance_row_min", "ours_acceptance_row_max", "ours_batched", "spec_speedup", "error",
-              "hf_error"]
+    wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "hfc_tokens_per_s",
+              "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
+              "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_acceptance_row_min",
+              "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",
+              "hf_error", "hfc_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
-    for column in ("error", "hf_error"):
+    for column in ("error", "hf_error", "hfc_error"):
         if column in frame and not frame[column].fillna("").astype(bool).any():
             frame = frame.drop(columns=column)
     return frame
@@ -175,14 +189,14 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
             continue
         name = metric_name(row)
         for figure in HEADLINE:
-            for side in ("ours", "hf"):
+            for side in ("ours", "hf", "hfc"):
                 value = row.get(f"{side}_{figure}")
                 if _number(value):
                     out[f"{name}.{side}_{figure}"] = value
                 spread = row.get(f"{side}_{figure}_spread")
                 if _number(spread):
                     out[f"{name}.{side}_{figure}_spread"] = spread
-        for ratio in ("ratio_tokens_per_s", "ratio_decode_tokens_per_s", "ratio_ttft_ms", "spec_speedup"):
+        for ratio in (*(f"{r}_{n}" for r in ("ratio", "ratio_hfc") for n in RATIOS), "spec_speedup"):
             if _number(row.get(ratio)):
                 out[f"{name}.{ratio}"] = row[ratio]
     ratios = table["ratio_tokens_per_s"].dropna() if "ratio_tokens_per_s" in table else pd.Series(dtype=float)
@@ -194,6 +208,7 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
 def metric_name(row: dict) -> str:
     """MLflow-safe cell name, e.g. b1_p128_n64_q8_0_float32 (kivi options: kivi4-g32-r32)."""
     name = f"b{row['batch']}_p{row['prompt_len']}_n{row['new_tokens']}_{row['cache_kind']}_{row['dtype']}"
+    name += "_compiled" if row.get("engine") == "compiled" else ""
     name += "_spec" if row["speculative"] == "on" else ""
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
 
@@ -221,10 +236,10 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     colours = {}
     for ax, value in zip(axes, panels):
-        for (kind, dtype), lines in ok[ok[panel] == value].groupby(["cache_kind", "dtype"]):
+        for (kind, dtype, engine), lines in ok[ok[panel] == value].groupby(["cache_kind", "dtype", "engine"]):
             lines = lines.groupby(x)[[c for c in (f"ours_{y}", f"hf_{y}") if c in lines]].median().reset_index()
-            colour = colours.setdefault((kind, dtype), f"C{len(colours) % 10}")
-            ax.plot(lines[x], lines[f"ours_{y}"], marker="o", color=colour, label=f"{kind} {dtype}")
+            colour = colours.setdefault((kind, dtype, engine), f"C{len(colours) % 10}")
+            ax.plot(lines[x], lines[f"ours_{y}"], marker="o", color=colour, label=f"{kind} {dtype} {engine}")
             if f"hf_{y}" in lines:
                 ax.plot(lines[x], lines[f"hf_{y}"], marker="x", linestyle="--", color=colour, label=f"{kind} hf")
         ax.set_xticks(sorted(ok[x].unique()))
@@ -240,7 +255,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 def _reload(step: Step, dtype: str, base_dir: Path):
     spec = step.model
     log.info("[%s] loading %s as %s", step.key, spec.get("id") or "config model", dtype)
-    return load_spec(spec, step.model_seed, base_dir, dtype=dtype).model
+    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:
@@ -261,6 +276,7 @@ def _reason(exc: Exception) -> str:
 
 def _label(cell: dict) -> str:
     spec = " spec" if cell["speculative"] == "on" else ""
+    spec += " compiled" if cell.get("engine") == "compiled" else ""
     return f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}{spec}"
 
 

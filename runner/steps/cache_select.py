@@ -14,8 +14,10 @@ import pandas as pd
 from runner.files import atomic_write_json
 from runner.infer.autocache import Selection, select_cache_kind
 from runner.infer.config import GenerateConfig
+from runner.infer.data import load_text
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, library_config
+from runner.paths import text_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
 
@@ -41,11 +43,15 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     log.info("[%s] choosing a cache kind among %s (budget %s, max_seq_len %d, batch %d)", step.key,
              ", ".join(config.cache_candidates), _mib(config.cache_budget_mb), config.max_seq_len, spec.batch_size)
     selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
-                                  identity=lm.fingerprint, base_dir=base_dir, progress=progress)
+                                  identity=lm.fingerprint, progress=progress,
+                                  text=load_text(text_source(config.cache_quality_data, base_dir)))
     table = candidates_table(selection.rows)
     how = selection.source + (", reused" if selection.reused else "")
     show(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
          f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]")
+    if selection.persist_error:
+        log.warning("[%s] the measurements are kept in %s, but the cache plan was not saved: %s", step.key, out_dir,
+                    selection.persist_error)
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
     atomic_write_json(out_dir / "cache_plan.json", describe(selection))
@@ -62,12 +68,14 @@ def candidates_table(rows: list[dict]) -> pd.DataFrame:
 def describe(selection: Selection) -> dict:
     return {"kind": selection.kind, "source": selection.source, "reused": selection.reused,
             "reason": selection.reason, "key": selection.key,
-            "plan_path": selection.plan_path, "seconds": selection.seconds, "candidates": selection.rows,
+            "plan_path": selection.plan_path, "plan_saved": not selection.persist_error,
+            "plan_error": selection.persist_error or None, "seconds": selection.seconds, "candidates": selection.rows,
             "fields": selection.fields}
 
 
 def selection_metrics(selection: Selection) -> dict:
-    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused)}
+    metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused),
+               "plan_saved": float(not selection.persist_error)}
     for row in selection.rows:
         for name in ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
             if row.get(name) is not None:

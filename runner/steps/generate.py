@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 
 from runner.errors import StepError
+from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, PromptSource, library_config
+from runner.paths import read_text
 from runner.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
 from runner.steps.cache_select import describe, params, select_for
@@ -77,6 +79,10 @@ def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], 
         for r in records:
             show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
     result = {"prompts": records, "metrics": _totals(records, batches)}
+    if config.engine == "compiled":  # compiling is never inside prefill_s / decode_s: it is reported apart
+        stats = engine_for(lm.model).stats
+        result["compile"] = {"seconds": stats.total_s, "compiles": stats.compiles, "recompiles": stats.recompiles}
+        result["metrics"] |= {"compile_s": stats.total_s, "recompiles": float(stats.recompiles)}
     if plans:
         result["decode_plans"] = plans
         result["metrics"]["sliding_window"] = float(any(p["local_window"] for p in plans))
@@ -99,11 +105,8 @@ def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     if spec.prompts_file is None:
         log.info("no prompts given: using %s", DEFAULT_PROMPTS)
         return list(DEFAULT_PROMPTS)
-    path = (base_dir / spec.prompts_file).resolve()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise StepError(f"prompts_file {path}: {exc.strerror}") from None
+    path, text = read_text(spec.prompts_file, base_dir, "prompts")
+    lines = text.splitlines()
     if path.suffix == ".txt":
         prompts = [line for line in lines if line.strip()]
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import sync
 from runner.infer.generator import Generator
@@ -20,6 +21,7 @@ from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
 from runner.infer.speed import time_decode_kinds
 from runner.infer.timing import time_once
+from runner.paths import model_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.generate import load_prompts
@@ -73,7 +75,7 @@ def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Pat
         return PROMPT_LOOKUP, None
     d = spec.draft
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
-    draft = load_spec(d.model_dump(), step.model_seed, base_dir, device=str(lm.device))
+    draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if same_tokenizer(draft.tokenizer, lm.tokenizer):
         return draft.model, None
     log.info("the draft %s has another tokenizer (%d vs %d tokens): its proposals reach the target as text",
@@ -85,7 +87,10 @@ def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> flo
     """The same prompts and settings decoded by the target alone, with our decode loop."""
     baseline = GenerateConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                               top_k=config.top_k, top_p=config.top_p, max_seq_len=config.max_seq_len,
-                              cache_kind=config.cache_kind, seed=config.seed)
+                              cache_kind=config.cache_kind, seed=config.seed, engine=config.engine)
+    if config.engine == "compiled":  # compile the target-only shape now, outside the timing
+        engine_for(lm.model).state(config.cache_kind, enc.input_ids.shape[0],
+                                   enc.input_ids.shape[1] + config.max_new_tokens, config.max_seq_len)
     return time_once(lambda: Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask),
                      sync=lambda: sync(lm.device))
 

@@ -84,7 +84,8 @@ def test_matrix_groups_cells_by_dtype_and_defaults_to_the_dtype_kind():
 
 
 def test_spec_speedup_is_over_the_same_cell_without_speculation():
-    base = {"dtype": "float32", "cache_kind": "fp32", "batch": 1, "prompt_len": 8, "new_tokens": 4}
+    base = {"dtype": "float32", "cache_kind": "fp32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
+            "engine": "eager"}
     table = with_spec_speedup(pd.DataFrame([
         {**base, "speculative": "off", "ours_tokens_per_s": 100.0},
         {**base, "speculative": "on", "ours_tokens_per_s": 150.0},
@@ -121,3 +122,15 @@ def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
     assert list(table["cache_kind"]) == ["fp32", "bf16"] and (table["status"] == "ok").all()
     assert "hf_tokens_per_s" not in table and "ours_bw_fraction" not in table
     assert table["ours_kv_mib"].iloc[1] * 2 == pytest.approx(table["ours_kv_mib"].iloc[0])
+
+
+def test_engines_are_an_axis_and_engine_is_one_of_them():
+    spec = BenchSpec.model_validate({"engine": "compiled", "cache_kinds": ["fp32", "q8_0"],
+                                     "baseline": ["hf", "hf-compiled"]})
+    assert spec.engines == ["compiled"] and spec.baseline == ["hf", "hf-compiled"]
+    cells = matrix(BenchSpec.model_validate({"engines": ["eager", "compiled"], "baseline": "none"}), "float32")
+    assert [c["engine"] for c in cells] == ["eager", "compiled"]
+    with pytest.raises(ValueError, match="not both"):
+        BenchSpec.model_validate({"engine": "compiled", "engines": ["eager"]})
+    with pytest.raises(ValueError, match="KIVI"):
+        BenchSpec.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]})

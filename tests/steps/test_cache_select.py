@@ -66,3 +66,18 @@ def test_a_fixed_cache_kind_in_auto_cache_select_is_a_schema_error(tmp_path):
                                                   "mode: auto-cache-select\n        generate: {cache_kind: q8_0, ")
     done = run_cli("check", tiny_manifest(tmp_path, runs))
     assert done.returncode == 2 and "chooses the cache kind itself" in done.stderr
+
+
+def test_a_plan_that_cannot_be_saved_keeps_every_measurement(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    plans = tmp_path / "a-file" / "cache_plans.json"  # its folder cannot be made
+    runs = _runs(plans).split("      - id: use")[0]
+    done = run_cli(tiny_manifest(tmp_path, runs), "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "the measurements are kept" in done.stderr and "cache plan was not saved" in done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
+    pick = json.loads((folder / "tiny" / "pick" / "results.json").read_text())
+    assert pick["selection"]["plan_saved"] is False and "cannot write cache plans" in pick["selection"]["plan_error"]
+    assert pick["metrics"]["plan_saved"] == 0.0 and len(pick["selection"]["candidates"]) == 3
+    for name in ("cache_candidates.csv", "cache_candidates.png", "cache_plan.json"):
+        assert (folder / "tiny" / "pick" / name).stat().st_size > 0

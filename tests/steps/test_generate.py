@@ -57,7 +57,7 @@ def test_strategies_side_by_side(tmp_path, tiny_lm):
 @pytest.mark.parametrize("generate, message", [
     ('{prompts: ["a"], num_beams: 2, stream: true}', "cannot stream"),
     ('{prompts: ["a", "b"], batch_size: 2, penalty_alpha: 0.5, top_k: 4}', "batch_size: 1"),
-    ('{prompts: ["a"], strategies: {b: {num_beams: 2, temperature: 0.7}}}', "strategy 'b'"),
+    ('{prompts: ["a"], strategies: {b: {num_beams: 2, temperature: 0.7}}}', "generate.strategies.b: beam search"),
     ('{prompts: ["a"], num_beams: 2, num_return_sequences: 3}', "num_return_sequences"),
     ('{prompts: ["a"], decode_plan: sometimes}', "'auto', 'fixed' or 'none'"),
 ])

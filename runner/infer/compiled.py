@@ -1,0 +1,296 @@
+"""The compiled engine: a static cache per (kind, batch bucket, length bucket) and one compiled one-token decode step
+per shape, so a generation never recompiles.
+
+In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, in chunks)
+    → StaticDecodeState.feed → decode_step (compiled: [B,T] ids, [B,T] positions, [T] columns, [B,S] mask → [B,T,V])
+`StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
+Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
+`feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
+T = spec_k + 1; other chunk lengths run the same static forward eagerly). Rows past b are dummies that attend
+only to themselves; their logits are dropped.
+Compilation: inductor, `dynamic=False`. On CPU the step reads the Linear weights from an input-major copy
+(`input_major_weights`: faster one-row products) through torch.func.functional_call; inductor's freezing was
+no faster here (mode "freezing" still selects it). On CUDA, mode "reduce-overhead" (CUDA graphs) with the cache at
+a static address and the model's own weights. The first call of a shape is timed
+apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
+live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
+`recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).
+Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
+stop rules, timing harnesses or manifests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runner.errors import InferenceError
+from runner.infer.forward import positions_from, sync
+from runner.infer.static import STATIC_KINDS, StaticKVCache, make_static_cache
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_COLUMNS = 256  # length buckets: powers of two from here, capped by the caller's max_seq_len
+CACHE_DIR = Path.home() / ".cache" / "runner" / "inductor"
+
+
+def batch_bucket(batch: int) -> int:
+    """Smallest bucket ≥ batch (past the last: batch itself)."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), batch)
+
+
+def length_bucket(columns: int, max_seq_len: int) -> int:
+    """Smallest power of two ≥ columns (at least MIN_COLUMNS), at most max_seq_len."""
+    size = MIN_COLUMNS
+    while size < columns:
+        size *= 2
+    return max(min(size, max_seq_len), columns)
+
+
+def use_compile_cache() -> None:
+    """Point inductor's on-disk caches (FX graphs, kernels) at ~/.cache/runner/inductor unless the user chose."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)  # one graph per shape, many shapes
+
+
+# --- masks over static columns -----------------------------------------------------------------------------------
+
+def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bool, dtype: torch.dtype) -> torch.Tensor:
+    """[B,S] real columns (1 = a real token written there) and the [T] columns being fed → [B,1,T,S] attention
+    mask: a query sees the real columns up to its own, and always itself (a pad or dummy query then attends to
+    something, so no row of softmax is empty). Boolean for sdpa, additive for eager attention."""
+    span = torch.arange(mask2d.shape[1], device=mask2d.device)  # [S]
+    causal = span[None, :] <= columns[:, None]  # [T,S]
+    allowed = (mask2d[:, None, None, :].bool() & causal[None, None]) | (span[None, :] == columns[:, None])[None, None]
+    if not eager_attention:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask2d.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
+                mask2d: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
+    """[B,T] ids at [B,T] positions into `columns` [T] of the cache, [B,S] real columns → [B,T,V] logits, with the
+    model's own parameters or `weights` in their place. The function the engine compiles (one graph per shape);
+    prefill runs it eagerly."""
+    cache.columns = columns
+    eager = model.config._attn_implementation == "eager"
+    attention = static_mask(mask2d, columns, eager, model.dtype)
+    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                  use_cache=True, logits_to_keep=ids.shape[1])
+    out = model(**inputs) if weights is None else torch.func.functional_call(model, weights, (), inputs)
+    return out.logits
+
+
+def input_major_weights(model) -> dict[str, torch.Tensor]:
+    """Every Linear weight [out,in] as a view of an [in,out] copy (same values, transposed storage): on CPU a
+    one-row matrix product reads such a matrix about 1.3× faster (measured on this project's machine, one and two
+    threads, float32 and bfloat16). Costs one more copy of the Linear weights; a tied embedding reads its rows
+    from the same copy."""
+    return {f"{name}.weight": module.weight.detach().t().contiguous().t()
+            for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+# --- the engine --------------------------------------------------------------------------------------------------
+
+@dataclass
+class CompileStats:
+    """What compiling cost: seconds per shape (kind, rows, columns, new columns) and graph counts."""
+
+    compile_s: dict[tuple, float] = field(default_factory=dict)
+    compiles: int = 0  # graphs dynamo made for the decode step
+    recompiles: int = 0  # graphs made after a shape's warm-up: should stay 0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.compile_s.values())
+
+
+class CompiledEngine:
+    """One model's compiled decode step and its static caches (one per kind × batch bucket × length bucket).
+
+    A cache is reused by the next state of the same shape: one generation at a time per engine.
+    `compile=False` runs the same static step eagerly (tests of the static path; debugging)."""
+
+    def __init__(self, model, mode: str | None = None, compile: bool = True):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        self.mode = mode or ("reduce-overhead" if self.cuda else "default")
+        self.weights = None if self.cuda else input_major_weights(model)
+        if compile:
+            use_compile_cache()
+            how = {"options": {"freezing": True}} if self.mode == "freezing" else {"mode": self.mode}
+            self.step = torch.compile(decode_step, dynamic=False, **how)
+        else:
+            self.step, self.mode = decode_step, "eager"
+        self.caches: dict[tuple, StaticKVCache] = {}
+        self.warm: set[tuple] = set()  # (kind, rows, columns, new columns) already compiled
+        self.stats = CompileStats()
+
+    def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int,
+              step_lengths: tuple[int, ...] = (1,), slot: str = "") -> "StaticDecodeState":
+        """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens); feeds of
+        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly. States live
+        at once only in different slots (a model drafting for itself: "target" and "draft")."""
+        key = (kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
+        if (*key, slot) not in self.caches:
+            cache = make_static_cache(kind, self.model, *key[1:])
+            if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
+                for layer in cache.layers:
+                    for t in layer.tensors():
+                        torch._dynamo.mark_static_address(t)
+            self.caches[(*key, slot)] = cache
+        cache = self.caches[(*key, slot)]
+        for length in step_lengths:
+            if length <= key[2]:
+                self._compile(cache, (*key, length))
+        return StaticDecodeState(self, cache, batch, step_lengths)
+
+    @torch.inference_mode()
+    def _compile(self, cache: StaticKVCache, key: tuple) -> None:
+        """Compile (or load from inductor's cache) the step of this shape: one warm-up step into the last columns,
+        which a state's mask hides and a later write overwrites. Timed on its own and logged."""
+        if key in self.warm:
+            return
+        batch, columns, new = cache.batch, cache.length, key[-1]
+        ids = torch.zeros(batch, new, dtype=torch.long, device=self.device)
+        span = torch.arange(columns - new, columns, device=self.device)
+        mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
+        before = _graph_count()
+        start = time.perf_counter()
+        self.step(self.model, cache, ids, torch.zeros_like(ids), span, mask2d, self.weights)  # no aliased inputs
+        sync(self.device)
+        self.stats.compile_s[key] = time.perf_counter() - start
+        self.stats.compiles += _graph_count() - before
+        self.warm.add(key)
+        if self.mode != "eager":
+            log.info("compile: decode step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
+                     key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
+
+    def call(self, cache: StaticKVCache, ids, positions, columns, mask2d) -> torch.Tensor:
+        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged."""
+        before = _graph_count()
+        logits = self.step(self.model, cache, ids, positions, columns, mask2d, self.weights)
+        made = _graph_count() - before
+        if made:
+            self.stats.compiles += made
+            self.stats.recompiles += made
+            log.warning("the compiled decode step recompiled (%d graphs) for %d rows × %d columns × %d new", made,
+                        cache.batch, cache.length, ids.shape[1])
+        return logits
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model) -> CompiledEngine:
+    """The model's engine, made once per model object: compiled steps and caches outlive one Generator."""
+    if model not in _ENGINES:
+        _ENGINES[model] = CompiledEngine(model)
+    return _ENGINES[model]
+
+
+def check_compilable(model, kind: str | None) -> None:
+    """InferenceError when the compiled engine cannot serve this model or kind."""
+    if kind is not None and kind.split(":")[0].startswith("kivi"):
+        raise InferenceError(f"engine 'compiled' has no static layout for cache kind {kind!r}: use one of "
+                             f"{', '.join(STATIC_KINDS)}, or engine: eager")
+    text = model.config.get_text_config(decoder=True)
+    types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise InferenceError(f"engine 'compiled' serves models whose layers all use full attention; "
+                             f"{text.model_type} has {sorted(types)}: use engine: eager")
+
+
+# --- the state the Generator and the speculative rounds drive ------------------------------------------------------
+
+class StaticDecodeState:
+    """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far."""
+
+    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int, step_lengths: tuple[int, ...]):
+        self.engine, self.cache, self.rows, self.step_lengths = engine, cache, batch, step_lengths
+        self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=engine.device)  # [B,S]
+        self.seen: torch.Tensor | None = None  # [b] real tokens so far
+        self.length = 0
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[b,length] mask of what was fed (DecodeState's field)."""
+        return self.columns[:self.rows, :self.length]
+
+    def _pad(self, t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """[b,...] → [B,...], dummy rows filled with `fill`."""
+        extra = self.cache.batch - self.rows
+        return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
+
+    def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
+                 compiled: bool = True) -> torch.Tensor:
+        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits; compiled when T is a step
+        length, else the same static forward run eagerly (prefill, odd chunk lengths)."""
+        t = ids.shape[1]
+        if self.length + t > self.cache.length:
+            raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
+                                 f"{self.length + t}: raise max_seq_len or start a new conversation")
+        columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
+        self.columns[:, self.length:self.length + t] = self._pad(new_mask)
+        args = (self.cache, self._pad(ids), self._pad(positions), columns, self.columns)
+        if compiled and t in self.step_lengths:
+            logits = self.engine.call(*args)
+        else:
+            logits = decode_step(model, *args)
+        self.length += t
+        return logits[:self.rows]
+
+    def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, None]:
+        """[b,T] ids and mask → (last logits [b,V], None): eager static forwards, q_chunk columns at a time."""
+        if hidden:
+            raise InferenceError("engine 'compiled' does not return hidden states (contrastive search): use eager")
+        positions = positions_from(self.seen, new_mask)  # [b,T]
+        self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
+        step = q_chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], step):
+            part = slice(start, start + step)
+            logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
+        return logits[:, -1], None
+
+    def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """One compiled decode step: [b] token (live [b] 0/1: a finished row feeds a masked pad) → [b,V] logits."""
+        positions = self.seen[:, None]  # [b,1]
+        self.seen = self.seen + live
+        return self._forward(model, token[:, None], positions, live[:, None])[:, -1]
+
+    # speculative rounds: one row, no padding, the cache rolled back after a rejection
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def feed_row(self, model, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Batch 1: [t] tokens appended → [keep,V] float32 logits of the last `keep` of them."""
+        positions = torch.arange(self.length, self.length + tokens.shape[0], device=tokens.device)[None]
+        logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None])
+        return logits[0, -keep:].float()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
+        0 and the next write overwrites them."""
+        self.length += tokens_to_remove
+        self.columns[:, self.length:] = 0

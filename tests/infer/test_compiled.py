@@ -1,0 +1,132 @@
+"""The compiled engine: static caches of every kind give the eager engine's tokens; the compiled step does too.
+
+Most tests run the engine's static path uncompiled (CompiledEngine(compile=False): the same caches, masks, buckets
+and step function, without inductor), so every kind and strategy is checked in seconds. The tests that really
+compile are few and marked slow.
+"""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from runner.infer import compiled
+from runner.infer.compiled import CompiledEngine, batch_bucket, length_bucket
+from runner.infer.config import GenerateConfig, SpeculativeConfig
+from runner.infer.generator import Generator
+from runner.infer.kvcache import bytes_per_token, cache_bytes
+from runner.infer.speculative import SpeculativeGenerator
+from runner.infer.static import STATIC_KINDS
+
+PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
+
+
+@pytest.fixture
+def static_lm(tiny_lm, monkeypatch):
+    """tiny_lm whose compiled engine runs its static step uncompiled."""
+    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
+    return tiny_lm
+
+
+def _generate(lm, prompts, engine, **settings):
+    enc = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    gen = Generator(lm.model, GenerateConfig(engine=engine, **settings), tokenizer=lm.tokenizer)
+    return gen.generate(enc.input_ids, enc.attention_mask), gen
+
+
+def test_buckets_round_up_and_respect_max_seq_len():
+    assert [batch_bucket(b) for b in (1, 3, 5, 9, 300)] == [1, 4, 8, 16, 300]
+    assert length_bucket(10, 2048) == 256 and length_bucket(300, 2048) == 512
+    assert length_bucket(300, 400) == 400 and length_bucket(500, 400) == 500
+
+
+@pytest.mark.parametrize("kind", STATIC_KINDS)
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "padded"])
+def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
+    eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
+    ours, gen = _generate(static_lm, prompts, "compiled", cache_kind=kind, max_new_tokens=20, temperature=0)
+    assert torch.equal(ours, eager)
+    assert isinstance(gen.state, compiled.StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
+
+
+@pytest.mark.parametrize("kind", STATIC_KINDS)
+def test_static_cache_holds_the_estimated_bytes_of_all_its_columns(static_lm, kind):
+    _, gen = _generate(static_lm, PROMPTS[:1], "compiled", cache_kind=kind, max_new_tokens=2, temperature=0)
+    per_token = bytes_per_token(static_lm.model.config, kind, static_lm.model.dtype)
+    assert cache_bytes(gen.cache) == per_token * gen.cache.length  # codes + scales, never the float K/V
+
+
+def test_seeded_sampling_is_reproducible_and_stop_rules_apply(static_lm):
+    settings = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=7)
+    first, _ = _generate(static_lm, PROMPTS, "compiled", **settings)
+    again, _ = _generate(static_lm, PROMPTS, "compiled", **settings)
+    assert torch.equal(first, again)
+    eos = int(first[0, -12])  # row 0's first new token, made an EOS: row 0 stops at once, the others go on
+    stopped, gen = _generate(static_lm, PROMPTS, "compiled", **settings, eos_token_id=eos)
+    assert gen.stats.stop_reasons[0] == "eos" and gen.stats.new_tokens[0] == 1
+
+
+def test_beam_search_reorders_the_static_cache_like_the_eager_one(static_lm):
+    settings = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, temperature=0)
+    eager, _ = _generate(static_lm, PROMPTS[:2], "eager", **settings)
+    ours, _ = _generate(static_lm, PROMPTS[:2], "compiled", **settings)
+    assert torch.equal(ours, eager)
+
+
+def test_continuing_a_conversation_writes_after_the_first_turn(static_lm):
+    enc = static_lm.tokenizer(PROMPTS[:1], return_tensors="pt")
+    outs = []
+    for engine in ("eager", "compiled"):
+        gen = Generator(static_lm.model, GenerateConfig(engine=engine, max_new_tokens=5, temperature=0))
+        outs.append(torch.cat([gen.generate(enc.input_ids), gen.generate(enc.input_ids[:, :2])], dim=1))
+    assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "nf4"])
+def test_speculative_verification_on_static_states_gives_the_target_greedy_tokens(static_lm, kind):
+    enc = static_lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    outs = []
+    for engine in ("eager", "compiled"):
+        config = SpeculativeConfig(spec_k=3, max_new_tokens=16, temperature=0, cache_kind=kind, engine=engine)
+        outs.append(SpeculativeGenerator(static_lm.model, "prompt-lookup", config).generate(enc.input_ids,
+                                                                                           enc.attention_mask))
+    assert torch.equal(*outs)
+
+
+def test_a_model_drafting_for_itself_gets_two_static_caches(static_lm):
+    enc = static_lm.tokenizer(PROMPTS[:1], return_tensors="pt")
+    config = SpeculativeConfig(spec_k=3, max_new_tokens=12, temperature=0, engine="compiled")
+    gen = SpeculativeGenerator(static_lm.model, static_lm.model, config)
+    out = gen.generate(enc.input_ids)
+    target_only, _ = _generate(static_lm, PROMPTS[:1], "eager", max_new_tokens=12, temperature=0)
+    assert torch.equal(out, target_only) and gen.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("settings, key", [
+    ({"cache_kind": "kivi4"}, "cache_kind"),
+    ({"penalty_alpha": 0.5, "top_k": 4, "temperature": 0}, "penalty_alpha"),
+    ({"decode_plan": "auto"}, "decode_plan"),
+])
+def test_what_the_compiled_engine_cannot_serve_is_a_config_error_naming_the_key(settings, key):
+    GenerateConfig(engine="eager", **settings)  # fine on the eager engine
+    with pytest.raises(ValidationError, match=key):
+        GenerateConfig(engine="compiled", **settings)
+    if key == "cache_kind":
+        with pytest.raises(ValidationError, match=key):
+            SpeculativeConfig(engine="compiled", **settings)
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
+    """Compiles three shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32 and q4_0 padded."""
+    from tests.conftest import TINY_LLAMA
+
+    from runner.infer.models import load_model
+
+    lm = load_model(config=TINY_LLAMA, device="cpu", seed=1)  # its own model object: its own compiled engine
+    for kind, prompts in (("fp32", PROMPTS[:1]), ("fp32", PROMPTS), ("q4_0", PROMPTS)):
+        eager, _ = _generate(lm, prompts, "eager", cache_kind=kind, max_new_tokens=24, temperature=0)
+        ours, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0)
+        again, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0)
+        assert torch.equal(ours, eager) and torch.equal(again, eager)
+    stats = compiled.engine_for(lm.model).stats
+    assert len(stats.compile_s) == 3 and stats.recompiles == 0
