@@ -1,16 +1,18 @@
-"""Speculative decoding, ours vs target-only vs transformers' assisted generation: same models, prompts, dtype.
+"""Speculative decoding against batch size: batched rounds vs row by row vs our target-only batched decode.
 
     python benchmarks/speculative.py                                   # prompt lookup on SmolLM2
-    python benchmarks/speculative.py --target zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16
+    python benchmarks/speculative.py --target zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b \\
+        --dtype bfloat16 --batch 1 2 4 8 --new-tokens 24
 
-Greedy, batch 1 (transformers' assisted generation takes one sequence), one process. Per prompt and per k,
-every method runs once as warm-up, then --repeats times in alternating order; we print the median new tokens/s
-of each and the ratio to our target-only decode and to transformers' plain generate(). Methods:
-    ours target-only    runner.infer.decode.Generator
-    ours speculative    runner.infer.speculative.SpeculativeGenerator (spec_k = k, not adaptive)
-    hf generate         model.generate(do_sample=False)
-    hf assisted         model.generate(assistant_model=draft) or model.generate(prompt_lookup_num_tokens=k)
-All outputs are checked token-identical to ours target-only (greedy speculative decoding is exact).
+Greedy, one process. Per batch size every method runs once as warm-up, then --repeats times in alternating
+order (runner.infer.timing.time_interleaved); we print the median new tokens/s of each (all rows' tokens over
+the wall time), its spread (max − min) and the ratio to our target-only batched decode. Methods:
+    ours target-only    runner.infer.generator.Generator on the left-padded batch
+    ours spec batched   SpeculativeGenerator: every round drafts and verifies all live rows at once
+    ours spec rows      SpeculativeGenerator(batched=False): rows one after another (the previous behaviour)
+    hf generate         model.generate(do_sample=False) on the same batch (--hf)
+    hf assisted         transformers' assisted generation: batch 1 only (n/a above: transformers issue #32165)
+Every row of every method is checked token-identical to ours target-only ("same"; greedy speculation is exact).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
@@ -34,10 +35,22 @@ from runner.infer.timing import time_interleaved  # noqa: E402
 LOOKUP_PROMPTS = [
     "Python lists: a = [1, 2, 3]; b = [1, 2, 3]; c = [1, 2, 3]; d = [1,",
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday,",
+    "x = 1\ny = 2\nz = 3\nx = 1\ny = 2\n",
+    "A rose is a rose is a rose is a rose. A rose is",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "red green blue red green blue red green blue red",
 ]
 CODE_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "# Read a CSV file and print the sum of its second column\nimport csv\n\n",
+    "def is_prime(n: int) -> bool:\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "# Sort a list of dictionaries by the key 'age'\npeople = [",
+    "def binary_search(items, target):\n",
+    "import json\n\n# Load config.json and print its keys\n",
+    "def reverse_words(sentence: str) -> str:\n",
 ]
 
 
@@ -46,12 +59,14 @@ def main() -> None:
     parser.add_argument("--target", default="zoo:smollm2-135m")
     parser.add_argument("--draft", default=PROMPT_LOOKUP, help="a model id, or prompt-lookup")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate() (and assisted at b1)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--engine", default="eager", choices=["eager", "compiled"],
-                        help="runner's engine for ours target-only and ours speculative (compiled: in the warm-up)")
+                        help="runner's engine (compiled: speculative rows go one after another)")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
@@ -59,54 +74,63 @@ def main() -> None:
     lookup = args.draft == PROMPT_LOOKUP
     draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device=args.device).model
     prompts = LOOKUP_PROMPTS if lookup else CODE_PROMPTS
-    n = args.new_tokens
+    n, k = args.new_tokens, args.k
     print(f"target={args.target} draft={args.draft} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"new_tokens={n} repeats={args.repeats} engine={args.engine} device={target.device}")
-    print(f"{'prompt':>6} {'k':>2} {'method':>18} {'tok/s':>7} {'vs ours':>8} {'vs hf':>6} {'accept':>7} same")
-    for p_index, prompt in enumerate(prompts):
-        ids = target.tokenizer(prompt, return_tensors="pt").input_ids.to(target.device)
-        for k in args.k:
-            methods = {
-                "ours target-only": lambda: Generator(target.model, GenerateConfig(
-                    max_new_tokens=n, temperature=0, engine=args.engine)).generate(ids),
-                "ours speculative": lambda: _speculative(target.model, draft, ids, n, k, args.engine),
-                "hf generate": lambda: target.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                                             max_new_tokens=n, do_sample=False),
-                "hf assisted": lambda: target.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                    **({"prompt_lookup_num_tokens": k} if lookup else {"assistant_model": draft})),
-            }
-            outputs = {}  # the tokens of each method's last run, to compare
+          f"new_tokens={n} k={k} repeats={args.repeats} load={os.getloadavg()[0]:.1f}")
+    print(f"{'batch':>5} {'method':>18} {'tok/s':>7} {'spread':>7} {'vs ours':>8} {'accept':>7} {'rows':>11} same")
+    for batch in args.batch:
+        enc = target.tokenizer([prompts[i % len(prompts)] for i in range(batch)], return_tensors="pt", padding=True)
+        ids, mask = enc.input_ids.to(target.device), enc.attention_mask.to(target.device)
+        methods = {
+            "ours target-only": lambda: Generator(target.model, GenerateConfig(
+                max_new_tokens=n, temperature=0, engine=args.engine)).generate(ids, mask),
+            "ours spec batched": lambda: _speculative(target.model, draft, ids, mask, n, k, True, args.engine),
+            "ours spec rows": lambda: _speculative(target.model, draft, ids, mask, n, k, False, args.engine),
+        }
+        if args.hf:
+            methods["hf generate"] = lambda: target.model.generate(ids, attention_mask=mask, max_new_tokens=n,
+                                                                   min_new_tokens=n, do_sample=False)
+            if batch == 1:
+                methods["hf assisted"] = lambda: target.model.generate(
+                    ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    **({"prompt_lookup_num_tokens": k} if lookup else {"assistant_model": draft}))
+        outputs = {}
 
-            def timed(name):
-                def run_once(tick):
-                    outputs[name] = methods[name]()
-                    tick()
-                return run_once
+        def timed(name):
+            def run_once(tick):
+                outputs[name] = methods[name]()
+                tick()
+            return run_once
 
-            marks = time_interleaved({name: timed(name) for name in methods}, args.repeats,
-                                     sync=lambda: sync(target.device))
-            reference = outputs["ours target-only"]
-            speed = {name: statistics.median((outputs[name].shape[1] - ids.shape[1]) / m[-1] for m in runs)
-                     for name, runs in marks.items()}
-            for name in methods:
-                out = outputs[name]
-                accept = f"{out.acceptance:7.2f}" if hasattr(out, "acceptance") else f"{'':>7}"
-                same = torch.equal(out[:, :reference.shape[1]], reference[:, :out.shape[1]])
-                vs_ours = speed[name] / speed["ours target-only"]
-                print(f"{p_index:>6} {k:>2} {name:>18} {speed[name]:7.1f} {vs_ours:8.2f} "
-                      f"{speed[name] / speed['hf generate']:6.2f} {accept} {same}")
+        marks = time_interleaved({name: timed(name) for name in methods}, args.repeats)  # CPU: no sync needed
+        reference = outputs["ours target-only"]
+        base = statistics.median(_tokens(reference, ids) / m[-1] for m in marks["ours target-only"])
+        for name, runs in marks.items():
+            out = outputs[name]
+            rates = [_tokens(out, ids) / m[-1] for m in runs]
+            accept = f"{out.stats.acceptance_rate:7.2f}" if hasattr(out, "stats") else f"{'':>7}"
+            rows = (f"{min(out.stats.row_acceptance):.2f}-{max(out.stats.row_acceptance):.2f}"
+                    if hasattr(out, "stats") else "")
+            width = min(out.shape[1], reference.shape[1])
+            same = torch.equal(out[:, :width], reference[:, :width])
+            print(f"{batch:>5} {name:>18} {statistics.median(rates):7.2f} {max(rates) - min(rates):7.2f} "
+                  f"{statistics.median(rates) / base:8.2f} {accept} {rows:>11} {same}")
+        print(f"      (load average now {os.getloadavg()[0]:.1f})")
+
+
+def _tokens(out: torch.Tensor, ids: torch.Tensor) -> int:
+    return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
 class _Tokens(torch.Tensor):
-    """Output ids that also carry the acceptance rate of the run that made them."""
+    """Output ids that also carry the stats of the run that made them."""
 
 
-def _speculative(model, draft, ids: torch.Tensor, n: int, k: int, engine: str = "eager") -> torch.Tensor:
-    gen = SpeculativeGenerator(target_model=model, draft_model=draft,
+def _speculative(model, draft, ids, mask, n: int, k: int, batched: bool, engine: str) -> torch.Tensor:
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, batched=batched,
                                config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k, engine=engine))
-    out = gen.generate(ids).as_subclass(_Tokens)
-    out.acceptance = gen.acceptance_rate
+    out = gen.generate(ids, mask).as_subclass(_Tokens)
+    out.stats = gen.stats
     return out
 
 

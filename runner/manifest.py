@@ -192,7 +192,8 @@ class DraftSource(BaseModel):
     """Where draft tokens come from (the speculative block, and a bench matrix's speculative axis)."""
 
     draft: ModelSpec | Literal["prompt-lookup"] = Field(description=(
-        "The draft model (same tokenizer as the target), or prompt-lookup: n-gram drafting from the context."))
+        "The draft model, or prompt-lookup: n-gram drafting from the context. A draft with another tokenizer "
+        "than the target's proposes through text (decoded, re-encoded for the target; exact all the same)."))
 
     @field_validator("draft", mode="before")
     @classmethod

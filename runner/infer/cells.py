@@ -5,8 +5,10 @@
     measure_hf           transformers' own model.generate() on the same model, inputs and cache kind
     measure_hf_compiled  transformers' static cache + its compiled forward (cache_implementation="static"), the
                          fastest thing a transformers user sets up; the model's dtype only; compile timed apart
-    measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only
-    measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way
+    measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only; a batch runs its rounds
+                         together (batched=False: rows one after another, today's baseline)
+    measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way; batch 1
+                         only (ASSISTED_NA says why)
 
 Greedy with EOS ignored, so every repeat of every side makes exactly `new_tokens` tokens. Each side
 returns a flat dict of figures (medians, p90s, spreads, peak memory, measured KV bytes, the fraction
@@ -29,6 +31,8 @@ from runner.infer.speed import greedy_prefill, greedy_steps
 from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_once, time_ticks
 
 MIB = 2**20
+ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch size 1 "
+               "(transformers issue #32165, batched assisted generation, is open)")
 
 
 def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
@@ -122,22 +126,31 @@ def measure_hf_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | N
 
 
 def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        adaptive: bool, repeats: int, warmup: int, engine: str = "eager") -> dict:
-    """Greedy speculative decoding of the cell (rows one after another): tokens/s and acceptance."""
+                        adaptive: bool, repeats: int, warmup: int, engine: str = "eager", batched: bool = True,
+                        tokenizer=None, draft_tokenizer=None) -> dict:
+    """Greedy speculative decoding of the cell: tokens/s, acceptance (overall and the lowest / highest row's) and
+    whether the rounds ran batched (False at batch 1, for KIVI kinds, the compiled engine, or when asked)."""
     config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
                                cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2, engine=engine)
-    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config)
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched,
+                               tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))
-    return {**figures, "acceptance": gen.stats.acceptance_rate}
+    rows = gen.stats.row_acceptance
+    return {**figures, "acceptance": gen.stats.acceptance_rate, "acceptance_row_min": min(rows),
+            "acceptance_row_max": max(rows), "batched": gen.stats.batched,
+            "target_forwards": gen.stats.target_forwards}
 
 
 def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        repeats: int, warmup: int) -> dict:
-    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens."""
+                        repeats: int, warmup: int, tokenizer=None, draft_tokenizer=None) -> dict:
+    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens; with
+    both tokenizers given, its universal assisted generation (a draft with another tokenizer)."""
     if ids.shape[0] != 1:
-        raise ValueError("transformers' assisted generation takes batch size 1")
+        raise ValueError(ASSISTED_NA)
     drafting = {"prompt_lookup_num_tokens": spec_k} if isinstance(draft, str) else {
         "assistant_model": draft, "num_assistant_tokens": spec_k}
+    if draft_tokenizer is not None and not isinstance(draft, str):
+        drafting |= {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
     produced = {}
 
     def run_once() -> None:

@@ -1,8 +1,9 @@
 """Speculative decoding (Leviathan et al. 2023, Chen et al. 2023): a draft proposes, the target verifies.
 
 Owns: draft → verify → accept → roll back, per round, for a draft model or prompt lookup; the adaptive draft
-length, the fallback to target-only decoding, and the counts in `SpecStats`. Does not know about manifests,
-tracking, tokenizers (a draft with another tokenizer is the caller's error to raise) or timing beyond wall-clock.
+length, the fallback to target-only decoding, and the counts in `SpecStats`. A draft with another tokenizer
+(`draft_tokenizer=`, `tokenizer=` the target's) proposes through text (`spec_text.TextDraft`), verified as prompt
+lookup is. Does not know about manifests, tracking or timing beyond wall-clock.
 
 One round of one row (shapes in comments), with the invariant "each cache holds the sequence minus its last
 token, `pending`":
@@ -25,13 +26,16 @@ engine: compiled gives each row static states (compiled.StaticDecodeState): veri
 single-token steps run compiled, other chunk lengths the same static forward eagerly; rolling back is moving the
 write position (`crop`).
 
-Batches: rows are processed one after another, each with its own batch-1 caches (its left padding stripped),
-so each row accepts its own number of tokens; forward counts in the stats are summed over rows. Batched
-verification with per-row cache offsets is not done (correctness first).
+Batches: a batch of more than one row runs its rounds together (`spec_batch.py`: one draft forward per draft
+token and one target forward per round for all live rows, ragged acceptance kept as masked holes in the caches,
+adaptive k and the fallback per batch). Cache kinds that cannot hold holes (KIVI, sliding windows: see
+`ragged.py`), the compiled engine and `batched=False` process rows one after another, each with its own batch-1
+caches (its left padding stripped); forward counts are then summed over rows.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -42,12 +46,14 @@ from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import eos_ids, pad_id, sync
 from runner.infer.kvcache import make_cache
 from runner.infer.timing import time_once
-from runner.infer.sampling import process_logits
+from runner.infer.spec_rounds import (FALLBACK_MIN_ROUNDS, FALLBACK_WINDOW, LOOKUP_MAX_NGRAM,  # noqa: F401
+                                      accept_exact, accept_reject, adapt_k, falls_back, filtered_probs,
+                                      first_eos as _first_eos, lookup_proposal, pick)
+from runner.infer.spec_text import TextDraft, same_tokenizer
+from runner.infer.spec_batch import batched_reason, generate_batched
 
 PROMPT_LOOKUP = "prompt-lookup"
-LOOKUP_MAX_NGRAM = 3
-FALLBACK_MIN_ROUNDS = 4
-FALLBACK_WINDOW = 8
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +71,9 @@ class SpecStats:
     fallback_round: list[int | None] = field(default_factory=list)  # per row: round at which it fell back
     new_tokens: list[int] = field(default_factory=list)  # per row, EOS included
     stop_reasons: list[str] = field(default_factory=list)  # per row: eos, max_new_tokens, max_seq_len
+    row_drafted: list[int] = field(default_factory=list)  # per row: tokens drafted
+    row_accepted: list[int] = field(default_factory=list)  # per row: draft tokens accepted
+    batched: bool = False  # rounds ran for the whole batch at once (spec_batch), not row after row
     seconds: float = 0.0
 
     @property
@@ -75,13 +84,19 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
+    @property
+    def row_acceptance(self) -> list[float]:
+        """Per row: accepted / drafted (0 for a row that drafted nothing)."""
+        return [a / d if d else 0.0 for d, a in zip(self.row_drafted, self.row_accepted)]
+
     def as_dict(self) -> dict:
         return {"acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
                 "accepted_hist": self.accepted_hist, "k_history": self.k_history, "rounds": self.rounds,
                 "drafted": self.drafted, "accepted": self.accepted, "draft_forwards": self.draft_forwards,
                 "target_forwards": self.target_forwards, "target_only_steps": self.target_only_steps,
                 "fallback_round": self.fallback_round, "new_tokens": self.new_tokens,
-                "stop_reasons": self.stop_reasons, "seconds": self.seconds}
+                "stop_reasons": self.stop_reasons, "row_acceptance": self.row_acceptance,
+                "batched": self.batched, "seconds": self.seconds}
 
 
 class _Row:
@@ -132,61 +147,13 @@ def crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def filtered_probs(logits: torch.Tensor, seq: torch.Tensor, gcfg: GenerateConfig, vocab: int) -> torch.Tensor:
-    """[t,V'] logits → [t,vocab] probabilities after temperature/top-k/top-p (vocab aligned to the target's)."""
-    if logits.shape[-1] > vocab:
-        logits = logits[:, :vocab]
-    elif logits.shape[-1] < vocab:
-        logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
-    seen = seq[None].expand(logits.shape[0], -1)
-    return torch.softmax(process_logits(logits, seen, gcfg), dim=-1)
-
-
-def pick(probs: torch.Tensor, greedy: bool, rng: torch.Generator) -> int:
-    """[V] → one token id: argmax when greedy, else a draw."""
-    if greedy:
-        return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=rng))
-
-
-def lookup_proposal(seq: torch.Tensor, k: int) -> torch.Tensor:
-    """Prompt lookup: the ≤ k tokens after the latest earlier occurrence of the last n-gram. [L] → [≤k]."""
-    tokens = seq.tolist()
-    for n in range(min(LOOKUP_MAX_NGRAM, len(tokens) - 1), 0, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                return seq[start + n:start + n + k]
-    return seq[:0]
-
-
-def accept_reject(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rng: torch.Generator) -> tuple[int, int]:
-    """Rejection sampling. draft [k], q [k,V], p [k+1,V] → (accepted n, token after them or -1 for the bonus)."""
-    for i, x in enumerate(draft.tolist()):
-        u = float(torch.rand((), generator=rng))
-        if u * float(q[i, x]) < float(p[i, x]):
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)
-        residual = residual if float(residual.sum()) > 0 else p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=rng))
-    return draft.shape[0], -1
-
-
-def accept_exact(draft: torch.Tensor, p: torch.Tensor, greedy: bool, rng: torch.Generator) -> tuple[int, int]:
-    """Exact match: y_i from p_i; accept while x_i == y_i. draft [k], p [k+1,V] → (n, y_n or -1 for the bonus)."""
-    for i, x in enumerate(draft.tolist()):
-        y = pick(p[i], greedy, rng)
-        if y != x:
-            return i, y
-    return draft.shape[0], -1
-
-
 class SpeculativeGenerator:
     """`SpeculativeGenerator(target_model=..., draft_model=... | "prompt-lookup", config=...)`, `.generate(ids)`."""
 
     def __init__(self, target_model, draft_model, config: SpeculativeConfig | None = None, tokenizer=None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, batched: bool = True, draft_tokenizer=None):
         self.config = config or SpeculativeConfig()
+        self.batched = batched  # a batch of > 1 rows runs its rounds together (spec_batch); False: row after row
         self.device = next(target_model.parameters()).device
         self.target = target_model.eval()
         self.lookup = isinstance(draft_model, str)
@@ -195,6 +162,10 @@ class SpeculativeGenerator:
         self.draft = None if self.lookup else draft_model.to(self.device).eval()
         self.draft_vocab = 0 if self.lookup else self.draft.get_input_embeddings().weight.shape[0]
         self.tokenizer = tokenizer
+        self.text_draft = None  # a draft with another tokenizer proposes through text (spec_text), row by row
+        if self.draft is not None and draft_tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
+            self.text_draft = TextDraft(self.draft, draft_tokenizer, tokenizer, self.config.cache_kind)
+            self.draft, self.draft_vocab = None, 0
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         cfg = self.config
         self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
@@ -213,24 +184,41 @@ class SpeculativeGenerator:
         mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         batch, k_max = ids.shape[0], 2 * self.config.spec_k if self.config.spec_k_adaptive else self.config.spec_k
         self.stats = SpecStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
-                               fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch)
+                               fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch,
+                               row_drafted=[0] * batch, row_accepted=[0] * batch)
         rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
+        if self.text_draft is not None:
+            self.text_draft.reset()
+        self.stats.batched = (batch > 1 and self.batched and self.config.engine != "compiled"
+                              and not self._row_by_row_reason())
 
         def decode_rows() -> None:
-            rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
+            if self.stats.batched:
+                rows.extend(generate_batched(self, ids, mask))
+            else:
+                rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
 
         if self.config.engine == "compiled":  # compile every shape the rows will use now, not inside the timing
             for r in range(batch):
                 self._cache(self.target, ids[r][mask[r].bool()], verify=True)
-                if not self.lookup:
+                if self.draft is not None:
                     self._cache(self.draft, ids[r][mask[r].bool()], verify=False)
 
         self.stats.seconds = time_once(decode_rows, sync=lambda: sync(self.device))
+        if self.text_draft is not None:
+            self.stats.draft_forwards += self.text_draft.forwards
         new = torch.full((batch, max(len(r) for r in rows)), pad_id(self.target, self.tokenizer, self.eos_ids),
                          dtype=torch.long, device=self.device)
         for r, tokens in enumerate(rows):
             new[r, :len(tokens)] = tokens
         return torch.cat([ids, new], dim=1)
+
+    def _row_by_row_reason(self) -> str:
+        """Why this generator's caches cannot hold a ragged batch (then rows go one after another), or ""."""
+        reason = batched_reason(self)
+        if reason:
+            log.info("speculative decoding goes row by row with cache kind %s: %s", self.config.cache_kind, reason)
+        return reason
 
     def _generate_row(self, r: int, prompt: torch.Tensor) -> torch.Tensor:
         """[T] real prompt tokens → [N] new tokens of row r, stop rules applied."""
@@ -240,7 +228,7 @@ class SpeculativeGenerator:
         if prompt.numel() >= cfg.max_seq_len:
             raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
         row = _Row(prompt, self._cache(self.target, prompt, verify=True),
-                   None if self.lookup else self._cache(self.draft, prompt, verify=False))
+                   None if self.draft is None else self._cache(self.draft, prompt, verify=False))
         self._prefill(row)
         k, target_only = cfg.spec_k, False
         while True:
@@ -285,7 +273,7 @@ class SpeculativeGenerator:
 
     def _round(self, r: int, row: _Row, k: int) -> torch.Tensor:
         """Propose ≤ k, verify in one target forward, accept, roll back. → [n+1] new tokens ([n] without bonus)."""
-        draft, q = self._propose(row, k)  # [k'], [k',V] or None
+        draft, q = self._propose(r, row, k)  # [k'], [k',V] or None
         base = row.seq.numel()
         chunk = torch.cat([row.seq[-1:], draft])  # [k'+1]: pending, then the draft
         p = filtered_probs(feed(self.target, row.target_cache, chunk, keep=chunk.numel()),
@@ -308,12 +296,17 @@ class SpeculativeGenerator:
         self._count(r, row, draft.numel(), n)
         return new
 
-    def _propose(self, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def proposal(self, r: int, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """A proposal that is a function of row r's tokens [L] alone (prompt lookup, or a draft with another
+        tokenizer through text) → ≤ k tokens [k']; verified with q one-hot at each proposed token."""
+        return lookup_proposal(seq, k) if self.lookup else self.text_draft.propose(r, seq, k)
+
+    def _propose(self, r: int, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens [k] and their proposal distributions q [k,V] (None when greedy or prompt lookup)."""
         if k <= 0:
             return row.seq[:0], None
-        if self.lookup:
-            draft = lookup_proposal(row.seq, k)
+        if self.draft is None:
+            draft = self.proposal(r, row.seq, k)
             q = torch.zeros(draft.numel(), self.vocab, device=self.device)
             return draft, q.scatter_(1, draft[:, None], 1.0)
         tokens, probs = [], []
@@ -340,20 +333,14 @@ class SpeculativeGenerator:
             s.accepted_hist.extend([0] * (accepted + 1 - len(s.accepted_hist)))
         s.accepted_hist[accepted] += 1
         s.k_history[r].append(drafted)
+        s.row_drafted[r] += drafted
+        s.row_accepted[r] += accepted
 
     def _adapt_k(self, k: int, drafted: int, accepted: int) -> int:
-        if not self.config.spec_k_adaptive:
-            return k
-        if accepted == drafted:
-            return min(k + 1, 2 * self.config.spec_k)
-        return max(k - 1, 1) if accepted < 0.5 * drafted else k
+        return adapt_k(k, drafted, accepted, 2 * self.config.spec_k) if self.config.spec_k_adaptive else k
 
     def _should_fall_back(self, row: _Row) -> bool:
-        threshold = self.config.spec_disable_below_accept
-        if threshold <= 0 or len(row.rounds) < FALLBACK_MIN_ROUNDS:
-            return False
-        recent = row.rounds[-FALLBACK_WINDOW:]
-        return sum(a for _, a in recent) / max(sum(d for d, _ in recent), 1) < threshold
+        return falls_back(row.rounds, self.config.spec_disable_below_accept)
 
     def _stop_reason(self, seq: torch.Tensor, prompt_len: int, cfg: SpeculativeConfig) -> str:
         """[L] sequence → why the row stops now, or ""."""
@@ -363,10 +350,4 @@ class SpeculativeGenerator:
         if new.numel() >= cfg.max_new_tokens:
             return "max_new_tokens"
         return "max_seq_len" if seq.numel() >= cfg.max_seq_len else ""
-
-
-def _first_eos(tokens: torch.Tensor, eos_ids: set[int]) -> int:
-    """Index of the first EOS in [N] tokens, or N."""
-    hits = [i for i, t in enumerate(tokens.tolist()) if t in eos_ids]
-    return hits[0] if hits else tokens.numel()
 

@@ -19,7 +19,8 @@ import pandas as pd
 import torch
 
 from runner.errors import RunnerError
-from runner.infer.cells import measure_hf, measure_hf_assisted, measure_hf_compiled, measure_ours, measure_speculative
+from runner.infer.cells import (ASSISTED_NA, measure_hf, measure_hf_assisted, measure_hf_compiled, measure_ours,
+                                measure_speculative)
 from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.config import DTYPES
@@ -46,12 +47,13 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
-    draft = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else None
+    draft, draft_tokenizer = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else (None, None)
+    tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
     rows, bar = [], progress(step.key, len(cells), "cell")
     for dtype, group in itertools.groupby(cells, key=lambda c: c["dtype"]):
         model = lm.model if dtype == step.model["dtype"] else _reload(step, dtype, base_dir)
         for cell in group:
-            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth))
+            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers))
             write_table(pd.DataFrame(rows), out_dir)  # after every cell: an interrupted matrix keeps what it measured
             speed = f" {rows[-1]['ours_tokens_per_s']:.1f} tok/s" if "ours_tokens_per_s" in rows[-1] else ""
             bar.update(note=_label(cell) + speed)
@@ -78,10 +80,13 @@ def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
         spec.max_new_tokens, spec.engines)]
 
 
-def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None) -> dict:
+def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None,
+             tokenizers: dict | None = None) -> dict:
     """One row of the table: the cell's axes, our figures (ours_*), the baselines' (hf_*, hfc_*) and the ratios
     (ratio_* = ours / hf, ratio_hfc_* = ours / hf-compiled). A failure (out of memory, an unsupported combination)
-    is the row's `error` (a baseline's: `hf_error`, `hfc_error`); the matrix goes on."""
+    is the row's `error` (a baseline's: `hf_error`, `hfc_error`); the matrix goes on. `tokenizers`: target's and
+    draft's, for a draft with another tokenizer (both sides then map through text)."""
+    tokenizers = tokenizers or {}
     row = {**cell, "status": "ok", "error": ""}
     try:
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
@@ -89,7 +94,7 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
         if cell["speculative"] == "on":
             row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, spec.speculative.spec_k,
                                                          spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup,
-                                                         engine=cell["engine"]))
+                                                         engine=cell["engine"], **tokenizers))
         else:
             row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth,
                                                   engine=cell["engine"]))
@@ -98,12 +103,15 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
     for baseline, prefix in (("hf", "hf"), ("hf-compiled", "hfc")):
         if baseline not in spec.baseline:
             continue
+        if baseline == "hf" and cell["speculative"] == "on" and cell["batch"] > 1:
+            row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
+            continue
         try:
             if cell["speculative"] == "on":
                 if baseline != "hf":
                     continue  # transformers' assisted generation has no static-cache path to compare with
                 figures = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
-                                              spec.warmup)
+                                              spec.warmup, **tokenizers)
             else:
                 measure = measure_hf if baseline == "hf" else measure_hf_compiled
                 figures = measure(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
@@ -147,8 +155,9 @@ def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
     wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "hfc_tokens_per_s",
               "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
-              "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_compile_s", "hfc_compile_s",
-              "spec_speedup", "error", "hf_error", "hfc_error"]
+              "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_acceptance_row_min",
+              "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",
+              "hf_error", "hfc_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
     for column in ("error", "hf_error", "hfc_error"):

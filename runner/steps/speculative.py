@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from runner.errors import StepError
 from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import sync
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel, load_spec
+from runner.infer.spec_text import same_tokenizer
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.manifest import SpeculativeSpec, library_config
 from runner.infer.speed import time_decode_kinds
@@ -32,13 +32,14 @@ log = logging.getLogger(__name__)
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = SpeculativeSpec.model_validate(step.spec)
     config = library_config(spec, SpeculativeConfig, seed=step.seed)
-    draft = load_draft(spec, lm, step, base_dir)
+    draft, draft_tokenizer = load_draft(spec, lm, step, base_dir)
     prompts = load_prompts(spec, base_dir)
     records, spec_s, base_s, stats = [], 0.0, 0.0, []
     for start in range(0, len(prompts), spec.batch_size):
         enc = lm.tokenizer(prompts[start:start + spec.batch_size], return_tensors="pt", padding=True).to(lm.device)
         rng = torch.Generator(lm.device).manual_seed(config.seed)
-        gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng)
+        gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng,
+                                   tokenizer=lm.tokenizer, draft_tokenizer=draft_tokenizer)
         out = gen.generate(enc.input_ids, enc.attention_mask)
         spec_s += gen.stats.seconds
         stats.append(gen.stats.as_dict())
@@ -68,18 +69,18 @@ def _padded_hists(stats: list[dict]) -> list[tuple[int, ...]]:
 
 
 def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Path):
-    """The draft model (checked to share the target's tokenizer) or the string prompt-lookup."""
+    """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
+    A draft with another tokenizer proposes through text (runner.infer.spec_text)."""
     if spec.draft == PROMPT_LOOKUP:
-        return PROMPT_LOOKUP
+        return PROMPT_LOOKUP, None
     d = spec.draft
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
     draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
-    if draft.tokenizer.get_vocab() != lm.tokenizer.get_vocab():
-        raise StepError(f"the draft {d.id or 'config model'} has a different tokenizer from the target "
-                        f"({len(draft.tokenizer)} vs {len(lm.tokenizer)} tokens): speculative decoding needs the same "
-                        "tokenizer (cross-tokenizer drafting is not supported); use a draft of the same family or "
-                        "draft: prompt-lookup")
-    return draft.model
+    if same_tokenizer(draft.tokenizer, lm.tokenizer):
+        return draft.model, None
+    log.info("the draft %s has another tokenizer (%d vs %d tokens): its proposals reach the target as text",
+             d.id or "config model", len(draft.tokenizer), len(lm.tokenizer))
+    return draft.model, draft.tokenizer
 
 
 def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> float:

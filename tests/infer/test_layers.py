@@ -15,11 +15,11 @@ LAYERS = [
     ("config", ["config", "quant"]),
     ("loading", ["pinned", "zoo", "data", "models"]),
     ("forward", ["forward"]),
-    ("caches", ["kvcache", "window", "static"]),
-    ("strategies", ["sampling", "beam", "contrastive"]),
+    ("caches", ["kvcache", "window", "static", "ragged"]),
+    ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
     ("select", ["cache_plans", "autocache"]),
-    ("generators", ["compiled", "generator", "speculative"]),
+    ("generators", ["compiled", "generator", "spec_text", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
 ]
 ORDER = [module for _, modules in LAYERS for module in modules]

@@ -35,8 +35,9 @@ def _drafts(tiny_lm, draft_lm):
     return {"random": draft_lm.model, "self": tiny_lm.model, "lookup": "prompt-lookup"}
 
 
-def _spec(target, draft, ids, mask=None, **settings):
-    gen = SpeculativeGenerator(target_model=target, draft_model=draft, config=SpeculativeConfig(**settings))
+def _spec(target, draft, ids, mask=None, batched=True, **settings):
+    gen = SpeculativeGenerator(target_model=target, draft_model=draft, config=SpeculativeConfig(**settings),
+                               batched=batched)
     return gen.generate(ids, mask), gen
 
 
@@ -160,21 +161,26 @@ def _chi_square_quantile(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("draft_kind,method,temperature,top_k", [
-    ("model", "reject_sampling", 1.0, None), ("model", "greedy", 0.8, 5), ("lookup", "reject_sampling", 1.0, None)])
-def test_sampled_tokens_follow_the_targets_distribution(draft_kind, method, temperature, top_k):
+@pytest.mark.parametrize("draft_kind,method,temperature,top_k,batched", [
+    ("model", "reject_sampling", 1.0, None, True), ("model", "reject_sampling", 1.0, None, False),
+    ("model", "greedy", 0.8, 5, True), ("lookup", "reject_sampling", 1.0, None, True)])
+def test_sampled_tokens_follow_the_targets_distribution(draft_kind, method, temperature, top_k, batched):
     """n = 1000 samples of the first two tokens (64 cells, k = 2 so both the residual draw at either position and
     the bonus token are exercised) against the target's own filtered joint p(a)·p(b|a): Pearson chi-square below
     its 1 − 1e-4 quantile (a false failure 1 in 10,000). Drawing the correction from p instead of the residual,
     or accepting with p instead of p/q, gives a statistic 1.5–3.5× the threshold here; the same counts tested
-    against the draft's distribution must fail, so a sampler that let q through would be caught."""
+    against the draft's distribution must fail, so a sampler that let q through would be caught.
+    Batched, the n rows are one batch: rows accept different numbers in the first round, so the second token of
+    many rows is verified over a cache with holes (spec_batch / ragged); row by row, each row alone."""
     n = 1000
     target, draft = _vocab8_pair()
     prompt = torch.tensor([[1, 2, 3, 1, 2]])  # prompt lookup finds "1 2" → proposes 3, 1
     p = _first_two_joint(target, prompt, temperature, top_k)
     q = _first_two_joint(draft, prompt, temperature, top_k)
     out, gen = _spec(target, draft if draft_kind == "model" else "prompt-lookup", prompt.expand(n, -1),
-                     spec_k=2, max_new_tokens=3, temperature=temperature, top_k=top_k, spec_method=method, seed=11)
+                     batched=batched, spec_k=2, max_new_tokens=3, temperature=temperature, top_k=top_k,
+                     spec_method=method, seed=11)
+    assert gen.stats.batched == batched
     counts = torch.bincount(out[:, 5] * 8 + out[:, 6], minlength=64)
     stat, df = _chi_square(counts, p)
     assert stat < _chi_square_quantile(df), (stat, df)

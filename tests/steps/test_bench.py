@@ -50,7 +50,8 @@ def test_every_cell_is_a_row_and_a_bad_cell_only_fails_itself(bench_run):
     assert (q8["ours_kv_mib"].to_numpy() < fp32["ours_kv_mib"].to_numpy()).all()
     spec = ok[ok["speculative"] == "on"]
     assert spec["spec_speedup"].notna().all() and spec["ours_acceptance"].between(0, 1).all()
-    assert spec[spec["batch"] == 2]["hf_error"].str.contains("batch size 1").all()
+    assert spec[spec["batch"] == 2]["hf_error"].str.startswith("n/a above batch 1").all()
+    assert spec[spec["batch"] == 2]["ours_batched"].all() and not spec[spec["batch"] == 1]["ours_batched"].any()
 
 
 def test_markdown_table_and_plots_are_left(bench_run):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.conftest import TINY_LLAMA, tiny_manifest
 from tests.test_cli import run_cli
 
@@ -53,3 +55,33 @@ def test_speculative_needs_its_block_and_reads_no_other(tmp_path):
 """
     done = run_cli("check", tiny_manifest(tmp_path, runs))
     assert done.returncode == 2 and "mode speculative reads the 'speculative' block: remove 'generate'" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_draft_with_another_tokenizer_proposes_through_text(tmp_path):
+    """SmolLM2 (49k vocabulary) as target, a tiny byte-tokenizer model as draft: the step maps through text and
+    the output is the target's greedy output."""
+    path = tmp_path / "m.yaml"
+    path.write_text(f"""name: t
+seed: 0
+tracking: {{mlflow: false, runs_dir: {tmp_path / 'runs'}}}
+targets:
+  - name: smol
+    model: {{id: zoo:smollm2-135m, device: cpu}}
+    runs:
+      - id: plain
+        mode: generate
+        generate: {{prompts: ["The capital of France is", "def add(a, b):"], batch_size: 2, max_new_tokens: 10,
+                   temperature: 0}}
+      - id: spec
+        mode: speculative
+        speculative: {{draft: {{config: {DRAFT}, device: cpu}}, prompts: ["The capital of France is",
+                      "def add(a, b):"], batch_size: 2, max_new_tokens: 10, temperature: 0, spec_k: 3}}
+""")
+    done = run_cli(path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "another tokenizer" in done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
+    plain, spec = (json.loads((folder / "smol" / r / "results.json").read_text()) for r in ("plain", "spec"))
+    assert [r["token_ids"] for r in spec["prompts"]] == [r["token_ids"] for r in plain["prompts"]]
+    assert spec["metrics"]["draft_forwards"] > 0

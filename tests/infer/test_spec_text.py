@@ -1,0 +1,124 @@
+"""Drafts with another tokenizer (spec_text): tokens travel as text, the output stays the target's greedy output
+(batch 1 and a left-padded batch), a draft that means the same as the target is accepted through the text
+mapping, and the step's zoo pair (slow) is exact."""
+
+import copy
+
+import pytest
+import torch
+
+from runner.infer.config import SpeculativeConfig
+from runner.infer.generator import generate
+from runner.infer.models import byte_tokenizer, load_model
+from runner.infer.spec_text import TextDraft, same_tokenizer, shared_prefix
+from runner.infer.speculative import SpeculativeGenerator
+from tests.conftest import TINY_LLAMA
+
+PROMPTS = ["the theme of the thesis is", "hello there"]
+
+
+def permuted_tokenizer(seed: int = 0):
+    """The byte tokenizer with its 256 byte ids shuffled: the same text pieces under other ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base = byte_tokenizer()
+    alphabet = sorted(base.get_vocab(), key=base.get_vocab().get)[:256]
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(seed)).tolist()
+    vocab = {alphabet[old]: new for new, old in enumerate(order)} | {"<pad>": 256, "<eos>": 257}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>"), order
+
+
+def merged_tokenizer():
+    """A byte-level BPE with a few merges ("th", "the", "he", "is", " t"): other ids and other boundaries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    base = byte_tokenizer()
+    alphabet = sorted(base.get_vocab(), key=base.get_vocab().get)[:256]
+    merges = [("t", "h"), ("th", "e"), ("h", "e"), ("i", "s"), ("Ġ", "t")]
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab |= {"<pad>": len(vocab), "<eos>": len(vocab) + 1}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _spec(lm, draft, draft_tok, enc, **settings):
+    gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, tokenizer=lm.tokenizer,
+                               draft_tokenizer=draft_tok, config=SpeculativeConfig(**settings))
+    return gen.generate(enc.input_ids, enc.attention_mask), gen
+
+
+def test_the_helpers():
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and shared_prefix([], [1]) == 0
+    tok = byte_tokenizer()
+    assert same_tokenizer(tok, byte_tokenizer()) and not same_tokenizer(tok, merged_tokenizer())
+    assert merged_tokenizer().encode("the theme") != tok.encode("the theme")  # really other boundaries
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS])
+def test_a_draft_with_other_boundaries_keeps_the_targets_greedy_output(tiny_lm, prompts):
+    draft_tok = merged_tokenizer()
+    draft = load_model(config={**TINY_LLAMA, "vocab_size": len(draft_tok), "eos_token_id": draft_tok.eos_token_id,
+                               "pad_token_id": draft_tok.pad_token_id}, device="cpu", seed=3).model
+    enc = tiny_lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    ref = generate(tiny_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=24,
+                   temperature=0)
+    out, gen = _spec(tiny_lm, draft, draft_tok, enc, spec_k=4, max_new_tokens=24, temperature=0)
+    assert gen.text_draft is not None and gen.stats.batched == (len(prompts) > 1)
+    assert torch.equal(out, ref)
+    assert gen.stats.drafted > 0 and gen.stats.draft_forwards > 0
+
+
+def test_a_draft_that_means_the_same_is_accepted_through_text(tiny_lm):
+    """A target that writes printable ASCII only (the head rows of every other id copy the row of id 0, '!', so
+    they never win argmax), and as draft the same weights under shuffled byte ids: every proposal is the target's
+    greedy continuation carried through text, so nearly all are accepted; the output is exact."""
+    target = copy.deepcopy(tiny_lm.model)
+    with torch.no_grad():
+        target.lm_head.weight[94:] = target.lm_head.weight[0]  # ids 0..93: '!'..'~'
+    draft_tok, order = permuted_tokenizer()
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for weight in (draft.model.embed_tokens.weight, draft.lm_head.weight):
+            weight[:256] = weight[:256][torch.tensor(order)].clone()  # new id i means old id order[i]
+    enc = tiny_lm.tokenizer(["aaaa bbbb aaaa bbbb aaaa"], return_tensors="pt")
+    ref = generate(target, enc.input_ids, max_new_tokens=20, temperature=0)
+    assert int(ref[0, enc.input_ids.shape[1]:].max()) < 94  # printable ASCII: text round trips losslessly
+    lm = copy.copy(tiny_lm)
+    lm.model = target
+    out, gen = _spec(lm, draft, draft_tok, enc, spec_k=3, max_new_tokens=20, temperature=0)
+    assert torch.equal(out, ref)
+    assert gen.acceptance_rate > 0.9, gen.stats.as_dict()
+
+
+def test_text_draft_needs_the_targets_tokenizer(tiny_lm):
+    with pytest.raises(ValueError, match="target's tokenizer"):
+        TextDraft(tiny_lm.model, merged_tokenizer(), None)
+
+
+@pytest.mark.slow
+def test_smollm2_drafts_for_qwen_through_text():
+    """The manifest's pair, smaller: a SmolLM2-135M draft proposes for the Qwen2.5-Coder-0.5B target."""
+    target = load_model("zoo:qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu")
+    draft = load_model("zoo:smollm2-135m", dtype="bfloat16", device="cpu")
+    enc = target.tokenizer(["def fibonacci(n):\n", "# Sum a list\n"], return_tensors="pt", padding=True)
+    ref = generate(target.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=16, temperature=0)
+    out, gen = _spec(target, draft.model, draft.tokenizer, enc, spec_k=4, max_new_tokens=16, temperature=0)
+    assert torch.equal(out, ref)
+    assert gen.stats.accepted > 0
