@@ -19,6 +19,25 @@ def _console():
     report.configure(0)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Batch-1 forwards of a tiny model: extra intra-op threads only contend (20× slower on a busy 2-core box)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def draft_lm():
+    """A second tiny model with other random weights: a draft unrelated to tiny_lm."""
+    from runner.infer.models import load_model
+
+    return load_model(config=TINY_LLAMA, device="cpu", seed=1)
+
+
 @pytest.fixture(scope="session")
 def tiny_lm():
     from runner.infer.models import load_model

@@ -33,6 +33,7 @@ from runner.infer.spec_rounds import (
     accept_exact,
     accept_reject,
     adapt_k,
+    count_round,
     falls_back,
     filtered_probs,
     first_eos,
@@ -146,19 +147,9 @@ class BatchRun:
             n, token = accept_reject(draft, q[:draft.numel()], p, gen.rng)
         if token < 0 and cfg.spec_extra_token:
             token = pick(p[n], cfg.greedy, gen.rng)
-        self._count(r, draft.numel(), n)
+        count_round(self.stats, r, draft.numel(), n)
         tail = torch.tensor([token] if token >= 0 else [], dtype=torch.long, device=draft.device)
         return torch.cat([draft[:n], tail]), n
-
-    def _count(self, r: int, drafted: int, accepted: int) -> None:
-        s = self.stats
-        s.rounds, s.drafted, s.accepted = s.rounds + 1, s.drafted + drafted, s.accepted + accepted
-        if accepted >= len(s.accepted_hist):
-            s.accepted_hist.extend([0] * (accepted + 1 - len(s.accepted_hist)))
-        s.accepted_hist[accepted] += 1
-        s.k_history[r].append(drafted)
-        s.row_drafted[r] += drafted
-        s.row_accepted[r] += accepted
 
     def _propose(self, caps: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Per row ≤ caps[r] draft tokens ([k_r] each) and, for a model draft, q [b,w,V] (None for lookup)."""

@@ -67,6 +67,17 @@ def accept_exact(draft: torch.Tensor, p: torch.Tensor, greedy: bool, rng: torch.
     return draft.shape[0], -1
 
 
+def count_round(stats, r: int, drafted: int, accepted: int) -> None:
+    """Add a round of row r that drafted `drafted` tokens and accepted `accepted` to a SpecStats."""
+    stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, stats.accepted + accepted
+    if accepted >= len(stats.accepted_hist):
+        stats.accepted_hist.extend([0] * (accepted + 1 - len(stats.accepted_hist)))
+    stats.accepted_hist[accepted] += 1
+    stats.k_history[r].append(drafted)
+    stats.row_drafted[r] += drafted
+    stats.row_accepted[r] += accepted
+
+
 def adapt_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
     """k + 1 after a fully accepted round, k − 1 after one accepting < half, within [1, k_max]."""
     if accepted == drafted:

@@ -47,7 +47,7 @@ from runner.infer.forward import eos_ids, pad_id, sync
 from runner.infer.kvcache import make_cache
 from runner.infer.timing import time_once
 from runner.infer.spec_rounds import (FALLBACK_MIN_ROUNDS, FALLBACK_WINDOW, LOOKUP_MAX_NGRAM,  # noqa: F401
-                                      accept_exact, accept_reject, adapt_k, falls_back, filtered_probs,
+                                      accept_exact, accept_reject, adapt_k, count_round, falls_back, filtered_probs,
                                       first_eos as _first_eos, lookup_proposal, pick)
 from runner.infer.spec_text import TextDraft, same_tokenizer
 from runner.infer.spec_batch import batched_reason, generate_batched
@@ -327,14 +327,7 @@ class SpeculativeGenerator:
 
     def _count(self, r: int, row: _Row, drafted: int, accepted: int) -> None:
         row.rounds.append((drafted, accepted))
-        s = self.stats
-        s.rounds, s.drafted, s.accepted = s.rounds + 1, s.drafted + drafted, s.accepted + accepted
-        if accepted >= len(s.accepted_hist):
-            s.accepted_hist.extend([0] * (accepted + 1 - len(s.accepted_hist)))
-        s.accepted_hist[accepted] += 1
-        s.k_history[r].append(drafted)
-        s.row_drafted[r] += drafted
-        s.row_accepted[r] += accepted
+        count_round(self.stats, r, drafted, accepted)
 
     def _adapt_k(self, k: int, drafted: int, accepted: int) -> int:
         return adapt_k(k, drafted, accepted, 2 * self.config.spec_k) if self.config.spec_k_adaptive else k

@@ -10,27 +10,15 @@ import torch
 from runner.infer.config import SpeculativeConfig
 from runner.infer.generator import generate
 from runner.infer.kvcache import make_cache
-from runner.infer.models import load_model
 from runner.infer.ragged import RaggedCache, ragged_reason
 from runner.infer.spec_rounds import FALLBACK_MIN_ROUNDS
 from runner.infer.speculative import SpeculativeGenerator
-from tests.conftest import TINY_LLAMA
 
 PROMPTS = ["hello world, this is", "The quick brown fox jumps over", "a b a b a b a", "Once"]
 PER_TOKEN_KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def draft_lm():
-    return load_model(config=TINY_LLAMA, device="cpu", seed=1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny batch-1 forwards: extra threads only contend
 
 
 def _spec(target, draft, enc, **settings):

@@ -17,18 +17,7 @@ from tests.conftest import TINY_LLAMA
 PROMPTS = ["hello world, this is", "The quick brown fox"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Batch-1 forwards of a tiny model: extra intra-op threads only contend (20× slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def draft_lm():
-    return load_model(config=TINY_LLAMA, device="cpu", seed=1)  # random weights, unrelated to the target
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny batch-1 forwards: extra threads only contend
 
 
 def _drafts(tiny_lm, draft_lm):
