@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -35,7 +34,7 @@ from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import estimate_cache_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import TokenTiming, copy_bandwidth, time_interleaved, time_once  # noqa: E402
+from runner.infer.timing import Stopwatch, TokenTiming, copy_bandwidth, time_interleaved, time_once  # noqa: E402
 
 VARIANTS = ("compiled", "eager", "hf", "hf-compiled")
 
@@ -133,12 +132,12 @@ def main() -> None:
                     detail = (f", of which compiling (or loading) the step {engine_for(model).stats.total_s - before:.1f} s"
                               if name == "compiled" else " (compile and one generation)")
                     print(f"compile {name} batch={batch}: first call {seconds:.1f} s{detail}", flush=True)
-            start = time.perf_counter()
+            watch = Stopwatch()
             marks = time_interleaved(chosen, args.repeats, warmup=1, sync=lambda: sync(device))
             timings = {name: TokenTiming.of(runs, batch) for name, runs in marks.items()}
             rates = {name: [batch * (len(m) - 1) / (m[-1] - m[0]) for m in runs] for name, runs in marks.items()}
             stats = engine_for(model).stats
-            print(f"batch={batch} timed in {time.perf_counter() - start:.0f} s; engine compiles={stats.compiles} "
+            print(f"batch={batch} timed in {watch.lap():.0f} s; engine compiles={stats.compiles} "
                   f"recompiles={stats.recompiles}")
             prompt_len = enc.input_ids.shape[1]
             kv = estimate_cache_bytes(model.config, None, batch, prompt_len + args.new_tokens, model.dtype)

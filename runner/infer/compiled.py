@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from runner.errors import InferenceError
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import STATIC_KINDS, StaticKVCache, make_static_cache
+from runner.infer.timing import time_once
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,9 @@ class CompiledEngine:
         span = torch.arange(columns - new, columns, device=self.device)
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
         before = _graph_count()
-        start = time.perf_counter()
-        self.step(self.model, cache, ids, torch.zeros_like(ids), span, mask2d, self.weights)  # no aliased inputs
-        sync(self.device)
-        self.stats.compile_s[key] = time.perf_counter() - start
+        self.stats.compile_s[key] = time_once(  # no aliased inputs
+            lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, mask2d, self.weights),
+            sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
         if self.mode != "eager":
