@@ -1,5 +1,6 @@
 """The timing harness on a fake clock: warm-up excluded, sync before every clock read, percentiles right."""
 
+import mmap
 import random
 
 import numpy as np
@@ -84,8 +85,12 @@ def test_peak_memory_sees_an_allocation_inside_the_block():
     with PeakMemory(torch.device("cpu")) as small:
         pass
     with PeakMemory(torch.device("cpu")) as big:
-        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        del block
+        # 64 MiB of fresh pages, touched: an mmap of its own, so memory the process freed earlier (and keeps
+        # resident in malloc's pools after a long test session) cannot serve it without raising the RSS
+        block, page = mmap.mmap(-1, 64 * 2**20), b"\1" * 2**20
+        for start in range(0, 64 * 2**20, 2**20):
+            block[start:start + 2**20] = page
+        block.close()
     if small.scope == "block":  # Linux: the high-water mark was reset on entry
         assert big.bytes - small.bytes > 48 * 2**20
     assert big.bytes > 64 * 2**20
