@@ -32,7 +32,7 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer.forward import positions_from, sync
-from runner.infer.static import STATIC_KINDS, StaticKVCache, make_static_cache
+from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_once
 
 log = logging.getLogger(__name__)
@@ -209,9 +209,6 @@ def engine_for(model) -> CompiledEngine:
 
 def check_compilable(model, kind: str | None) -> None:
     """InferenceError when the compiled engine cannot serve this model or kind."""
-    if kind is not None and kind.split(":")[0].startswith("kivi"):
-        raise InferenceError(f"engine 'compiled' has no static layout for cache kind {kind!r}: use one of "
-                             f"{', '.join(STATIC_KINDS)}, or engine: eager")
     text = model.config.get_text_config(decoder=True)
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
@@ -290,6 +287,13 @@ class StaticDecodeState:
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
-        0 and the next write overwrites them."""
+        0 and the next write overwrites them (KIVI: kept columns leave the quantized region, `rollback`)."""
+        held = self.length
         self.length += tokens_to_remove
         self.columns[:, self.length:] = 0
+        self.cache.rollback(self.length, held)
+
+    @property
+    def layers(self) -> list:
+        """The cache's layers (what speculative.tokens_before_flush reads their residual length from)."""
+        return self.cache.layers
