@@ -168,6 +168,10 @@ class GenerateConfig(AutoCacheConfig):
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
     engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
+    prefill: Literal[ENGINES] = Field("eager", description=(
+        "engine: compiled only: prefill the prompt eagerly through the static cache, or compiled, in pieces of 512 "
+        "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
+        "up front: compile time reported apart)."))
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
         "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
@@ -243,6 +247,8 @@ class GenerateConfig(AutoCacheConfig):
         if self.decode_plan != "none" and self.cache_kind and self.cache_kind.startswith("kivi"):
             raise ValueError("the sliding window (decode_plan) does not support KIVI cache kinds: use fp16, q8_0, "
                              "q4_0, q4_1 or nf4, or decode_plan: none")
+        if self.prefill == "compiled" and self.engine != "compiled":
+            raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
         _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
         return self

@@ -12,8 +12,9 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
                        `where`, no shape ever changes); attention reads the region dequantized below Q and the ring
                        above, so it sees what the eager layer sees at every step (StaticKiviLayer).
 A column is a slot of the cache, not a token position: rows of a left-padded batch share columns, the mask says
-which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes; the
-engine sets it before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
+which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
+`StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
+engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
 dequantization of a quantized kind is one elementwise expression over fixed shapes that inductor fuses per layer.
 Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
@@ -53,8 +54,9 @@ class StaticPlainLayer(StaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front: a compiled step must never allocate the cache
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor):
-        """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in."""
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
+        """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in. Columns from `end`
+        (0-d) on are padding of a compiled prefill: written, masked, overwritten later."""
         self.keys.index_copy_(2, columns, keys.to(self.storage))
         self.values.index_copy_(2, columns, values.to(self.storage))
         return self.keys.to(keys.dtype), self.values.to(values.dtype)
@@ -92,7 +94,7 @@ class StaticQuantLayer(StaticPlainLayer):
             setattr(self, f"{side}_scales", scales)
         self.keys = self.values = None
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor):
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """Quantize the new [B,H,T,D] K/V into `columns` [T] → all [B,H,S,D] K/V dequantized."""
         for side, new in (("key", keys), ("value", values)):
             codes, scales = quantize(new, self.kind)  # [B,H,T,C], [B,H,T,NB]
@@ -140,24 +142,25 @@ class StaticKiviLayer(StaticPlainLayer):
         n = per_block.get(name, self.residual_len)
         return start // self.residual_len * n + torch.arange(n, device=start.device)
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor):
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """[B,H,T,D] new K/V into `columns` [T] (consecutive) → all [B,H,S,D] K/V as attention reads them. In pieces
-        of ≤ r columns, each of which completes at most one block: any T, the same fixed-shape code."""
+        of ≤ r columns, each of which completes at most one block: any T, the same fixed-shape code. Columns from
+        `end` (0-d) on are padding (a compiled prefill's): never stored, never completing a block."""
         r = self.residual_len
         for start in range(0, keys.shape[-2], r):
             piece = slice(start, start + r)
-            self._append(keys[..., piece, :], values[..., piece, :], columns[piece])
-        return self._view((columns[-1] + 1) // r * r, keys.dtype)
+            self._append(keys[..., piece, :], values[..., piece, :], columns[piece], end)
+        return self._view(torch.minimum(columns[-1] + 1, end) // r * r, keys.dtype)
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor) -> None:
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
         """[B,H,t,D] K/V (t ≤ r) into the ring; the block of r columns they complete, if any, quantized into the
         region. Every shape is fixed: the block ending at the new Q is quantized whether or not it is new, and
         written over itself when it is not (`where`)."""
         r = self.residual_len
-        slots = columns % self.ring_len
-        self.ring_keys.index_copy_(2, slots, keys.to(self.storage))
-        self.ring_values.index_copy_(2, slots, values.to(self.storage))
-        done = (columns[-1] + 1) // r * r  # 0-d: Q after these columns
+        slots, real = columns % self.ring_len, (columns < end)[:, None]  # [t], [t,1]
+        for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
+            ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
+        done = torch.minimum(columns[-1] + 1, end) // r * r  # 0-d: Q after these columns
         flush = done > columns[0] // r * r  # 0-d bool: a block was completed
         start = (done - r).clamp(min=0)  # its first column (0 and no flush while Q is 0)
         block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
@@ -204,9 +207,10 @@ class StaticKVCache(Cache):
         super().__init__(layers=layers)
         self.kind = kind
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
+        self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].write(key_states, value_states, self.columns)
+        return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)
 
     @property
     def batch(self) -> int:

@@ -27,11 +27,13 @@ def _kv(n: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Ten
             (torch.randn(B, H, n, D, generator=g) - 0.3).to(dtype))
 
 
-def _write_both(eager, static, written: int, n: int, seed: int):
-    """n new columns after `written` into both layers → (eager K, V [B,H,written+n,D], static K, V cut to the same)."""
-    keys, values = _kv(n, seed, static.storage)
-    eager_k, eager_v = eager.update(keys, values)
-    static_k, static_v = static.write(keys, values, torch.arange(written, written + n))
+def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0):
+    """n new columns after `written` into both layers (the static one also `padding` columns of garbage after
+    them, as a compiled prefill's last piece) → (eager K, V [B,H,written+n,D], static K, V cut to the same)."""
+    keys, values = _kv(n + padding, seed, static.storage)
+    eager_k, eager_v = eager.update(keys[..., :n, :], values[..., :n, :])
+    static_k, static_v = static.write(keys, values, torch.arange(written, written + n + padding),
+                                      torch.tensor(written + n))
     return eager_k, eager_v, static_k[..., :written + n, :], static_v[..., :written + n, :]
 
 
@@ -45,6 +47,18 @@ def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kin
         results = _write_both(eager, static, written, n, seed=step)
         written += n
         assert all(t.dtype == dtype for t in results)
+        assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "kivi4:g8:r24", "kivi2:g4:r8"])
+def test_static_kivi_ignores_the_padding_after_end(kind):
+    """A compiled prefill pads its last piece on the right: the padding never enters the ring nor completes a
+    block, so the next writes see the eager layer's K/V."""
+    eager, static = _pair(kind, 400)
+    written = 0
+    for step, (n, padding) in enumerate([(5, 11), (1, 0), (40, 24), (7, 57), (1, 0), (1, 0), (30, 2), (1, 0)]):
+        results = _write_both(eager, static, written, n, seed=step, padding=padding)
+        written += n
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
