@@ -2,8 +2,9 @@
 per shape, so a generation never recompiles.
 
 In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
-    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, in chunks)
-    → StaticDecodeState.feed → decode_step (compiled: [B,T] ids, [B,T] positions, [T] columns, [B,S] mask → [B,T,V])
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager; or compiled in
+    `prefill_pieces`, the last padded on the right) → StaticDecodeState.feed → decode_step (compiled: [B,T] ids,
+    [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V])
 `StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
 Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
 `feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
@@ -16,6 +17,7 @@ a static address and the model's own weights. The first call of a shape is timed
 apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
 live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
 `recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).
+The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
 Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
 stop rules, timing harnesses or manifests.
 """
