@@ -252,8 +252,8 @@ class KiviLayer(QuantLayer):
         whole_values = values.new_empty((*values.shape[:-2], held + quantized + values.shape[-2], values.shape[-1]))
         t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
         self._dequantize_into(t, whole_keys[..., held:held + quantized, :], whole_values[..., held:held + quantized, :])
-        whole_keys[..., :held, :] = self.sink_keys
-        whole_values[..., :held, :] = self.sink_values
+        whole_keys[..., :held, :] = self.sink_keys[..., :held, :]
+        whole_values[..., :held, :] = self.sink_values[..., :held, :]
         whole_keys[..., held + quantized:, :] = keys
         whole_values[..., held + quantized:, :] = values
         return whole_keys, whole_values
