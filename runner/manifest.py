@@ -228,7 +228,8 @@ class BenchSpec(Strict):
     prompt_lens: list[int] = Field([128], min_length=1, description="Prompt tokens, cut from the eval text.")
     max_new_tokens: list[int] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
-        "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi2); default: the model's dtype."))
+        "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi3, kivi2, KIVI options as in "
+        "kivi3:g128:r128:s4:o1); default: the model's dtype."))
     dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 
-from runner.infer.config import GenerateConfig
+from runner.infer.config import KIVI_DEFAULTS, GenerateConfig
 from runner.infer.data import load_text
 from runner.infer.forward import DecodeState
 from runner.infer.generator import Generator, generate
@@ -315,10 +315,11 @@ def test_bytes_relative_to_fp16_for_smollm2_shapes():
 def test_parse_kind_resolves_aliases_and_defaults():
     assert parse_kind(None) == (None, {})
     assert parse_kind("q4") == ("q4_0", {}) and parse_kind("q4_1") == ("q4_1", {})
-    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32})
-    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64})  # r defaults to g
-    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128})
-    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128})
+    off = KIVI_DEFAULTS  # sinks, outliers, rotations, nuq: off unless named
+    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32, **off})
+    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64, **off})  # r defaults to g
+    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128, **off})
+    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128, **off})
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -333,7 +334,7 @@ def test_parse_kind_resolves_aliases_and_defaults():
     ("kivi4:g32:g64", "bad option 'g64'"),
     ("kivi4:x3", "bad option 'x3'"),
     ("kivi4:g-32", "bad option 'g-32'"),
-    ("kivi3", "unknown cache kind"),
+    ("kivi5", "unknown cache kind"),
 ])
 def test_bad_kind_strings_are_rejected_clearly(kind, message, tiny_lm):
     for call in (lambda: parse_kind(kind), lambda: make_cache(kind, tiny_lm.model),
