@@ -36,6 +36,7 @@ import copy
 import os
 import statistics
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -173,6 +174,7 @@ def search(lm, kinds: list[str], args) -> None:
     reference = teacher_forced_logprobs(model, ids, args.prompt_len, None, score_prefill=False)
     targets = ids[:, args.prompt_len + 1:, None]
     ref_nll = float(-reference.gather(-1, targets).mean())
+    print(f"reference done {time.strftime('%H:%M:%S')}", flush=True)
     fp16 = estimate_cache_bytes(config, "fp16", 1, n, model.dtype)
     rows = []
     for kind in kinds:
@@ -186,14 +188,18 @@ def search(lm, kinds: list[str], args) -> None:
                      "delta_nll": float(-logprobs.gather(-1, targets).mean()) - ref_nll,
                      "kl": float(kl_divergence(reference, logprobs).mean()),
                      "top1": float((reference.argmax(-1) == logprobs.argmax(-1)).float().mean())})
-        print(f"{kind} done", flush=True)
+        print(_search_row(" ", rows[-1]), time.strftime("%H:%M:%S"), flush=True)
     rows.sort(key=lambda r: (r["bytes"], r["delta_nll"]))
     print(f"\n  {'kind':<36} {'vs fp16':>7} {'resid KiB':>9} {'est=meas':>8} {'ΔNLL':>8} {'mean KL':>8} {'top-1':>6}")
     best = float("inf")
     for row in rows:
         mark, best = ("*", row["delta_nll"]) if row["delta_nll"] < best else (" ", best)
-        print(f"{mark} {row['kind']:<36} {row['bytes']:7.4f} {row['residual_kib']:9.1f} {str(row['agree']):>8} "
-              f"{row['delta_nll']:8.4f} {row['kl']:8.4f} {row['top1']:6.3f}")
+        print(_search_row(mark, row))
+
+
+def _search_row(mark: str, row: dict) -> str:
+    return (f"{mark} {row['kind']:<36} {row['bytes']:7.4f} {row['residual_kib']:9.1f} {str(row['agree']):>8} "
+            f"{row['delta_nll']:8.4f} {row['kl']:8.4f} {row['top1']:6.3f}")
 
 
 def speed_cells(kind: str, speed: dict[int, dict[str, float]]) -> str:
