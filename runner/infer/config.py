@@ -21,6 +21,7 @@ KIVI_FLAGS = {"rot": "rotate_keys", "rotv": "rotate_values", "nuq": "nuq"}  # a 
 KIVI_DEFAULTS = {"sinks": 0, "outlier_percent": 0.0, "rotate_keys": False, "rotate_values": False, "nuq": False}
 KIVI_SPELLING = "g<group>, r<residual>, s<sinks>, o<outlier %>, rot, rotv, nuq"
 _CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # quant.CODES_PER_UNIT (this module imports no torch)
+ENGINES = ("eager", "compiled")  # decode engines (see ENGINE_DESCRIPTION)
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
 
 
@@ -169,13 +170,10 @@ ENGINE_DESCRIPTION = (
     "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
 
 
-def _engine_conflicts(engine: str, cache_kind: str | None, **settings) -> None:
+def _engine_conflicts(engine: str, **settings) -> None:
     """What the compiled engine cannot serve, as an error naming the key."""
     if engine != "compiled":
         return
-    if cache_kind and cache_kind.split(":")[0].startswith("kivi"):
-        raise ValueError("engine: compiled has no static layout for KIVI cache kinds (cache_kind): use fp32, fp16, "
-                         "bf16, q8_0, q4_0, q4_1 or nf4, or engine: eager")
     for key, value in settings.items():
         if value:
             raise ValueError(f"engine: compiled does not support {key} ({value!r}): remove it or use engine: eager")
@@ -198,10 +196,15 @@ class GenerateConfig(AutoCacheConfig):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
-    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
+    prefill: Literal[ENGINES] = Field("eager", description=(
+        "engine: compiled only: prefill the prompt eagerly through the static cache, or compiled, in pieces of 512 "
+        "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
+        "up front: compile time reported apart)."))
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, kivi2 (options as in "
-        "kivi3:g64:r128:s4:o1, see docs/cache-kinds.md), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
+        "kivi3:g128:r128:s4:o1, see docs/cache-kinds.md), or auto (selected under cache_budget_mb and the quality "
+        "gates); unset = the model's dtype."))
     seed: int | None = Field(
         None, ge=0, le=2**63 - 1, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
@@ -274,8 +277,9 @@ class GenerateConfig(AutoCacheConfig):
         if self.decode_plan != "none" and self.cache_kind and self.cache_kind.startswith("kivi"):
             raise ValueError("the sliding window (decode_plan) does not support KIVI cache kinds: use fp16, q8_0, "
                              "q4_0, q4_1 or nf4, or decode_plan: none")
-        _engine_conflicts(self.engine, self.cache_kind if self.cache_kind != "auto" else None,
-                          penalty_alpha=self.penalty_alpha if self.contrastive else None,
+        if self.prefill == "compiled" and self.engine != "compiled":
+            raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
+        _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
         return self
 
@@ -328,7 +332,7 @@ class SpeculativeConfig(BaseModel):
     top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
-    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, "
         "kivi2 (options as in kivi3:g64:r128:s4:o1); unset = the model's dtype. auto is not supported here."))
@@ -342,11 +346,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _checked_kind(value)
-
-    @model_validator(mode="after")
-    def _engine_serves(self) -> "SpeculativeConfig":
-        _engine_conflicts(self.engine, self.cache_kind)
-        return self
 
     @property
     def greedy(self) -> bool:
