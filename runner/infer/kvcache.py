@@ -170,8 +170,8 @@ class KiviLayer(QuantLayer):
     """
 
     bits: int = 4
-    QUANTIZED = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins",
-                 "key_outliers", "key_outlier_index", "value_outliers", "value_outlier_index")
+    GROUPS = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins")  # plain KIVI's
+    QUANTIZED = (*GROUPS, "key_outliers", "key_outlier_index", "value_outliers", "value_outlier_index")
     PER_GROUP = ("key_scales", "key_mins", "key_outliers", "key_outlier_index", "value_outliers",
                  "value_outlier_index")
     TENSORS = ("sink_keys", "sink_values", *QUANTIZED, "residual_keys", "residual_values")

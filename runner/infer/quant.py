@@ -217,6 +217,10 @@ def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """`unpack` as one expression (shifts and masks stacked next to `dim`, no writes into views): what a compiled
     graph fuses into the kernel that consumes the codes."""
     dim = dim % packed.dim()
+    if bits == 3:  # three bytes → one 24-bit word → its 8 codes (see _pack3)
+        triples = packed.movedim(dim, -1).unflatten(-1, (-1, 3)).to(torch.int32)  # [..., P/3, 3]
+        word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+        return torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=-1).flatten(-2).movedim(-1, dim)
     per_byte, mask = 8 // bits, 2**bits - 1
     slots = [(packed >> (bits * i)) & mask for i in range(per_byte)]  # code i of every byte
     return torch.stack(slots, dim=dim + 1).flatten(dim, dim + 1)
