@@ -22,9 +22,9 @@ KIVI_DEFAULTS = {"sinks": 0, "outlier_percent": 0.0, "rotate_keys": False, "rota
 KIVI_SPELLING = "g<group>, r<residual>, s<sinks>, o<outlier %>, rot, rotv, nuq"
 _CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # quant.CODES_PER_UNIT (this module imports no torch)
 ENGINES = ("eager", "compiled")  # decode engines (see ENGINE_DESCRIPTION)
-# kivi3/kivi2 with sinks, outliers and fitted codes: what a budget that fits only 3 or 2 bits can still pass the
-# gates with (docs/cache-kinds.md#searching-the-kivi-options); 0.24× and 0.19× of fp16's bytes on SmolLM2.
-BEST_KIVI3, BEST_KIVI2 = "kivi3:g128:r128:s4:o0.5:nuq", "kivi2:g128:r128:s4:o1:nuq"
+# What a budget that fits only 3 or 2 bits can still pass the default gates with (docs/performance.md#kivi-options,
+# SmolLM2: kivi3 ΔNLL 0.018 at 0.25×; kivi2 with sinks, 1 % outliers and fitted codes ΔNLL 0.11 at 0.18×).
+BEST_KIVI3, BEST_KIVI2 = "kivi3", "kivi2:g128:r128:s4:o1:nuq"
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", BEST_KIVI3, "kivi2", BEST_KIVI2)
 
 
