@@ -2,6 +2,7 @@
 
     python benchmarks/cache_kinds.py [--model zoo:smollm2-135m] [--contexts 1024 4096] [--kinds fp16 kivi4]
                                      [--speed-only]
+    python benchmarks/cache_kinds.py --search reference|grid [--kinds KIND ...] [--model ...]
 
 Prints, per kind:
   bytes      measured bytes of a cache holding --bytes-context tokens of real text, relative to fp16
@@ -18,6 +19,14 @@ Prints, per kind:
 Then the time of a warm auto selection (plan reused) relative to a cold one (target ≤ 0.05).
 --kinds restricts all of it to some kinds (fp16, the reference of every ratio, is always measured);
 --speed-only measures decode speed alone (e.g. to re-time a faster dequantizer whose floats did not change).
+--kinds takes any kind string (KIVI options included: kivi3:g128:r128:s4:o1:nuq).
+
+--search: quality and bytes only, no speed, of KIVI configurations (`reference`: the issue-18 table's schemes;
+`grid`: the 3- and 2-bit search; or --kinds): ΔNLL, mean KL over the decode steps and top-1 agreement of --windows
+windows of --prompt-len + --decode-steps teacher-forced tokens; bytes of everything but the full-precision residual
+(sinks, outliers, codebooks counted) at --bytes-context tokens relative to fp16, from the estimator, checked
+against the measured bytes of the probe's own cache; the residual beside. Rows sorted by bytes; `*` marks the
+frontier (no row with fewer or equal bytes has a lower ΔNLL).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import copy
 import os
 import statistics
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,13 +47,24 @@ from runner.infer.autocache import select_cache_kind  # noqa: E402
 from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
 from runner.infer.forward import sync  # noqa: E402
-from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, residual_bytes  # noqa: E402
+from runner.infer.config import parse_kind  # noqa: E402
+from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
+from runner.infer.quality import (build_probe, compare, kl_divergence, run_probe,  # noqa: E402
+                                  teacher_forced_logprobs)
 from runner.infer.speed import greedy_prefill, greedy_steps  # noqa: E402
 from runner.infer.timing import time_interleaved, time_once  # noqa: E402
 
-KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2"]
+KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi3", "kivi2"]
+# The schemes of issue 18's reference table (its "2 % largest per token" is o2 here: per chunk of g tokens).
+REFERENCE = ["kivi4", "kivi3", "kivi3:s4:o2", "kivi3:rot:rotv", "kivi2", "kivi2:r128", "kivi2:s4", "kivi2:o2",
+             "kivi2:rot:rotv", "kivi2:r128:s4:o2"]
+GRID = [f"kivi3:{base}" for base in ("g64:r128", "g128:r128", "g128:r128:s4", "g128:r128:s4:o0.5", "g128:r128:s4:o1",
+                                     "g128:r128:s4:nuq", "g128:r128:s4:o0.5:nuq", "g64:r128:s4:o0.5:nuq",
+                                     "g128:r128:s4:o0.5:rotv", "g128:r128:s4:o0.5:rot:rotv:nuq")] + [
+        f"kivi2:{base}" for base in ("g128:r128", "g128:r128:s4", "g128:r128:s4:o1", "g128:r128:s4:nuq",
+                                     "g128:r128:s4:o1:nuq", "g128:r128:s4:o1:rot:rotv", "g128:r128:s4:o1:rot:rotv:nuq",
+                                     "g64:r128:s4:o1:nuq", "g128:r128:s4:o2:nuq", "g128:r128:s4:rot:rotv:nuq")]
 
 
 def decode_from(model, start, steps: int):
@@ -78,13 +99,17 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--speed-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
+    parser.add_argument("--kinds", nargs="+", type=_kind, default=KINDS)
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--search", choices=["reference", "grid", "kinds"])
     args = parser.parse_args()
-    kinds = [kind for kind in KINDS if kind in args.kinds or kind == "fp16"]
+    kinds = ["fp16", *[kind for kind in args.kinds if kind != "fp16"]]
 
     hf_logging.disable_progress_bar()
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.search:
+        search(lm, {"reference": REFERENCE, "grid": GRID, "kinds": args.kinds}[args.search], args)
+        return
     model, text, n = lm.model, load_text("pydoc"), args.bytes_context
     print(f"model={args.model} dtype={args.dtype} device={lm.device} threads={torch.get_num_threads()} "
           f"bytes_context={n} quality={args.windows}×({args.prompt_len}+{args.decode_steps}) "
@@ -129,6 +154,52 @@ def main() -> None:
         chosen = chosen[-1]
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
           f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.5f}")
+
+
+def _kind(value: str) -> str:
+    try:
+        parse_kind(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+def search(lm, kinds: list[str], args) -> None:
+    """ΔNLL / KL / top-1 and bytes of each kind (see the module's docstring), rows sorted by bytes, frontier marked."""
+    model, config, n = lm.model, lm.model.config, args.bytes_context
+    ids = torch.tensor(token_windows(lm.tokenizer, load_text("pydoc"), args.prompt_len + args.decode_steps + 1,
+                                     args.windows), device=lm.device)
+    print(f"model={args.model} dtype={args.dtype} windows={args.windows}×({args.prompt_len}+{args.decode_steps}) "
+          f"bytes at {n} tokens", flush=True)
+    reference = teacher_forced_logprobs(model, ids, args.prompt_len, None, score_prefill=False)
+    targets = ids[:, args.prompt_len + 1:, None]
+    ref_nll = float(-reference.gather(-1, targets).mean())
+    print(f"reference done {time.strftime('%H:%M:%S')}", flush=True)
+    fp16 = estimate_cache_bytes(config, "fp16", 1, n, model.dtype)
+    rows = []
+    for kind in kinds:
+        cache = make_cache(kind, model)
+        logprobs = teacher_forced_logprobs(model, ids, args.prompt_len, kind, score_prefill=False, cache=cache)
+        length = ids.shape[1] - 1
+        agree = cache_bytes(cache) == estimate_cache_bytes(config, kind, ids.shape[0], length, model.dtype)
+        residual = residual_bytes(config, kind, 1, n, model.dtype)
+        rows.append({"kind": kind, "bytes": (estimate_cache_bytes(config, kind, 1, n, model.dtype) - residual) / fp16,
+                     "residual_kib": residual / 1024, "agree": agree,
+                     "delta_nll": float(-logprobs.gather(-1, targets).mean()) - ref_nll,
+                     "kl": float(kl_divergence(reference, logprobs).mean()),
+                     "top1": float((reference.argmax(-1) == logprobs.argmax(-1)).float().mean())})
+        print(_search_row(" ", rows[-1]), time.strftime("%H:%M:%S"), flush=True)
+    rows.sort(key=lambda r: (r["bytes"], r["delta_nll"]))
+    print(f"\n  {'kind':<36} {'vs fp16':>7} {'resid KiB':>9} {'est=meas':>8} {'ΔNLL':>8} {'mean KL':>8} {'top-1':>6}")
+    best = float("inf")
+    for row in rows:
+        mark, best = ("*", row["delta_nll"]) if row["delta_nll"] < best else (" ", best)
+        print(_search_row(mark, row))
+
+
+def _search_row(mark: str, row: dict) -> str:
+    return (f"{mark} {row['kind']:<36} {row['bytes']:7.4f} {row['residual_kib']:9.1f} {str(row['agree']):>8} "
+            f"{row['delta_nll']:8.4f} {row['kl']:8.4f} {row['top1']:6.3f}")
 
 
 def speed_cells(kind: str, speed: dict[int, dict[str, float]]) -> str:

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, parse_kind
+from runner.infer.config import DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, parse_kind, static_kind_problem
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -228,7 +228,8 @@ class BenchSpec(Strict):
     prompt_lens: list[int] = Field([128], min_length=1, description="Prompt tokens, cut from the eval text.")
     max_new_tokens: list[int] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
-        "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi2); default: the model's dtype."))
+        "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi3, kivi2, KIVI options as in "
+        "kivi3:g128:r128:s4:o1); default: the model's dtype."))
     dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
@@ -283,6 +284,13 @@ class BenchSpec(Strict):
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
         return values
+
+    @model_validator(mode="after")
+    def _compiled_kinds(self) -> "BenchSpec":
+        problems = [static_kind_problem(kind) for kind in self.cache_kinds or []] if "compiled" in self.engines else []
+        if any(problems):
+            raise ValueError(f"cache_kinds: {next(p for p in problems if p)}")
+        return self
 
 
 class Run(Strict):

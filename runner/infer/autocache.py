@@ -104,6 +104,10 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
             row.update(passed=False, verdict=f"out of memory: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
             bar.update(note=row["kind"])
             continue
+        except InferenceError as exc:  # e.g. nuq codes for a model load_model did not make: this kind only
+            row.update(passed=False, verdict=str(exc)[:200])
+            bar.update(note=row["kind"])
+            continue
         bar.update(note=row["kind"])
         row.update(metrics, measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
         failures = gate_failures(metrics, config)

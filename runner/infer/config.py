@@ -13,12 +13,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # The one dtype table: a model dtype's manifest name → the cache kind that stores K/V in that dtype.
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2")
+KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi3", "kivi2")
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
-KIVI_BITS = {"kivi4": 4, "kivi2": 2}
-KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
+KIVI_BITS = {"kivi4": 4, "kivi3": 3, "kivi2": 2}
+KIVI_OPTIONS = {"g": "group_size", "r": "residual_len", "s": "sinks", "o": "outlier_percent"}  # a letter, a number
+KIVI_FLAGS = {"rot": "rotate_keys", "rotv": "rotate_values", "nuq": "nuq"}  # a word alone
+KIVI_DEFAULTS = {"sinks": 0, "outlier_percent": 0.0, "rotate_keys": False, "rotate_values": False, "nuq": False}
+KIVI_SPELLING = "g<group>, r<residual>, s<sinks>, o<outlier %>, rot, rotv, nuq"
+_CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # quant.CODES_PER_UNIT (this module imports no torch)
 ENGINES = ("eager", "compiled")  # decode engines (see ENGINE_DESCRIPTION)
-DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
+# What a budget that fits only 3 or 2 bits can still pass the default gates with (docs/performance.md#kivi-options,
+# SmolLM2: kivi3 ΔNLL 0.018 at 0.25×; kivi2 with sinks, 1 % outliers and fitted codes ΔNLL 0.11 at 0.18×).
+BEST_KIVI3, BEST_KIVI2 = "kivi3", "kivi2:g128:r128:s4:o1:nuq"
+DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", BEST_KIVI3, "kivi2", BEST_KIVI2)
 
 
 def torch_dtype(name: str):
@@ -31,7 +38,7 @@ def torch_dtype(name: str):
 def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
     """{"group_size", "residual_len"} checked: codes fill whole bytes, the residual holds whole groups."""
     residual_len = group_size if residual_len is None else residual_len
-    per_byte = 8 // bits
+    per_byte = _CODES_PER_UNIT[bits]
     if group_size <= 0 or group_size % per_byte:
         raise ValueError(f"KIVI group size must be a positive multiple of {per_byte} at {bits} bits (got {group_size})")
     if residual_len <= 0 or residual_len % group_size:
@@ -43,8 +50,9 @@ def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
 def parse_kind(kind: str | None) -> tuple[str | None, dict]:
     """A kind string → (canonical name, options); None → (None, {}). ValueError for anything unknown or bad.
 
-    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32});
-    "kivi2:g64:r128" → ("kivi2", {"group_size": 64, "residual_len": 128}); r defaults to g.
+    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32, **KIVI_DEFAULTS});
+    "kivi3:g64:r128:s4:o1:rot:nuq" → group 64, residual 128, 4 sinks, 1 % outliers, rotated keys, fitted codes.
+    r defaults to g; each option at most once, in any order.
     """
     if kind is None:
         return None, {}
@@ -59,23 +67,47 @@ def parse_kind(kind: str | None) -> tuple[str | None, dict]:
         if fields:
             raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
         return name, {}
-    given: dict[str, int] = {}
+    given: dict = {}
     for field in fields:
-        option = KIVI_OPTIONS.get(field[:1])
-        if option is None or option in given or not (field[1:].isascii() and field[1:].isdigit()):
-            raise ValueError(f"bad option {field!r} in cache kind {kind!r}: expected g<group size> and/or "
-                             f"r<residual length>, each at most once, e.g. {name}:g32:r128")
-        given[option] = int(field[1:])
+        option, value = _kivi_field(field)
+        if option is None or option in given:
+            close = difflib.get_close_matches(field, [*KIVI_FLAGS, "g32", "r128", "s4", "o1"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close and option is None else ""
+            raise ValueError(f"bad option {field!r} in cache kind {kind!r}{hint}: expected {KIVI_SPELLING}, each at "
+                             f"most once, e.g. {name}:g32:r128:s4:o1")
+        given[option] = value
     try:
-        return name, kivi_options(KIVI_BITS[name], given.get("group_size", 32), given.get("residual_len"))
+        options = kivi_options(KIVI_BITS[name], given.pop("group_size", 32), given.pop("residual_len", None))
     except ValueError as error:
         raise ValueError(f"cache kind {kind!r}: {error}") from None
+    if not 0 <= given.get("outlier_percent", 0) <= 50:
+        raise ValueError(f"cache kind {kind!r}: the outlier percentage (o) must be between 0 and 50")
+    return name, {**options, **KIVI_DEFAULTS, **given}
+
+
+def _kivi_field(field: str) -> tuple[str | None, object]:
+    """One ':'-separated KIVI option → (option name, value), or (None, None) when it is not one."""
+    if field in KIVI_FLAGS:
+        return KIVI_FLAGS[field], True
+    option, number = KIVI_OPTIONS.get(field[:1]), field[1:]
+    if option is None or not number.isascii():
+        return None, None
+    if option == "outlier_percent":
+        whole, _, fraction = number.partition(".")
+        return (option, float(number)) if whole.isdigit() and (not fraction or fraction.isdigit()) else (None, None)
+    return (option, int(number)) if number.isdigit() else (None, None)
 
 
 def canonical_kind(kind: str) -> str:
-    """The one spelling of a kind: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`)."""
+    """The one spelling of a kind: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`, the
+    other options after g and r in a fixed order, only when not their default)."""
     name, options = parse_kind(kind)
-    return f"{name}:g{options['group_size']}:r{options['residual_len']}" if options else name
+    if not options:
+        return name
+    extras = [f"s{options['sinks']}" if options["sinks"] else "",
+              f"o{options['outlier_percent']:g}" if options["outlier_percent"] else "",
+              *[flag for flag, option in KIVI_FLAGS.items() if options[option]]]
+    return ":".join([name, f"g{options['group_size']}", f"r{options['residual_len']}", *filter(None, extras)])
 
 
 def _checked_kind(value: str | None) -> str | None:
@@ -141,6 +173,20 @@ ENGINE_DESCRIPTION = (
     "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
 
 
+def static_kind_problem(kind: str | None) -> str | None:
+    """Why the compiled engine cannot serve cache kind `kind` (its static KIVI layout has groups and a residual,
+    none of the options sinks, outliers, rotation, nuq), or None."""
+    if not kind or kind == "auto":
+        return None
+    name, options = parse_kind(kind)
+    letters = {"sinks": "s", "outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq"}
+    used = [letters[key] for key, off in KIVI_DEFAULTS.items() if options.get(key, off) != off]
+    if used:
+        return (f"engine: compiled has no static layout for the KIVI option(s) {', '.join(used)} of cache kind "
+                f"{kind!r}: use {name} with g and r only, or engine: eager")
+    return None
+
+
 def _engine_conflicts(engine: str, **settings) -> None:
     """What the compiled engine cannot serve, as an error naming the key."""
     if engine != "compiled":
@@ -173,8 +219,9 @@ class GenerateConfig(AutoCacheConfig):
         "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
         "up front: compile time reported apart)."))
     cache_kind: str | None = Field(None, description=(
-        "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
-        "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
+        "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, kivi2 (options as in "
+        "kivi3:g128:r128:s4:o1, see docs/cache-kinds.md), or auto (selected under cache_budget_mb and the quality "
+        "gates); unset = the model's dtype."))
     seed: int | None = Field(
         None, ge=0, le=2**63 - 1, description="Seed of the sampling generator; unset = the manifest's seed (0 in the library)."
     )
@@ -251,6 +298,8 @@ class GenerateConfig(AutoCacheConfig):
             raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
         _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
+        if self.engine == "compiled" and static_kind_problem(self.cache_kind):
+            raise ValueError(f"cache_kind: {static_kind_problem(self.cache_kind)}")
         return self
 
     @property
@@ -304,8 +353,8 @@ class SpeculativeConfig(BaseModel):
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
     engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
-        "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 "
-        "(options as in kivi4:g32:r128); unset = the model's dtype. auto is not supported here."))
+        "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, "
+        "kivi2 (options as in kivi3:g64:r128:s4:o1); unset = the model's dtype. auto is not supported here."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
         "Seed of the generator of every random draw; unset = the manifest's seed (0 in the library)."))
 
@@ -316,6 +365,12 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _checked_kind(value)
+
+    @model_validator(mode="after")
+    def _engine_serves(self) -> "SpeculativeConfig":
+        if self.engine == "compiled" and static_kind_problem(self.cache_kind):
+            raise ValueError(f"cache_kind: {static_kind_problem(self.cache_kind)}")
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 
+from runner.infer.codebooks import fitted_levels
 from runner.infer.config import DTYPES, KIVI_BITS, kivi_options, parse_kind, torch_dtype
+from runner.infer.kvcodes import (dequantize_levels, index_dtype, outlier_count, quantize_levels, restore_outliers_,
+                                  rotate, split_outliers, unrotate_)
 from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
                                 quantize, quantize_groups)
 
@@ -151,71 +154,141 @@ class KiviLayer(QuantLayer):
     """KIVI: keys per channel over groups of `group_size` tokens, values per token, asymmetric `bits`-bit codes;
     a full-precision residual of the newest tokens, quantized all at once when it reaches `residual_len`.
 
-    Q quantized tokens, r residual tokens, T = Q + r; Q = floor(T / residual_len)·residual_len after every update
-    and crop, so what is held depends only on T (the estimator relies on it). Tensors (sequence dim -2, batch 0):
+    Options (kvcodes.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
+    `outlier_percent` % of each chunk of g tokens × D values kept exact (fp16 + index); keys and/or values rotated
+    by a fixed randomized Hadamard matrix before quantizing (`rotate_keys`, `rotate_values`); `levels` = (key
+    levels, value levels), fitted non-uniform codes (nuq) instead of uniform steps.
+    S sinks, Q quantized tokens, r residual tokens, T = S + Q + r; S = min(T, sinks) and Q = floor((T − S) /
+    residual_len)·residual_len after every update and crop, so what is held depends only on T (the estimator relies
+    on it). Tensors (sequence dim -2, batch 0):
+        sink_keys [B,H,S,Dk], sink_values [B,H,S,Dv] in the dtype K/V arrived in
         key_codes [B,H,Q·b/8,Dk] uint8     key_scales, key_mins [B,H,Q/g,Dk] fp16    (per channel per group)
         value_codes [B,H,Q,NB·32·b/8]      value_scales, value_mins [B,H,Q,NB] fp16  (per token per 32-block)
+        key_outliers, value_outliers [B,H,Q/g,k] fp16, key_outlier_index, value_outlier_index [B,H,Q/g,k] int16
         residual_keys [B,H,r,Dk], residual_values [B,H,r,Dv] in the dtype K/V arrived in.
+    With nuq the scales are the groups' ranges (max − min). The codebooks count once per layer while T > 0.
     """
 
     bits: int = 4
-    QUANTIZED = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins")
-    TENSORS = (*QUANTIZED, "residual_keys", "residual_values")
+    GROUPS = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins")  # plain KIVI's
+    QUANTIZED = (*GROUPS, "key_outliers", "key_outlier_index", "value_outliers", "value_outlier_index")
+    PER_GROUP = ("key_scales", "key_mins", "key_outliers", "key_outlier_index", "value_outliers",
+                 "value_outlier_index")
+    TENSORS = ("sink_keys", "sink_values", *QUANTIZED, "residual_keys", "residual_values")
 
-    def __init__(self, group_size: int = 32, residual_len: int | None = None, **kwargs):
+    def __init__(self, group_size: int = 32, residual_len: int | None = None, sinks: int = 0,
+                 outlier_percent: float = 0.0, rotate_keys: bool = False, rotate_values: bool = False,
+                 nuq: bool = False, levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         super().__init__(**kwargs)
         options = kivi_options(self.bits, group_size, residual_len)
         self.group_size, self.residual_len = options["group_size"], options["residual_len"]
+        self.sinks, self.outlier_percent = sinks, outlier_percent
+        self.rotate_keys, self.rotate_values = rotate_keys, rotate_values
+        if nuq and levels is None:
+            raise ValueError("nuq codes need levels fitted to the model: build the cache with make_cache(kind, model)")
+        self.levels = levels if nuq else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
         for name, empty in zip(self.QUANTIZED, self._quantize(key_states[..., :0, :], value_states[..., :0, :])):
             setattr(self, name, empty)
+        self.sink_keys, self.sink_values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
         self.residual_keys, self.residual_values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
         self.is_initialized = True
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[B,H,n,D] K/V, n a multiple of group_size → the six QUANTIZED tensors of those n tokens."""
+        """[B,H,n,D] K/V, n a multiple of group_size → the QUANTIZED tensors of those n tokens."""
+        keys = rotate(keys) if self.rotate_keys else keys
+        values = rotate(values) if self.rotate_values else values
+        keys, key_outliers = self._outliers(keys, per_channel=True)
+        values, value_outliers = self._outliers(values, per_channel=False)
+        if self.levels is not None:
+            return (*quantize_levels(keys, self.levels[0], self.bits, self.group_size, dim=-2),
+                    *quantize_levels(values, self.levels[1], self.bits, BLOCK, dim=-1), *key_outliers, *value_outliers)
         return (*quantize_groups(keys, self.bits, self.group_size, dim=-2),
-                *quantize_groups(values, self.bits, BLOCK, dim=-1))
+                *quantize_groups(values, self.bits, BLOCK, dim=-1), *key_outliers, *value_outliers)
+
+    def _outliers(self, x: torch.Tensor, per_channel: bool):
+        """x [B,H,n,D] → (x with its outliers replaced, (values, indices) [B,H,n/g,k]); k = 0: x as it is."""
+        count, g = outlier_count(self.outlier_percent, self.group_size, x.shape[-1]), self.group_size
+        if count and x.shape[-2]:
+            filled, values, index = split_outliers(x.float(), count, g, BLOCK, per_channel)
+            return filled, (values, index)
+        shape = (*x.shape[:-2], x.shape[-2] // g, count)
+        return x, (x.new_empty(shape, dtype=torch.float16), x.new_empty(shape, dtype=index_dtype(g, x.shape[-1])))
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows (dim -2) of tensor `name` that `tokens` quantized tokens take (tokens a multiple of group_size)."""
         if name == "key_codes":
             return tokens * self.bits // 8
-        return tokens // self.group_size if name in ("key_scales", "key_mins") else tokens
+        return tokens // self.group_size if name in self.PER_GROUP else tokens
 
     def quantized_len(self) -> int:
         return self.value_codes.shape[-2] if self.is_initialized else 0
 
     def get_seq_length(self) -> int:
-        return self.quantized_len() + self.residual_keys.shape[-2] if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        return self.sink_keys.shape[-2] + self.quantized_len() + self.residual_keys.shape[-2]
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors in TENSORS, and of the codebooks while the layer holds tokens."""
+        codebooks = sum(t.numel() * t.element_size() for t in self.levels) if self.levels is not None else 0
+        return super().nbytes() + (codebooks if self.get_seq_length() else 0)
 
     def _dequantized(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. in `dtype`."""
+        """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. in `dtype` (no sinks)."""
         empty_keys, empty_values = self.residual_keys[..., :0, :], self.residual_values[..., :0, :]
-        return self._whole(start, empty_keys.to(dtype), empty_values.to(dtype))
+        return self._whole(start, empty_keys.to(dtype), empty_values.to(dtype), sinks=False)
 
-    def _whole(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantized tokens start.. (start a multiple of group_size) then `keys` / `values` [B,H,n,D], in one new
-        tensor each. Decoding's hot path: dequantized straight into the tensor attention reads, no concatenation."""
+    def _whole(self, start: int, keys: torch.Tensor, values: torch.Tensor,
+               sinks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sinks, quantized tokens start.. (start a multiple of group_size), then `keys` / `values` [B,H,n,D],
+        in one new tensor each. Decoding's hot path: dequantized straight into the tensor attention reads."""
+        held = self.sink_keys.shape[-2] if sinks else 0
         quantized = self.quantized_len() - start
-        whole_keys = keys.new_empty((*keys.shape[:-2], quantized + keys.shape[-2], keys.shape[-1]))
-        whole_values = values.new_empty((*values.shape[:-2], quantized + values.shape[-2], values.shape[-1]))
+        whole_keys = keys.new_empty((*keys.shape[:-2], held + quantized + keys.shape[-2], keys.shape[-1]))
+        whole_values = values.new_empty((*values.shape[:-2], held + quantized + values.shape[-2], values.shape[-1]))
         t = {name: getattr(self, name)[..., self._rows(name, start):, :] for name in self.QUANTIZED}
-        dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, self.group_size, quantized,
-                          keys.dtype, dim=-2, out=whole_keys[..., :quantized, :])
-        dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK, self.value_dim,
-                          values.dtype, dim=-1, out=whole_values[..., :quantized, :])
-        whole_keys[..., quantized:, :] = keys
-        whole_values[..., quantized:, :] = values
+        self._dequantize_into(t, whole_keys[..., held:held + quantized, :], whole_values[..., held:held + quantized, :])
+        whole_keys[..., :held, :] = self.sink_keys[..., :held, :]
+        whole_values[..., :held, :] = self.sink_values[..., :held, :]
+        whole_keys[..., held + quantized:, :] = keys
+        whole_values[..., held + quantized:, :] = values
         return whole_keys, whole_values
 
+    def _dequantize_into(self, t: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The quantized tensors `t` dequantized into views `keys` / `values`: codes, then outliers, then the
+        inverse rotation (in float32)."""
+        quantized, g = keys.shape[-2], self.group_size
+        if self.levels is None and not (self.outlier_percent or self.rotate_keys or self.rotate_values):
+            dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, g, quantized,
+                              keys.dtype, dim=-2, out=keys)
+            dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK, self.value_dim,
+                              values.dtype, dim=-1, out=values)
+            return
+        for side, out, group, dim, length, rotated, levels in (
+                ("key", keys, g, -2, quantized, self.rotate_keys, 0), ("value", values, BLOCK, -1, self.value_dim,
+                                                                       self.rotate_values, 1)):
+            codes, scales, mins = t[f"{side}_codes"], t[f"{side}_scales"], t[f"{side}_mins"]
+            if self.levels is not None:
+                x = dequantize_levels(codes, scales, mins, self.levels[levels], self.bits, group, length, dim=dim)
+            else:
+                x = dequantize_groups(codes, scales, mins, self.bits, group, length, torch.float32, dim=dim)
+            restore_outliers_(x, t[f"{side}_outliers"], t[f"{side}_outlier_index"], g)
+            out.copy_(unrotate_(x) if rotated else x)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append [B,H,t,D] K/V to the residual, quantize whole multiples of residual_len of it; return all K/V."""
+        """Sinks first; then append [B,H,t,D] K/V to the residual, quantize whole multiples of residual_len of it;
+        return all K/V."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        take = min(self.sinks - self.sink_keys.shape[-2], key_states.shape[-2])
+        if take > 0:
+            self.sink_keys = torch.cat([self.sink_keys, key_states[..., :take, :]], dim=-2)
+            self.sink_values = torch.cat([self.sink_values, value_states[..., :take, :]], dim=-2)
+            key_states, value_states = key_states[..., take:, :], value_states[..., take:, :]
         keys = torch.cat([self.residual_keys, key_states], dim=-2)  # [B,H,r+t,Dk]
         values = torch.cat([self.residual_values, value_states], dim=-2)
         full = keys.shape[-2] // self.residual_len * self.residual_len
@@ -228,12 +301,16 @@ class KiviLayer(QuantLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens. Dropped whole groups disappear; kept quantized tokens past
-        floor(kept / residual_len)·residual_len are dequantized into the residual, so attention sees the same K/V."""
+        floor(kept / residual_len)·residual_len are dequantized into the residual, so attention sees the same K/V;
+        sinks go last."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove (got {tokens_to_remove})")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        keep, quantized = max(self.get_seq_length() + tokens_to_remove, 0), self.quantized_len()
+        keep, held = max(self.get_seq_length() + tokens_to_remove, 0), self.sink_keys.shape[-2]
+        if keep < held:
+            self.sink_keys, self.sink_values = self.sink_keys[..., :keep, :], self.sink_values[..., :keep, :]
+        keep, quantized = max(keep - held, 0), self.quantized_len()
         if keep >= quantized:  # only residual tokens go
             self.residual_keys = self.residual_keys[..., :keep - quantized, :]
             self.residual_values = self.residual_values[..., :keep - quantized, :]
@@ -250,6 +327,10 @@ class Kivi4Layer(KiviLayer):
     bits = 4
 
 
+class Kivi3Layer(KiviLayer):
+    bits = 3
+
+
 class Kivi2Layer(KiviLayer):
     bits = 2
 
@@ -257,7 +338,8 @@ class Kivi2Layer(KiviLayer):
 CACHE_KINDS: dict[str, type[DynamicLayer]] = {
     **{name: type(f"{name.upper()}Layer", (CastLayer,), {"storage_dtype": dtype})
        for name, dtype in STORAGE_DTYPES.items()},
-    "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer, "kivi2": Kivi2Layer,
+    "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer, "kivi3": Kivi3Layer,
+    "kivi2": Kivi2Layer,
 }
 
 
@@ -267,6 +349,9 @@ def make_cache(kind: str | None, model) -> Cache:
     if name is None or STORAGE_DTYPES.get(name) == model.dtype:
         return DynamicCache(config=model.config)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if options.get("nuq"):  # fitted once per model and options, then read from ~/.cache/runner
+        levels = fitted_levels(model, KIVI_BITS[name], options)
+        return Cache(layers=[CACHE_KINDS[name](**options, levels=levels[i]) for i in range(n_layers)])
     return Cache(layers=[CACHE_KINDS[name](**options) for _ in range(n_layers)])
 
 
@@ -302,20 +387,37 @@ def _kivi_head_bytes(bits: int, group_size: int, head_dim: int, tokens: int) -> 
     return keys + values
 
 
+def _outlier_chunk_bytes(options: dict, head_dim: int) -> int:
+    """K + V bytes of the outliers of one chunk of g tokens of one head: k fp16 values and k indices each side."""
+    count = outlier_count(options["outlier_percent"], options["group_size"], head_dim)
+    return 2 * count * (2 + index_dtype(options["group_size"], head_dim).itemsize)
+
+
+def _kivi_split(options: dict, seq_len: int) -> tuple[int, int, int]:
+    """(sinks, quantized, residual) tokens a KIVI layer holds at seq_len (see KiviLayer)."""
+    sinks = min(seq_len, options["sinks"])
+    quantized = (seq_len - sinks) // options["residual_len"] * options["residual_len"]
+    return sinks, quantized, seq_len - sinks - quantized
+
+
 def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int | float:
     """Compressed cache bytes one token of one sequence adds, over all layers, K and V (`kind` None = model dtype).
 
-    KIVI's full-precision residual is excluded (see `residual_bytes`); a float when g does not divide 4·D.
+    KIVI's full-precision residual is excluded (see `residual_bytes`), and so are its fixed costs, sinks and
+    codebooks (in `estimate_cache_bytes`); outliers are included; a float when g does not divide the group's bytes.
     Per token per head at head_dim 64 (SmolLM2), against fp16's 2·64·2 = 256 bytes:
         q8_0 136 (0.53×), q4_0 / nf4 72 (0.28×), q4_1 80 (0.31×),
         kivi4 g32: keys 64·4/8 + 2·2·64/32 = 40, values 64·4/8 + 2·2·2 = 40 → 80 (0.3125×),
-        kivi2 g32: keys 16 + 8 = 24, values 16 + 8 = 24 → 48 (0.1875×).
+        kivi3 g32: keys 24 + 8, values 24 + 8 → 64 (0.25×); g64: keys 24 + 4 → 60 (0.234×),
+        kivi2 g32: keys 16 + 8 = 24, values 16 + 8 = 24 → 48 (0.1875×);
+        o1 at g64: 41 outliers per side per 64 tokens × (2 + 2 bytes) → + 5.125 (0.020×).
     """
     layers, kv_heads, head_dim = _dims(config)
     name, options = parse_kind(kind)
     if name in KIVI_BITS:
         group = options["group_size"]
-        per_group = layers * kv_heads * _kivi_head_bytes(KIVI_BITS[name], group, head_dim, group)
+        per_group = layers * kv_heads * (_kivi_head_bytes(KIVI_BITS[name], group, head_dim, group)
+                                         + _outlier_chunk_bytes(options, head_dim))
         return per_group // group if per_group % group == 0 else per_group / group
     if name in CODE_BITS:
         per_head = head_bytes(name, head_dim)
@@ -325,13 +427,13 @@ def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int |
 
 
 def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
-    """Bytes of the full-precision part of a cache at `batch` × `seq_len`: KIVI's residual of seq_len mod
-    residual_len tokens in `model_dtype`; 0 for every other kind."""
+    """Bytes of the full-precision part of a cache at `batch` × `seq_len`: KIVI's residual of (seq_len − sinks) mod
+    residual_len tokens in `model_dtype`; 0 for every other kind. Sinks are not in it: they stay forever."""
     name, options = parse_kind(kind)
     if name not in KIVI_BITS:
         return 0
     layers, kv_heads, head_dim = _dims(config)
-    return batch * layers * kv_heads * 2 * head_dim * (seq_len % options["residual_len"]) * model_dtype.itemsize
+    return batch * layers * kv_heads * 2 * head_dim * _kivi_split(options, seq_len)[2] * model_dtype.itemsize
 
 
 def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
@@ -343,9 +445,13 @@ def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, mod
     if name not in KIVI_BITS:
         return batch * seq_len * bytes_per_token(config, kind, model_dtype)
     layers, kv_heads, head_dim = _dims(config)
-    quantized = seq_len // options["residual_len"] * options["residual_len"]
-    compressed = _kivi_head_bytes(KIVI_BITS[name], options["group_size"], head_dim, quantized)
-    return batch * layers * kv_heads * compressed + residual_bytes(config, kind, batch, seq_len, model_dtype)
+    bits, group = KIVI_BITS[name], options["group_size"]
+    sinks, quantized, _ = _kivi_split(options, seq_len)
+    compressed = (_kivi_head_bytes(bits, group, head_dim, quantized) + sinks * 2 * head_dim * model_dtype.itemsize
+                  + quantized // group * _outlier_chunk_bytes(options, head_dim))
+    codebooks = layers * 2 * 2**bits * 2 if options["nuq"] and seq_len else 0  # fp16 levels, K and V, per layer
+    return (batch * layers * kv_heads * compressed + codebooks
+            + residual_bytes(config, kind, batch, seq_len, model_dtype))
 
 
 def _native_tokens(config, seq_len: int) -> int:

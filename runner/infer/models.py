@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from runner.infer.pinned import cache_root
 from runner.infer.zoo import ZOO_PREFIX, zoo_entry, zoo_model_dir
 
 log = logging.getLogger(__name__)
-
+# model → (tokenizer, fingerprint) of every model load_model made: what a cache fitted to the model (kvcache's nuq
+# codes) needs to read calibration text and key its fitted result, when it is handed only the model.
+LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -83,6 +86,7 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     n_params = sum(p.numel() for p in model.parameters())
     fingerprint = {**identity, "dtype": dtype, "device": str(target), "n_params": n_params}
+    LOADED[model] = (tokenizer, fingerprint)
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 

@@ -82,13 +82,14 @@ def run_probe(model, probe: Probe, kind: str | None) -> ProbeRun:
 
 @torch.inference_mode()
 def teacher_forced_logprobs(model, ids: torch.Tensor, prompt_len: int, kind: str | None,
-                            score_prefill: bool) -> torch.Tensor:
-    """Prefill ids[:, :P], then feed ids[:, P], ids[:, P+1], ... one token at a time through the cache.
+                            score_prefill: bool, cache=None) -> torch.Tensor:
+    """Prefill ids[:, :P], then feed ids[:, P], ids[:, P+1], ... one token at a time through the cache (a new one
+    of `kind`, or `cache` when given: the caller may then measure it).
 
     Returns log-probs of each next true token's position: [B, T-P-1, V] for the decode steps, with the
     prefill's prediction of ids[:, P] in front when `score_prefill` ([B, T-P, V]).
     """
-    cache = make_cache(kind, model)
+    cache = make_cache(kind, model) if cache is None else cache
     batch, total = ids.shape
     mask = torch.ones_like(ids)
     logits = forward_last(model, ids[:, :prompt_len], mask[:, :prompt_len],

@@ -7,9 +7,9 @@ the padding is stored):
     nf4   index of the nearest of the 16 NormalFloat levels of x / absmax, two per byte, one fp16 absmax per block.
     q4_1  4-bit asymmetric: s = (max − min) / 15 and the minimum m, both fp16, per block; code = round((x − m) / s)
           in 0..15, two per byte. Its "scales" tensor holds each block's s then m: [..., 2·NB].
-Groups (`quantize_groups`, used by q4_1 and by the KIVI cache): asymmetric b ∈ {2, 4} bits over groups of
-`group` values along any axis, s = (max − min) / (2^b − 1) and m per group in fp16, 8/b codes per uint8 byte
-(the first value of a byte in its lowest bits).
+Groups (`quantize_groups`, used by q4_1 and by the KIVI cache): asymmetric b ∈ {2, 3, 4} bits over groups of
+`group` values along any axis, s = (max − min) / (2^b − 1) and m per group in fp16; 8/b codes per uint8 byte at
+2 and 4 bits, 8 codes in 3 bytes (one little-endian 24-bit word) at 3 bits; the first code in the lowest bits.
 Owns only the arithmetic; knows nothing of caches, layers, models or transformers.
 """
 
@@ -92,8 +92,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: i
 
 # --- bit packing and asymmetric groups along any axis -----------------------------------------------------------
 
+CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # codes that fill whole bytes: a byte (2, 4 bits) or three bytes (3 bits)
+
+
 def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """uint8 codes < 2^bits, N along `dim` (a multiple of 8/bits) → N·bits/8 bytes along `dim`."""
+    """uint8 codes < 2^bits, N along `dim` (a multiple of CODES_PER_UNIT[bits]) → N·bits/8 bytes along `dim`."""
+    if bits == 3:
+        return _pack3(codes, dim)
     per_byte = 8 // bits
     codes = codes.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., N/per_byte, per_byte]
     packed = codes[..., 0]
@@ -105,7 +110,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Inverse of `pack`: bytes along `dim` → uint8 codes, 8/bits times as many along `dim`."""
     shape = list(packed.shape)
-    shape[dim] *= 8 // bits
+    shape[dim] = shape[dim] * 8 // bits
     return unpack_into(packed.new_empty(shape), packed, bits, dim)
 
 
@@ -116,6 +121,8 @@ def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -
     as bytes, are the codes in order: one contiguous conversion into `out`. Along another axis (KIVI's keys, packed
     along the sequence) each code position of a byte is a whole row: one copy per position. Returns `out`.
     """
+    if bits == 3:
+        return _unpack3_into(out, packed, dim)
     if dim in (-1, packed.dim() - 1) and packed.is_contiguous() and sys.byteorder == "little":
         return out.copy_(_spread(packed, bits).flatten(-2))
     per_byte, mask = 8 // bits, 2**bits - 1
@@ -124,6 +131,26 @@ def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -
     slots[..., 0].copy_(packed & mask)
     for i in range(1, per_byte):
         slots[..., i].copy_(packed >> (bits * i) if bits * (i + 1) == 8 else (packed >> (bits * i)) & mask)
+    return out
+
+
+def _pack3(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """3-bit codes, 8 along `dim` → one 24-bit word c0 + c1·2^3 + … + c7·2^21 → its 3 bytes, low byte first."""
+    codes = codes.movedim(dim, -1).unflatten(-1, (-1, 8)).to(torch.int32)  # [..., N/8, 8]
+    word = codes[..., 0]
+    for i in range(1, 8):
+        word = word | (codes[..., i] << (3 * i))
+    packed = torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], dim=-1).to(torch.uint8)  # [..., N/8, 3]
+    return packed.flatten(-2).movedim(-1, dim)
+
+
+def _unpack3_into(out: torch.Tensor, packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `_pack3`, written into `out` (one copy per code position of a word)."""
+    triples = packed.movedim(dim, -1).unflatten(-1, (-1, 3)).to(torch.int32)  # [..., P/3, 3]
+    word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)  # [..., P/3]
+    slots = out.movedim(dim, -1).unflatten(-1, (-1, 8))  # [..., P/3, 8], a view of out
+    for i in range(8):
+        slots[..., i].copy_((word >> (3 * i)) & 7)
     return out
 
 
@@ -190,6 +217,10 @@ def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """`unpack` as one expression (shifts and masks stacked next to `dim`, no writes into views): what a compiled
     graph fuses into the kernel that consumes the codes."""
     dim = dim % packed.dim()
+    if bits == 3:  # three bytes → one 24-bit word → its 8 codes (see _pack3)
+        triples = packed.movedim(dim, -1).unflatten(-1, (-1, 3)).to(torch.int32)  # [..., P/3, 3]
+        word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+        return torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=-1).flatten(-2).movedim(-1, dim)
     per_byte, mask = 8 // bits, 2**bits - 1
     slots = [(packed >> (bits * i)) & mask for i in range(per_byte)]  # code i of every byte
     return torch.stack(slots, dim=dim + 1).flatten(dim, dim + 1)

@@ -5,7 +5,7 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     fp32, fp16, bf16   keys / values [B,H,S,D] in that dtype; attention reads them cast to the compute dtype.
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
-    kivi4, kivi2       kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
+    kivi4 kivi3 kivi2  kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
                        of g columns, values per column) and a ring of R = 2r full-precision columns (column c in
                        slot c mod R) holding the residual: columns [Q, T), Q = floor(T / r)·r. S is a multiple of R.
                        A write appends to the ring and quantizes the block of r columns it completes (a fixed-shape
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from runner.infer.config import KIVI_BITS, parse_kind
+from runner.infer.config import KIVI_BITS, parse_kind, static_kind_problem
 from runner.infer.kvcache import STORAGE_DTYPES, KiviLayer, _dims
 from runner.infer.quant import BLOCK, CODE_BITS, dequantize, dequantize_groups_expr, quantize, quantize_groups
 
@@ -110,7 +110,7 @@ class StaticKiviLayer(StaticPlainLayer):
     Invariant between writes, T columns written: the region holds columns [0, Q) quantized, Q = floor(T / r)·r,
     exactly what kvcache.KiviLayer holds after the same columns; the ring holds columns [Q, T) as they came."""
 
-    TENSORS = (*KiviLayer.QUANTIZED, "ring_keys", "ring_values")
+    TENSORS = (*KiviLayer.GROUPS, "ring_keys", "ring_values")
 
     def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, **kwargs):
         self.bits, self.group_size, self.residual_len = bits, group_size, residual_len
@@ -124,7 +124,7 @@ class StaticKiviLayer(StaticPlainLayer):
         block, ring = (self.batch_size, self.num_heads, self.residual_len), (self.batch_size, self.num_heads, self.ring_len)
         empty = self._quantize(torch.zeros(*block, self.k_head_dim, device=self.device),
                                torch.zeros(*block, self.v_head_dim, device=self.device))
-        for name, tensor in zip(KiviLayer.QUANTIZED, empty):  # one block's tensors, repeated along the sequence
+        for name, tensor in zip(KiviLayer.GROUPS, empty):  # one block's tensors, repeated along the sequence
             setattr(self, name, tensor.repeat(1, 1, self.max_cache_len // self.residual_len, 1))
         self.ring_keys = torch.zeros((*ring, self.k_head_dim), dtype=self.storage, device=self.device)
         self.ring_values = torch.zeros((*ring, self.v_head_dim), dtype=self.storage, device=self.device)
@@ -165,7 +165,7 @@ class StaticKiviLayer(StaticPlainLayer):
         start = (done - r).clamp(min=0)  # its first column (0 and no flush while Q is 0)
         block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
         new = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
-        for name, value in zip(KiviLayer.QUANTIZED, new):
+        for name, value in zip(KiviLayer.GROUPS, new):
             tensor, rows = getattr(self, name), self._rows(name, start)
             tensor.index_copy_(2, rows, torch.where(flush, value, tensor.index_select(2, rows)))
 
@@ -252,6 +252,10 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
     if name not in STATIC_KINDS:
         raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
                          f"use one of {', '.join(STATIC_KINDS)}")
+    problem = static_kind_problem(kind)
+    if problem:
+        raise ValueError(problem)
+    options = {key: options[key] for key in ("group_size", "residual_len")} if name in KIVI_BITS else options
     n_layers, heads, head_dim = _dims(model.config)
     device = next(model.parameters()).device
     common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,

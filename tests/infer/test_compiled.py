@@ -65,7 +65,7 @@ LONG_PROMPTS = ["one two three four five six seven eight nine ten eleven twelve 
                 "The quick brown fox jumps over the lazy dog and runs far away"]
 
 
-@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8"])
+@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8", "kivi3:g8:r16"])
 @pytest.mark.parametrize("prompts", [LONG_PROMPTS[:1], LONG_PROMPTS], ids=["batch1", "padded"])
 def test_compiled_prefill_in_padded_pieces_gives_the_eager_greedy_tokens(static_lm, small_pieces, kind, prompts):
     eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 
-from runner.infer.config import GenerateConfig
+from runner.infer.config import KIVI_BITS, KIVI_DEFAULTS, GenerateConfig
 from runner.infer.data import load_text
 from runner.infer.forward import DecodeState
 from runner.infer.generator import Generator, generate
@@ -17,7 +17,8 @@ from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack,
 
 QUANT = ["q8_0", "q4_0", "nf4", "q4_1"]
 KIVI = ["kivi4", "kivi2"]
-ALL_KINDS = [None, "fp32", "fp16", "bf16", *QUANT, *KIVI, "kivi4:g8:r24", "kivi2:g16:r64"]
+KIVI_OPTIONED = ["kivi3", "kivi3:g64:r128:s4:o1", "kivi2:s4:o2:rot:rotv", "kivi4:g16:r32:s3:o0.5:rotv"]  # nuq:
+ALL_KINDS = [None, "fp32", "fp16", "bf16", *QUANT, *KIVI, "kivi4:g8:r24", "kivi2:g16:r64", *KIVI_OPTIONED]  # options
 LAYERS = {"q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer,
           "kivi2": Kivi2Layer}
 # Symmetric kinds: |x - x̂| ≤ BOUND × absmax of the block: half a quantization step (q8_0: absmax/127/2,
@@ -262,16 +263,19 @@ def test_estimator_equals_measured_bytes(kind, which, request):
         expected = estimate_cache_bytes(model.config, kind, batch, total, model.dtype)
         assert cache_bytes(cache) == expected > 0
         compressed = expected - residual_bytes(model.config, kind, batch, total, model.dtype)
-        if parse_kind(kind)[0] in KIVI:
-            residual_len = parse_kind(kind)[1]["residual_len"]
-            quantized = total // residual_len * residual_len
+        name, options = parse_kind(kind)
+        if name in KIVI_BITS:
+            sinks = min(total, options["sinks"])  # kept exact, outside the quantized and residual tokens
+            quantized = (total - sinks) // options["residual_len"] * options["residual_len"]
             assert all(layer.quantized_len() == quantized for layer in cache.layers)
-            assert compressed == batch * quantized * bytes_per_token(model.config, kind, model.dtype)
+            token_bytes = cache_bytes(_fill(model, None, 1, 1, 0))  # one token in the model's dtype, K and V
+            assert compressed == batch * (quantized * bytes_per_token(model.config, kind, model.dtype)
+                                          + sinks * token_bytes)
         else:
             assert compressed == expected == batch * total * bytes_per_token(model.config, kind, model.dtype)
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "q4_1"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "q4_1", "kivi3:g16:r32:s4:o1:rotv"])
 def test_estimator_equals_measured_bytes_after_crops_and_more_decoding(kind, hd64_lm):
     model = hd64_lm.model
     cache = _fill(model, kind, 2, 90, 10)  # 100 tokens
@@ -315,10 +319,11 @@ def test_bytes_relative_to_fp16_for_smollm2_shapes():
 def test_parse_kind_resolves_aliases_and_defaults():
     assert parse_kind(None) == (None, {})
     assert parse_kind("q4") == ("q4_0", {}) and parse_kind("q4_1") == ("q4_1", {})
-    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32})
-    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64})  # r defaults to g
-    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128})
-    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128})
+    off = KIVI_DEFAULTS  # sinks, outliers, rotations, nuq: off unless named
+    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32, **off})
+    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64, **off})  # r defaults to g
+    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128, **off})
+    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128, **off})
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -333,7 +338,7 @@ def test_parse_kind_resolves_aliases_and_defaults():
     ("kivi4:g32:g64", "bad option 'g64'"),
     ("kivi4:x3", "bad option 'x3'"),
     ("kivi4:g-32", "bad option 'g-32'"),
-    ("kivi3", "unknown cache kind"),
+    ("kivi5", "unknown cache kind"),
 ])
 def test_bad_kind_strings_are_rejected_clearly(kind, message, tiny_lm):
     for call in (lambda: parse_kind(kind), lambda: make_cache(kind, tiny_lm.model),

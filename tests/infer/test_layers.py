@@ -12,10 +12,10 @@ import runner.infer
 INFER = Path(runner.infer.__file__).parent
 # Bottom to top; within a layer, a module may import the ones listed before it.
 LAYERS = [
-    ("config", ["config", "quant"]),
+    ("config", ["config", "quant", "kvcodes"]),
     ("loading", ["pinned", "zoo", "data", "models"]),
     ("forward", ["forward"]),
-    ("caches", ["kvcache", "window", "static", "ragged"]),
+    ("caches", ["codebooks", "kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
     ("select", ["cache_plans", "autocache"]),

@@ -17,7 +17,8 @@ def _pair(kind: str, columns: int, dtype=torch.float32):
     name, options = parse_kind(kind)
     eager = CACHE_KINDS[name](**options)
     static = StaticKiviLayer(batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
-                             dtype=dtype, device=torch.device("cpu"), bits=eager.bits, **options)
+                             dtype=dtype, device=torch.device("cpu"), bits=eager.bits,
+                             group_size=options["group_size"], residual_len=options["residual_len"])
     return eager, static
 
 
@@ -37,7 +38,7 @@ def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0
     return eager_k, eager_v, static_k[..., :written + n, :], static_v[..., :written + n, :]
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8", "kivi3", "kivi3:g8:r24"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kind, dtype):
     """Single columns, pieces shorter and longer than r, a piece completing two blocks: equal after every write."""
@@ -62,7 +63,7 @@ def test_static_kivi_ignores_the_padding_after_end(kind):
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
-@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8"])
+@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16"])
 @pytest.mark.parametrize("crop", [1, 5, 24, 30])
 def test_static_kivi_rollback_equals_the_eager_crop(kind, crop):
     """A crop inside the residual or across quantized blocks, then more writes: still equal (kept quantized
@@ -94,7 +95,7 @@ def test_static_kivi_rows_follow_their_beams():
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16"])
 def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
     """Bytes = estimate_cache_bytes at all S columns (a multiple of r: no residual) + the ring of 2r columns in the
     model's dtype: codes, scales and minimums, never the float K/V."""
@@ -108,7 +109,7 @@ def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
     assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, cache.length, model.dtype) + ring_bytes
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim, group, length", [(-1, 32, 40), (-2, 8, 24), (-2, 32, 64)])
 def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1
@@ -116,3 +117,9 @@ def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_groups_expr(*quantized, bits, group, length, dtype, dim=dim),
                            dequantize_groups(*quantized, bits, group, length, dtype, dim=dim))
+
+
+@pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq")])
+def test_static_kivi_refuses_the_options_it_has_no_layout_for(tiny_lm, kind, named):
+    with pytest.raises(ValueError, match=f"no static layout for the KIVI option\\(s\\) {named} of cache kind"):
+        make_static_cache(kind, tiny_lm.model, 1, 64)
