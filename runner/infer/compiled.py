@@ -230,8 +230,8 @@ def engine_for(model) -> CompiledEngine:
     return _ENGINES[model]
 
 
-def check_compilable(model, kind: str | None) -> None:
-    """InferenceError when the compiled engine cannot serve this model or kind."""
+def check_compilable(model) -> None:
+    """InferenceError when the compiled engine cannot serve this model (every cache kind has a static layout)."""
     text = model.config.get_text_config(decoder=True)
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
