@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from compiled_kinds import model_parser  # noqa: E402  (benchmarks/ is the script's directory)
 
-from runner.infer.compiled import engine_for  # noqa: E402
+from runner.infer.compiled import PREFILL_MAX, engine_for  # noqa: E402
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
 from runner.infer.forward import sync  # noqa: E402
@@ -39,7 +39,7 @@ VARIANTS = {"eager": ("eager", "eager"), "compiled": ("compiled", "eager"), "com
 def first_token(model, ids: torch.Tensor, engine: str, prefill: str, outs: dict, name: str):
     """run_once(tick): a new Generator prefills `ids` [B,P] and decides the first token (one tick)."""
     config = GenerateConfig(max_new_tokens=1, temperature=0, eos_token_id=[], engine=engine, prefill=prefill,
-                            max_seq_len=ids.shape[1] + 2)
+                            max_seq_len=max(2048, ids.shape[1] + PREFILL_MAX + 2))  # both: one cache length
 
     @torch.inference_mode()
     def run_once(tick):
