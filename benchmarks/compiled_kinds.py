@@ -59,11 +59,17 @@ def decode_from(model, cache, prompt: torch.Tensor, steps: int):
     return run_once
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the model arguments every single-model benchmark takes: --model, --dtype, --device."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--device", default="auto")
+    return parser
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)

@@ -55,7 +55,7 @@ def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, re
 def _measure_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
                       bandwidth: float | None) -> dict:
     """The compiled engine on the cell: prefill into a static state, then compiled one-token greedy steps."""
-    check_compilable(model, kind)
+    check_compilable(model)
     engine, columns = engine_for(model), ids.shape[1] + new_tokens
     before = engine.stats.total_s
     engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.config import static_kind_problem
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_interleaved, time_once
@@ -262,10 +261,8 @@ def engine_for(model) -> CompiledEngine:
     return _ENGINES[model]
 
 
-def check_compilable(model, kind: str | None) -> None:
-    """InferenceError when the compiled engine cannot serve this model or kind."""
-    if static_kind_problem(kind):
-        raise InferenceError(static_kind_problem(kind))
+def check_compilable(model) -> None:
+    """InferenceError when the compiled engine cannot serve this model (every cache kind has a static layout)."""
     text = model.config.get_text_config(decoder=True)
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:

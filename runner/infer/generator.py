@@ -105,7 +105,7 @@ class Generator:
             warnings.warn(self.plan.describe(), stacklevel=3)
         if self.state is None and self.config.engine == "compiled":
             kind = self._cache_kind(batch_for_kind)
-            check_compilable(self.model, kind)
+            check_compilable(self.model)
             needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
                                      self.config.max_new_tokens + 1)
             prefill = ids.shape[1] if self.config.prefill == "compiled" else 0

@@ -256,7 +256,7 @@ class SpeculativeGenerator:
         cfg = self.config
         if cfg.engine == "eager":
             return make_cache(cfg.cache_kind, model)
-        check_compilable(model, cfg.cache_kind)
+        check_compilable(model)
         columns = prompt.numel() + cfg.max_new_tokens + 2 * cfg.spec_k + 2
         lengths = (1, cfg.spec_k + 1) if verify else (1,)
         return engine_for(model).state(cfg.cache_kind, 1, columns, max(cfg.max_seq_len, columns), lengths,

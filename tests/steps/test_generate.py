@@ -5,7 +5,6 @@ import csv
 import json
 
 import pytest
-import torch
 
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
