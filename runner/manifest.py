@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig, parse_kind
+from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig, parse_kind, parse_quantization
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -72,6 +72,10 @@ class ModelSpec(Strict):
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
+    quantization: str = Field("none", description=(
+        "Weight quantization through torchao: none, int8 (weight-only, per row), int8-dynamic (int8 weights and "
+        "activations quantized per token), int4 (weight-only, groups of 64 inputs; int4:g32, int4:g128). cpu or "
+        "cuda (int4 on cuda: bfloat16). See docs/weights.md."))
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +95,23 @@ class ModelSpec(Strict):
             raise ValueError("'config' needs 'model_type' (e.g. llama, qwen2, gpt2) and the sizes to change")
         if self.id is not None and self.id.startswith(ZOO_PREFIX) and self.id[len(ZOO_PREFIX):] not in ZOO:
             raise ValueError(f"unknown zoo model {self.id!r}; the zoo has: {', '.join(ZOO_PREFIX + n for n in ZOO)}")
+        return self
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str) -> str:
+        parse_quantization(value)  # ValueError names the known ones
+        return value
+
+    @model_validator(mode="after")
+    def _device_runs_the_quantization(self) -> "ModelSpec":
+        name, _ = parse_quantization(self.quantization)
+        if name != "none" and self.device == "mps":
+            raise ValueError(f"quantization {self.quantization} runs on cpu or cuda (torchao), not mps: use "
+                             "device: cpu, or quantization: none")
+        if name == "int4" and self.device.startswith("cuda") and self.dtype != "bfloat16":
+            raise ValueError(f"quantization {self.quantization} on cuda runs in bfloat16 (torchao's int4 kernel): "
+                             "set dtype: bfloat16, or use int8")
         return self
 
     @field_validator("id")

@@ -97,9 +97,10 @@ def input_major_weights(model) -> dict[str, torch.Tensor]:
     """Every Linear weight [out,in] as a view of an [in,out] copy (same values, transposed storage): on CPU a
     one-row matrix product reads such a matrix about 1.3× faster (measured on this project's machine, one and two
     threads, float32 and bfloat16). Costs one more copy of the Linear weights; a tied embedding reads its rows
-    from the same copy."""
+    from the same copy. Quantized weights (tensor subclasses, runner.infer.weights) keep their own layout."""
     return {f"{name}.weight": module.weight.detach().t().contiguous().t()
-            for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not hasattr(module.weight, "__tensor_flatten__")}
 
 
 # --- the engine --------------------------------------------------------------------------------------------------

@@ -20,6 +20,45 @@ KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
 
 
+# Weight quantizations (model.quantization, bench quantizations, weight_candidates); int4 takes a group size option.
+QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+INT4_GROUPS = (32, 64, 128)  # what torchao's int4 CPU kernel (tinygemm layout) takes
+INT4_DEFAULT_GROUP = 64
+
+
+def parse_quantization(text: str) -> tuple[str, dict]:
+    """A weight quantization string → (name, options); ValueError naming the known ones.
+
+    "int8" → ("int8", {}); "int4" → ("int4", {"group_size": 64}); "int4:g32" → ("int4", {"group_size": 32}).
+    """
+    name, *fields = text.split(":")
+    if name not in QUANTIZATIONS:
+        close = difflib.get_close_matches(name, QUANTIZATIONS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown quantization {text!r}: {hint}known: {', '.join(QUANTIZATIONS)} "
+                         f"(int4 takes a group size, e.g. int4:g32)")
+    if name != "int4":
+        if fields:
+            raise ValueError(f"quantization {name!r} takes no options (got {text!r})")
+        return name, {}
+    group = INT4_DEFAULT_GROUP
+    if fields:
+        digits = fields[0][1:]
+        if len(fields) > 1 or fields[0][:1] != "g" or not (digits.isascii() and digits.isdigit()):
+            raise ValueError(f"bad option in quantization {text!r}: expected int4:g<group size>, e.g. int4:g32")
+        group = int(digits)
+    if group not in INT4_GROUPS:
+        raise ValueError(f"quantization {text!r}: int4 group size must be one of "
+                         f"{', '.join(map(str, INT4_GROUPS))} (got {group})")
+    return name, {"group_size": group}
+
+
+def canonical_quantization(text: str) -> str:
+    """The one spelling: `int4` → `int4:g64`; the others as they are."""
+    name, options = parse_quantization(text)
+    return f"{name}:g{options['group_size']}" if options else name
+
+
 def torch_dtype(name: str):
     """The torch dtype of a manifest dtype name ("bfloat16") or a plain cache kind ("bf16")."""
     import torch  # here, not at the top: the manifest schema imports this module without torch

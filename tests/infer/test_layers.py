@@ -13,7 +13,7 @@ INFER = Path(runner.infer.__file__).parent
 # Bottom to top; within a layer, a module may import the ones listed before it.
 LAYERS = [
     ("config", ["config", "quant"]),
-    ("loading", ["pinned", "zoo", "data", "models"]),
+    ("loading", ["pinned", "zoo", "data", "weights", "models"]),
     ("forward", ["forward"]),
     ("caches", ["kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
