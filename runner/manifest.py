@@ -335,6 +335,9 @@ class Run(Strict):
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
         if getattr(self, block) is None:
             raise ValueError(f"mode {self.mode} needs a '{block}' block")
+        if self.mode == "generate" and self.generate.weight_candidates:
+            raise ValueError("weight_candidates is read by mode auto-cache-select (it chooses the weights and the "
+                             "cache kind together): remove it, or use mode: auto-cache-select")
         if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
             raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
                              f"{self.generate.cache_kind} (or use mode: generate)")
@@ -352,6 +355,14 @@ class Target(Strict):
     def _unique_run_ids(cls, runs: list[Run]) -> list[Run]:
         _reject_duplicates([r.id for r in runs], "run id")
         return runs
+
+    @model_validator(mode="after")
+    def _weights_chosen_from_full_precision(self) -> "Target":
+        joint = [r.id for r in self.runs if r.generate is not None and r.generate.weight_candidates]
+        if joint and self.model.quantization != "none":
+            raise ValueError(f"run {joint[0]!r} chooses among weight_candidates, gated against the unquantized "
+                             f"model: remove model.quantization ({self.model.quantization})")
+        return self
 
 
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")

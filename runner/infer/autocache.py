@@ -51,6 +51,7 @@ class Selection:
     plan_path: str
     seconds: float  # how long the selection took (a reused plan: no measurement at all)
     persist_error: str = ""  # why the plan could not be saved (the measurements are kept all the same)
+    weights: str | None = None  # joint selection (weight_candidates): the chosen weight quantization
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
@@ -191,10 +192,12 @@ def speed_ties(survivors: list[dict]) -> list[dict]:
             <= max(fastest.get("tokens_per_s_spread", 0.0), row.get("tokens_per_s_spread", 0.0))]
 
 
-def _fastest(survivors: list[dict], tie_break: str) -> tuple[str, str, str]:
-    """The fastest beyond the spread; within it, by quality then bytes (or bytes then quality). Marks every row."""
+def _fastest(survivors: list[dict], tie_break: str, name=lambda r: r["kind"],
+             bytes_key: str = "estimated_mib") -> tuple[str, str, str]:
+    """The fastest beyond the spread; within it, by quality then bytes (or bytes then quality). Marks every row.
+    `name` labels a row in the reason (joint selection: weights + kind), `bytes_key` is the bytes compared."""
     ties = speed_ties(survivors)
-    quality, size = (lambda r: r.get("delta_nll", math.inf)), (lambda r: r.get("estimated_mib", math.inf))
+    quality, size = (lambda r: r.get("delta_nll", math.inf)), (lambda r: r.get(bytes_key, math.inf))
     order = (quality, size) if tie_break == "quality" else (size, quality)
     best = min(ties, key=lambda r: (order[0](r), order[1](r)))
     for row in survivors:
@@ -204,10 +207,10 @@ def _fastest(survivors: list[dict], tie_break: str) -> tuple[str, str, str]:
                           else "chosen: fastest beyond the spread" if len(ties) == 1
                           else f"chosen: tied on speed within the spread, best {tie_break}")
     if len(ties) == 1:
-        return best["kind"], "measured", (f"{best['kind']}: fastest of {len(survivors)} passing "
+        return best["kind"], "measured", (f"{name(best)}: fastest of {len(survivors)} passing "
                                           f"({best['tokens_per_s']:.1f} tok/s, beyond the others' spread)")
-    tied = ", ".join(f"{r['kind']} {r['tokens_per_s']:.1f}±{r.get('tokens_per_s_spread', 0.0):.1f}" for r in ties)
-    return best["kind"], "measured", (f"{best['kind']}: {len(ties)} candidates tied on speed within the spread "
+    tied = ", ".join(f"{name(r)} {r['tokens_per_s']:.1f}±{r.get('tokens_per_s_spread', 0.0):.1f}" for r in ties)
+    return best["kind"], "measured", (f"{name(best)}: {len(ties)} candidates tied on speed within the spread "
                                       f"({tied} tok/s); best {tie_break}")
 
 

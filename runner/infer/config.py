@@ -162,6 +162,13 @@ class AutoCacheConfig(BaseModel):
         "Prompt tokens before the timed decode."))
     cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description=(
         "Timed repeats after one warm-up (kinds interleaved); the median counts."))
+    weight_candidates: list[str] | None = Field(None, min_length=1, description=(
+        "mode auto-cache-select: also choose the weights' quantization (none, int8, int8-dynamic, int4, int4:g32, "
+        "...): a (weights, cache kind) pair whose weights + cache bytes fit memory_budget_mb, gated against the "
+        "unquantized model with its own-dtype cache, fastest of the survivors. Unset = choose the cache kind only."))
+    memory_budget_mb: float | None = Field(None, gt=0, description=(
+        "With weight_candidates: most MiB the weights (measured bytes) and the cache (estimated at max_seq_len × "
+        "batch) may take together; cache_budget_mb still bounds the cache alone. Unset = no limit."))
     cache_plan_path: str = Field("plans/cache_plans.json", min_length=1, description=(
         "Where selections are persisted and reused (relative to the working directory)."))
     cache_plan_probe: bool = Field(True, description="Re-measure a persisted plan once it is older than the interval.")
@@ -171,6 +178,20 @@ class AutoCacheConfig(BaseModel):
     @classmethod
     def _known_candidates(cls, value: list[str]) -> list[str]:
         return [_checked_kind(kind) for kind in value]
+
+    @field_validator("weight_candidates")
+    @classmethod
+    def _known_weights(cls, value: list[str] | None) -> list[str] | None:
+        for quantization in value or []:
+            parse_quantization(quantization)  # ValueError names the known ones
+        return value
+
+    @model_validator(mode="after")
+    def _memory_budget_needs_weights(self):
+        if self.memory_budget_mb is not None and not self.weight_candidates:
+            raise ValueError("memory_budget_mb bounds weights + cache of the weight_candidates: set weight_candidates, "
+                             "or use cache_budget_mb for the cache alone")
+        return self
 
 
 ENGINE_DESCRIPTION = (

@@ -18,7 +18,7 @@ LAYERS = [
     ("caches", ["kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
-    ("select", ["cache_plans", "autocache"]),
+    ("select", ["cache_plans", "autocache", "jointselect"]),
     ("generators", ["compiled", "generator", "spec_text", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
 ]
