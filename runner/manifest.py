@@ -252,6 +252,9 @@ class BenchSpec(Strict):
         "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi2); default: the model's dtype."))
     dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
+    quantizations: list[str] | None = Field(None, min_length=1, description=(
+        "Weight quantizations (none, int8, int8-dynamic, int4, int4:g32, ...; the model is quantized for each); "
+        "weights MiB and total MiB (weights + measured cache) in every row. Default: the target's."))
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
     warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
@@ -279,7 +282,7 @@ class BenchSpec(Strict):
         return data
 
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", "engines", "baseline",
-                     mode="before")
+                     "quantizations", mode="before")
     @classmethod
     def _one_or_many(cls, value):
         if value == "none":
@@ -306,6 +309,13 @@ class BenchSpec(Strict):
     def _known_kinds(cls, values: list[str] | None) -> list[str] | None:
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
+        return values
+
+    @field_validator("quantizations")
+    @classmethod
+    def _known_quantizations(cls, values: list[str] | None) -> list[str] | None:
+        for quantization in values or []:
+            parse_quantization(quantization)  # ValueError names the known ones
         return values
 
 
