@@ -29,7 +29,10 @@ from runner.errors import ModelError
 from runner.infer.config import parse_quantization
 
 log = logging.getLogger(__name__)
-logging.getLogger("torchao").setLevel(logging.ERROR)  # "Failed to load ...cutlass.so" on a CPU-only torch, each import
+# Importing torchao (transformers does, while loading any model, once it is installed) logs "Failed to load
+# ...cutlass.so" on a CPU-only torch, and torch's pytree two deprecation notices about torchao's enums: noise to a user.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 INT4_ROWS = 16  # aten's int4 CPU packing takes N (output rows) in multiples of 16
 INT8_ROW_BYTES = 4 + 1  # per output row: an fp32 scale and an int8 zero point (torchao's Int8Tensor)
