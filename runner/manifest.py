@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig, parse_kind, parse_quantization
+from runner.infer.config import (DTYPES, GenerateConfig, SpeculativeConfig, check_quantizations, parse_kind,
+                                 parse_quantization)
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -314,9 +315,7 @@ class BenchSpec(Strict):
     @field_validator("quantizations")
     @classmethod
     def _known_quantizations(cls, values: list[str] | None) -> list[str] | None:
-        for quantization in values or []:
-            parse_quantization(quantization)  # ValueError names the known ones
-        return values
+        return check_quantizations(values)
 
 
 class Run(Strict):

@@ -53,6 +53,13 @@ def parse_quantization(text: str) -> tuple[str, dict]:
     return name, {"group_size": group}
 
 
+def check_quantizations(values: list[str] | None) -> list[str] | None:
+    """Every name known (a ValueError names the known ones); the list as given."""
+    for quantization in values or []:
+        parse_quantization(quantization)
+    return values
+
+
 def canonical_quantization(text: str) -> str:
     """The one spelling: `int4` → `int4:g64`; the others as they are."""
     name, options = parse_quantization(text)
@@ -182,9 +189,7 @@ class AutoCacheConfig(BaseModel):
     @field_validator("weight_candidates")
     @classmethod
     def _known_weights(cls, value: list[str] | None) -> list[str] | None:
-        for quantization in value or []:
-            parse_quantization(quantization)  # ValueError names the known ones
-        return value
+        return check_quantizations(value)
 
     @model_validator(mode="after")
     def _memory_budget_needs_weights(self):

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from runner.errors import InferenceError, RunnerError
-from runner.infer.autocache import (MIB, Selection, _fastest, candidates, check_lengths, gate_failures, model_identity,
-                                    plan_fields, reference_kind, within_budget)
-from runner.infer.cache_plans import PlanStore, plan_key
+from runner.errors import InferenceError
+from runner.infer.autocache import (MIB, Selection, candidates, check_lengths, choose_row, config_probe,
+                                    gate_failures, model_identity, plan_fields, planned_selection, reference_kind,
+                                    within_budget)
 from runner.infer.config import GenerateConfig, canonical_quantization
 from runner.infer.data import EvalText, load_text, token_windows
-from runner.infer.quality import build_probe, compare, run_probe
+from runner.infer.quality import compare, run_probe
 from runner.infer.speed import time_decode_pairs
 from runner.infer.timing import Stopwatch
 from runner.infer.weights import estimate_weight_bytes, quantize_model, weight_bytes
@@ -41,21 +41,13 @@ def select_weights_and_cache(model, tokenizer, config: GenerateConfig, *, batch_
     watch = Stopwatch()
     text = text or load_text(config.cache_quality_data, base_dir)
     fields = joint_fields(model, config, identity or model_identity(model), batch_size, text)
-    key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
-    plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
-    if plan is not None:
-        return Selection(plan["kind"], plan["source"], True, f"reused plan {key[:12]} ({why}): {plan['reason']}",
-                         plan["rows"], key, fields, str(store.path), watch.lap(), weights=plan["weights"])
-    rows = measure_pairs(model, tokenizer, config, batch_size, text, progress)
-    weights, kind, source, reason = choose_pair(rows, config, reference_pair(model, config, batch_size))
-    stored = {"weights": weights, "kind": kind, "source": source, "reason": reason, "rows": rows}
-    try:
-        store.put(key, stored, fields)
-        persist_error = ""
-    except RunnerError as exc:
-        persist_error = str(exc)
-    return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
-                     str(store.path), watch.lap(), persist_error, weights=weights)
+
+    def measure_and_choose() -> dict:
+        rows = measure_pairs(model, tokenizer, config, batch_size, text, progress)
+        weights, kind, source, reason = choose_pair(rows, config, reference_pair(model, config, batch_size))
+        return {"weights": weights, "kind": kind, "source": source, "reason": reason, "rows": rows}
+
+    return planned_selection(fields, config, measure_and_choose, watch)
 
 
 def weight_candidates(config: GenerateConfig) -> list[str]:
@@ -95,8 +87,7 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
             f"{smallest['weight_mib']:.1f} + cache {smallest['estimated_mib']:.1f}); raise the budget or lower "
             "max_seq_len / batch_size")
     device = next(model.parameters()).device
-    probe = build_probe(tokenizer, text, config.cache_quality_prompt_len, config.cache_quality_decode_steps,
-                        config.cache_quality_windows, min(config.cache_quality_ppl_len, config.max_seq_len), device)
+    probe = config_probe(tokenizer, text, config, device)
     bar = progress("weights × cache quality", len(fitting) + 1, "pair")
     reference = run_probe(model, probe, None)
     bar.update(note="reference")
@@ -133,26 +124,12 @@ def label(row: dict) -> str:
 
 
 def choose_pair(rows: list[dict], config: GenerateConfig, reference: dict) -> tuple[str, str, str, str]:
-    """(weights, kind, source, reason): the fastest surviving pair beyond the spread (ties: quality, then total
-    bytes, or the other way round), the first survivor when benchmarking is off; else the on-fail policy."""
-    survivors = [row for row in rows if row["passed"]]
-    if not survivors:
-        failed = "; ".join(f"{label(r)}: {r['verdict']}" for r in rows)
-        if config.cache_quality_on_fail == "error" or not reference["fits"]:
-            why = ("cache_quality_on_fail is error" if reference["fits"]
-                   else f"the fallback, the unquantized reference {label(reference)}, is {reference['verdict']}")
-            raise InferenceError(f"no (weights, cache kind) pair passed the quality gates ({failed}) and {why}; "
-                                 "loosen the gates or raise the budget")
-        return "none", reference["kind"], "gate_failed", (f"no pair passed the gates; using the unquantized "
-                                                          f"reference {label(reference)}")
-    if not config.cache_auto_benchmark:
-        best = survivors[0]
-        best["verdict"] = "chosen: first passing candidate"
-        return best["weights"], best["kind"], "measured", f"{label(best)}: first of {len(survivors)} passing " \
-                                                          "(benchmark off)"
-    _, source, reason = _fastest(survivors, config.cache_auto_tie_break, name=label, bytes_key="total_mib")
-    best = next(row for row in survivors if row["verdict"].startswith("chosen"))
-    return best["weights"], best["kind"], source, reason
+    """(weights, kind, source, reason): cache selection's rule over pairs (the fastest survivor beyond the spread,
+    ties by quality then total bytes; the first survivor when benchmarking is off; else the on-fail policy, whose
+    fallback is the unquantized model with its own-dtype cache)."""
+    row, source, reason = choose_row(rows, config, reference, name=label, what="(weights, cache kind) pair",
+                                     bytes_key="total_mib")
+    return row["weights"], row["kind"], source, reason
 
 
 def joint_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:

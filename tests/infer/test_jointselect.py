@@ -114,7 +114,7 @@ def test_no_surviving_pair_falls_back_to_the_unquantized_reference_if_it_fits(ti
     Stubs(monkeypatch, delta_nll={("int8", "fp32"): 0.5, ("int8", "q8_0"): 0.5}, speed={})
     selection = _select(tiny_lm, _config(tmp_path, weight_candidates=["int8"]))
     assert (selection.weights, selection.kind, selection.source) == ("none", "fp32", "gate_failed")
-    with pytest.raises(InferenceError, match="the unquantized reference none \\+ fp32, is over memory budget"):
+    with pytest.raises(InferenceError, match="the fallback, the reference none \\+ fp32, is over memory budget"):
         _select(tiny_lm, _config(tmp_path / "b", weight_candidates=["int8"], memory_budget_mb=0.3))
     with pytest.raises(InferenceError, match="no \\(weights, cache kind\\) pair fits .*the smallest, int8 \\+ q8_0"):
         _select(tiny_lm, _config(tmp_path / "c", weight_candidates=["none", "int8"], memory_budget_mb=0.01))
