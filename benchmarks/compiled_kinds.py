@@ -1,6 +1,6 @@
 """Decode speed of every cache kind at a long context, compiled engine vs eager, against fp16: one process.
 
-    python benchmarks/compiled_kinds.py [--context 4096] [--kinds fp16 q8_0 q4_0 q4_1 nf4] [--engines compiled eager]
+    python benchmarks/compiled_kinds.py [--context 4096] [--kinds fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2] [--engines compiled eager]
 
 Each (engine, kind) prefills the same --context tokens of real text once (untimed), then every timed repeat rolls
 its cache back to the prompt and decodes --steps greedy tokens from it (runner's harness: warm-up, variants
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kinds", nargs="+", default=["fp16", "q8_0", "q4_0", "q4_1", "nf4"])
+    parser.add_argument("--kinds", nargs="+", default=["fp16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi2"])
     parser.add_argument("--engines", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
     parser.add_argument("--markdown", default=None, help="append one row per variant to this markdown file")
     args = parser.parse_args()

@@ -30,7 +30,7 @@ for model in zoo:qwen2.5-coder-0.5b zoo:qwen2.5-coder-1.5b; do
 done
 for context in 4096 16384; do
   timeout 150 "$PY" benchmarks/compiled_kinds.py --model zoo:qwen2.5-coder-0.5b --device cuda --dtype bfloat16 \
-    --context "$context" --steps 64 --repeats 5 --engines compiled --kinds bf16 fp16 q8_0 q4_0 q4_1 nf4 \
+    --context "$context" --steps 64 --repeats 5 --engines compiled --kinds bf16 fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2 \
     --markdown "$OUT"
 done
 timeout 120 "$PY" benchmarks/speculative.py --target zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b \

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import (DTYPES, GenerateConfig, SpeculativeConfig, check_quantizations, parse_kind,
+from runner.infer.config import (DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, check_quantizations, parse_kind,
                                  parse_quantization)
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
@@ -259,10 +259,10 @@ class BenchSpec(Strict):
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
     warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
-    engines: list[Literal["eager", "compiled"]] = Field(["eager"], min_length=1, description=(
+    engines: list[Literal[ENGINES]] = Field(["eager"], min_length=1, description=(
         "Our decode engines, an axis of the matrix (engine: one value is the same): eager, compiled (static "
-        "caches, a compiled decode step; compile seconds reported apart). The compiled engine takes every kind "
-        "but KIVI."))
+        "caches, a compiled decode step; compile seconds reported apart). The compiled engine takes every cache "
+        "kind."))
     baseline: list[Literal["hf", "hf-compiled"]] = Field(["hf"], description=(
         "Baselines timed on the same model and inputs beside every cell, with ratios: hf (transformers' eager "
         "model.generate() with the same cache kind), hf-compiled (transformers' own static cache and compiled "
@@ -272,14 +272,18 @@ class BenchSpec(Strict):
     data: str = Field("pydoc", min_length=1, json_schema_extra={"input_file": "text"}, description=(
         "Text the prompts are cut from: pydoc, shakespeare, britannica, a .txt file or hf:OWNER/REPO/PATH."))
 
+    engine: Literal[ENGINES] | None = Field(None, exclude=True, description=(
+        "One engine, the same as engines: [it] (not both)."))
+
     @model_validator(mode="before")
     @classmethod
     def _engine_is_one_engine(cls, data):
-        """`engine: compiled` is `engines: [compiled]`."""
-        if isinstance(data, dict) and "engine" in data:
+        """`engine: compiled` is `engines: [compiled]`; a bad value stays at `engine`, where the error names it."""
+        if isinstance(data, dict) and data.get("engine") is not None:
             if "engines" in data:
                 raise ValueError("give engine (one) or engines (a list), not both")
-            data = {k: v for k, v in data.items() if k != "engine"} | {"engines": data["engine"]}
+            if data["engine"] in ENGINES:
+                data = {**data, "engines": [data["engine"]]}
         return data
 
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", "engines", "baseline",
@@ -290,13 +294,6 @@ class BenchSpec(Strict):
             return []
         return [value] if value is not None and not isinstance(value, list) else value
 
-    @model_validator(mode="after")
-    def _compiled_serves_the_kinds(self) -> "BenchSpec":
-        kivi = [k for k in self.cache_kinds or [] if k.startswith("kivi")]
-        if "compiled" in self.engines and kivi:
-            raise ValueError(f"engines: compiled has no static layout for KIVI cache kinds (cache_kinds: {kivi[0]}): "
-                             "bench them with engines: eager, or remove them")
-        return self
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:

@@ -2,8 +2,9 @@
 per shape, so a generation never recompiles.
 
 In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
-    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, in chunks)
-    → StaticDecodeState.feed → decode_step (compiled: [B,T] ids, [B,T] positions, [T] columns, [B,S] mask → [B,T,V])
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager; or compiled in
+    `prefill_pieces`, the last padded on the right) → StaticDecodeState.feed → decode_step (compiled: [B,T] ids,
+    [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V])
 `StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
 Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
 `feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
@@ -16,6 +17,7 @@ a static address and the model's own weights. The first call of a shape is timed
 apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
 live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
 `recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).
+The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
 Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
 stop rules, timing harnesses or manifests.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,13 +35,15 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer.forward import positions_from, sync
-from runner.infer.static import STATIC_KINDS, StaticKVCache, make_static_cache
+from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_once
 
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_COLUMNS = 256  # length buckets: powers of two from here, capped by the caller's max_seq_len
+MAX_CACHES = 3  # static caches an engine keeps (target and draft of a self-drafting model, and one more)
+PREFILL_MIN, PREFILL_MAX = 16, 512  # compiled prefill pieces: powers of two between these (prefill_pieces)
 CACHE_DIR = Path.home() / ".cache" / "runner" / "inductor"
 
 
@@ -80,11 +85,11 @@ def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bo
 
 
 def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
-                mask2d: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
-    """[B,T] ids at [B,T] positions into `columns` [T] of the cache, [B,S] real columns → [B,T,V] logits, with the
-    model's own parameters or `weights` in their place. The function the engine compiles (one graph per shape);
-    prefill runs it eagerly."""
-    cache.columns = columns
+                end: torch.Tensor, mask2d: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
+    """[B,T] ids at [B,T] positions into `columns` [T] of the cache (those from `end`, 0-d, on are padding),
+    [B,S] real columns → [B,T,V] logits, with the model's own parameters or `weights` in their place. The function
+    the engine compiles (one graph per shape); other lengths run it eagerly."""
+    cache.columns, cache.end = columns, end
     eager = model.config._attn_implementation == "eager"
     attention = static_mask(mask2d, columns, eager, model.dtype)
     inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
@@ -121,10 +126,13 @@ class CompileStats:
 class CompiledEngine:
     """One model's compiled decode step and its static caches (one per kind × batch bucket × length bucket).
 
-    A cache is reused by the next state of the same shape: one generation at a time per engine.
-    `compile=False` runs the same static step eagerly (tests of the static path; debugging)."""
+    A cache is reused by the next state of the same shape: one generation at a time per engine. At most
+    `max_caches` are kept (the least recently used goes first, its memory freed once no state holds it), so a
+    long bench matrix does not hold one cache per cell; compiled steps stay (a later state of an evicted shape
+    allocates a new cache and runs the same graph). `compile=False` runs the same static step eagerly (tests of
+    the static path; debugging)."""
 
-    def __init__(self, model, mode: str | None = None, compile: bool = True):
+    def __init__(self, model, mode: str | None = None, compile: bool = True, max_caches: int = MAX_CACHES):
         self.model = model
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
@@ -136,28 +144,42 @@ class CompiledEngine:
             self.step = torch.compile(decode_step, dynamic=False, **how)
         else:
             self.step, self.mode = decode_step, "eager"
-        self.caches: dict[tuple, StaticKVCache] = {}
+        self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
+        self.max_caches = max_caches
         self.warm: set[tuple] = set()  # (kind, rows, columns, new columns) already compiled
         self.stats = CompileStats()
 
     def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int,
-              step_lengths: tuple[int, ...] = (1,), slot: str = "") -> "StaticDecodeState":
+              step_lengths: tuple[int, ...] = (1,), slot: str = "", prefill: int = 0) -> "StaticDecodeState":
         """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens); feeds of
-        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly. States live
-        at once only in different slots (a model drafting for itself: "target" and "draft")."""
+        `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly; `prefill` > 0:
+        a prompt of that many columns is fed in compiled pieces (compiled now too). States live at once only in
+        different slots (a model drafting for itself: "target" and "draft")."""
+        pieces = prefill_pieces(prefill)
+        step_lengths = (*step_lengths, *sorted({padded for _, padded in pieces} - set(step_lengths)))
+        columns = max(columns, prefill - pieces[-1][0] + pieces[-1][1] if pieces else 0)  # room for the padding
         key = (kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
-        if (*key, slot) not in self.caches:
-            cache = make_static_cache(kind, self.model, *key[1:])
-            if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
-                for layer in cache.layers:
-                    for t in layer.tensors():
-                        torch._dynamo.mark_static_address(t)
-            self.caches[(*key, slot)] = cache
-        cache = self.caches[(*key, slot)]
+        cache = self._cache((*key, slot))
         for length in step_lengths:
             if length <= key[2]:
                 self._compile(cache, (*key, length))
-        return StaticDecodeState(self, cache, batch, step_lengths)
+        return StaticDecodeState(self, cache, batch, step_lengths, compiled_prefill=prefill > 0)
+
+    def _cache(self, key: tuple) -> StaticKVCache:
+        """The cache of (kind, rows, columns, slot), made if not kept; the least recently used past max_caches
+        dropped."""
+        if key in self.caches:
+            self.caches.move_to_end(key)
+            return self.caches[key]
+        while len(self.caches) >= self.max_caches:
+            self.caches.popitem(last=False)
+        cache = make_static_cache(key[0], self.model, *key[1:3])
+        if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
+            for layer in cache.layers:
+                for t in layer.tensors():
+                    torch._dynamo.mark_static_address(t)
+        self.caches[key] = cache
+        return cache
 
     @torch.inference_mode()
     def _compile(self, cache: StaticKVCache, key: tuple) -> None:
@@ -169,20 +191,21 @@ class CompiledEngine:
         ids = torch.zeros(batch, new, dtype=torch.long, device=self.device)
         span = torch.arange(columns - new, columns, device=self.device)
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
+        end = torch.tensor(columns, device=self.device)
         before = _graph_count()
         self.stats.compile_s[key] = time_once(  # no aliased inputs
-            lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, mask2d, self.weights),
+            lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
             sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
         if self.mode != "eager":
-            log.info("compile: decode step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
+            log.info("compile: step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
                      key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
-    def call(self, cache: StaticKVCache, ids, positions, columns, mask2d) -> torch.Tensor:
+    def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
         """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged."""
         before = _graph_count()
-        logits = self.step(self.model, cache, ids, positions, columns, mask2d, self.weights)
+        logits = self.step(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
         made = _graph_count() - before
         if made:
             self.stats.compiles += made
@@ -210,9 +233,6 @@ def engine_for(model) -> CompiledEngine:
 
 def check_compilable(model, kind: str | None) -> None:
     """InferenceError when the compiled engine cannot serve this model or kind."""
-    if kind is not None and kind.split(":")[0].startswith("kivi"):
-        raise InferenceError(f"engine 'compiled' has no static layout for cache kind {kind!r}: use one of "
-                             f"{', '.join(STATIC_KINDS)}, or engine: eager")
     text = model.config.get_text_config(decoder=True)
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
@@ -222,11 +242,28 @@ def check_compilable(model, kind: str | None) -> None:
 
 # --- the state the Generator and the speculative rounds drive ------------------------------------------------------
 
+def prefill_pieces(columns: int) -> list[tuple[int, int]]:
+    """A prompt of `columns` → (real, padded) columns of each compiled prefill piece: whole pieces of PREFILL_MAX,
+    then the rest padded on the right to a power of two ≥ PREFILL_MIN (a few shapes serve every prompt)."""
+    pieces = [(PREFILL_MAX, PREFILL_MAX)] * (columns // PREFILL_MAX)
+    rest, padded = columns % PREFILL_MAX, PREFILL_MIN
+    while padded < rest:
+        padded *= 2
+    return pieces + ([(rest, padded)] if rest else [])
+
+
+def _right_pad(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """[b,T] → [b,T+extra], zeros after (pad id 0, position 0, mask 0: the padding is never attended to)."""
+    return t if extra == 0 else torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1)
+
+
 class StaticDecodeState:
     """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far."""
 
-    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int, step_lengths: tuple[int, ...]):
+    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int, step_lengths: tuple[int, ...],
+                 compiled_prefill: bool = False):
         self.engine, self.cache, self.rows, self.step_lengths = engine, cache, batch, step_lengths
+        self.compiled_prefill = compiled_prefill  # prompts in compiled pieces (prefill_pieces), not eagerly
         self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=engine.device)  # [B,S]
         self.seen: torch.Tensor | None = None  # [b] real tokens so far
         self.length = 0
@@ -242,30 +279,43 @@ class StaticDecodeState:
         return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
 
     def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
-                 compiled: bool = True) -> torch.Tensor:
+                 compiled: bool = True, real: int | None = None) -> torch.Tensor:
         """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits; compiled when T is a step
-        length, else the same static forward run eagerly (prefill, odd chunk lengths)."""
+        length, else the same static forward run eagerly. Only the first `real` columns (default all) count: the
+        rest are padding, masked, and the next write goes over them."""
         t = ids.shape[1]
+        real = t if real is None else real
         if self.length + t > self.cache.length:
             raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
                                  f"{self.length + t}: raise max_seq_len or start a new conversation")
         columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
         self.columns[:, self.length:self.length + t] = self._pad(new_mask)
-        args = (self.cache, self._pad(ids), self._pad(positions), columns, self.columns)
+        args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
         if compiled and t in self.step_lengths:
             logits = self.engine.call(*args)
         else:
             logits = decode_step(model, *args)
-        self.length += t
+        self.length += real
         return logits[:self.rows]
 
     def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
                 hidden: bool = False) -> tuple[torch.Tensor, None]:
-        """[b,T] ids and mask → (last logits [b,V], None): eager static forwards, q_chunk columns at a time."""
+        """[b,T] ids and mask → (last logits [b,V], None). In `prefill_pieces` when their padded lengths were
+        compiled (prefill: compiled), each piece one compiled step; else eager static forwards, q_chunk columns at
+        a time."""
         if hidden:
             raise InferenceError("engine 'compiled' does not return hidden states (contrastive search): use eager")
         positions = positions_from(self.seen, new_mask)  # [b,T]
         self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
+        if self.compiled_prefill and not q_chunk:
+            start = 0
+            for real, padded in prefill_pieces(ids.shape[1]):
+                part = slice(start, start + real)
+                extra = padded - real if padded in self.step_lengths else 0  # not compiled up front: eager, unpadded
+                logits = self._forward(model, _right_pad(ids[:, part], extra), _right_pad(positions[:, part], extra),
+                                       _right_pad(new_mask[:, part], extra), real=real)
+                start += real
+            return logits[:, real - 1], None
         step = q_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], step):
             part = slice(start, start + step)
@@ -291,6 +341,13 @@ class StaticDecodeState:
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
-        0 and the next write overwrites them."""
+        0 and the next write overwrites them (KIVI: kept columns leave the quantized region, `rollback`)."""
+        held = self.length
         self.length += tokens_to_remove
         self.columns[:, self.length:] = 0
+        self.cache.rollback(self.length, held)
+
+    @property
+    def layers(self) -> list:
+        """The cache's layers (what speculative.tokens_before_flush reads their residual length from)."""
+        return self.cache.layers

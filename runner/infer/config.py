@@ -17,6 +17,7 @@ KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "k
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
 KIVI_BITS = {"kivi4": 4, "kivi2": 2}
 KIVI_OPTIONS = {"g": "group_size", "r": "residual_len"}
+ENGINES = ("eager", "compiled")  # decode engines (see ENGINE_DESCRIPTION)
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", "kivi2")
 
 
@@ -205,13 +206,10 @@ ENGINE_DESCRIPTION = (
     "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
 
 
-def _engine_conflicts(engine: str, cache_kind: str | None, **settings) -> None:
+def _engine_conflicts(engine: str, **settings) -> None:
     """What the compiled engine cannot serve, as an error naming the key."""
     if engine != "compiled":
         return
-    if cache_kind and cache_kind.split(":")[0].startswith("kivi"):
-        raise ValueError("engine: compiled has no static layout for KIVI cache kinds (cache_kind): use fp32, fp16, "
-                         "bf16, q8_0, q4_0, q4_1 or nf4, or engine: eager")
     for key, value in settings.items():
         if value:
             raise ValueError(f"engine: compiled does not support {key} ({value!r}): remove it or use engine: eager")
@@ -234,7 +232,11 @@ class GenerateConfig(AutoCacheConfig):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
-    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
+    prefill: Literal[ENGINES] = Field("eager", description=(
+        "engine: compiled only: prefill the prompt eagerly through the static cache, or compiled, in pieces of 512 "
+        "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
+        "up front: compile time reported apart)."))
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 (options as in "
         "kivi4:g32:r128), or auto (selected under cache_budget_mb and the quality gates); unset = the model's dtype."))
@@ -310,8 +312,9 @@ class GenerateConfig(AutoCacheConfig):
         if self.decode_plan != "none" and self.cache_kind and self.cache_kind.startswith("kivi"):
             raise ValueError("the sliding window (decode_plan) does not support KIVI cache kinds: use fp16, q8_0, "
                              "q4_0, q4_1 or nf4, or decode_plan: none")
-        _engine_conflicts(self.engine, self.cache_kind if self.cache_kind != "auto" else None,
-                          penalty_alpha=self.penalty_alpha if self.contrastive else None,
+        if self.prefill == "compiled" and self.engine != "compiled":
+            raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
+        _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
         return self
 
@@ -364,7 +367,7 @@ class SpeculativeConfig(BaseModel):
     top_k: int | None = Field(None, ge=0, le=10_000_000, description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
-    engine: Literal["eager", "compiled"] = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi2 "
         "(options as in kivi4:g32:r128); unset = the model's dtype. auto is not supported here."))
@@ -378,11 +381,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _checked_kind(value)
-
-    @model_validator(mode="after")
-    def _engine_serves(self) -> "SpeculativeConfig":
-        _engine_conflicts(self.engine, self.cache_kind)
-        return self
 
     @property
     def greedy(self) -> bool:

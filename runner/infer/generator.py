@@ -108,7 +108,9 @@ class Generator:
             check_compilable(self.model, kind)
             needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
                                      self.config.max_new_tokens + 1)
-            self.state = engine_for(self.model).state(kind, ids.shape[0], needed, self.config.max_seq_len)
+            prefill = ids.shape[1] if self.config.prefill == "compiled" else 0
+            self.state = engine_for(self.model).state(kind, ids.shape[0], needed, self.config.max_seq_len,
+                                                      prefill=prefill)
         elif self.state is None:
             self.state = DecodeState(make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan))
 

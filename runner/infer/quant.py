@@ -184,3 +184,23 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     if out is None:
         return values.to(dtype)
     return out if direct else out.copy_(values)
+
+
+def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """`unpack` as one expression (shifts and masks stacked next to `dim`, no writes into views): what a compiled
+    graph fuses into the kernel that consumes the codes."""
+    dim = dim % packed.dim()
+    per_byte, mask = 8 // bits, 2**bits - 1
+    slots = [(packed >> (bits * i)) & mask for i in range(per_byte)]  # code i of every byte
+    return torch.stack(slots, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def dequantize_groups_expr(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
+                           length: int, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
+    """`dequantize_groups` as one elementwise expression, for the compiled engine: inductor fuses the unpacking,
+    code·s + m and the cast into the kernel attention's input comes from, per layer. The same floats as
+    `dequantize_groups` (code·s is exact in float32, so only the add rounds, fused or not)."""
+    dim = dim % codes.dim()
+    values = unpack_expr(codes, bits, dim).float().unflatten(dim, (-1, group))  # [..., NG, group, ...]
+    out = torch.addcmul(mins.unsqueeze(dim + 1).float(), values, scales.unsqueeze(dim + 1).float())
+    return out.flatten(dim, dim + 1).narrow(dim, 0, length).to(dtype)

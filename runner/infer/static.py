@@ -5,11 +5,16 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     fp32, fp16, bf16   keys / values [B,H,S,D] in that dtype; attention reads them cast to the compute dtype.
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
-    kivi4, kivi2       not here: their keys are quantized per channel over groups of tokens that fill up over
-                       several steps (see kvcache.KiviLayer); the compiled engine refuses them.
+    kivi4, kivi2       kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
+                       of g columns, values per column) and a ring of R = 2r full-precision columns (column c in
+                       slot c mod R) holding the residual: columns [Q, T), Q = floor(T / r)·r. S is a multiple of R.
+                       A write appends to the ring and quantizes the block of r columns it completes (a fixed-shape
+                       `where`, no shape ever changes); attention reads the region dequantized below Q and the ring
+                       above, so it sees what the eager layer sees at every step (StaticKiviLayer).
 A column is a slot of the cache, not a token position: rows of a left-padded batch share columns, the mask says
-which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes; the
-engine sets it before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
+which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
+`StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
+engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
 dequantization of a quantized kind is one elementwise expression over fixed shapes that inductor fuses per layer.
 Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
@@ -20,11 +25,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from runner.infer.config import parse_kind
-from runner.infer.kvcache import STORAGE_DTYPES, _dims
-from runner.infer.quant import CODE_BITS, dequantize, quantize
+from runner.infer.config import KIVI_BITS, parse_kind
+from runner.infer.kvcache import STORAGE_DTYPES, KiviLayer, _dims
+from runner.infer.quant import BLOCK, CODE_BITS, dequantize, dequantize_groups_expr, quantize, quantize_groups
 
-STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS)  # every kind but KIVI
+STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
 
 
 class StaticPlainLayer(StaticLayer):
@@ -49,8 +54,9 @@ class StaticPlainLayer(StaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front: a compiled step must never allocate the cache
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor):
-        """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in."""
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
+        """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in. Columns from `end`
+        (0-d) on are padding of a compiled prefill: written, masked, overwritten later."""
         self.keys.index_copy_(2, columns, keys.to(self.storage))
         self.values.index_copy_(2, columns, values.to(self.storage))
         return self.keys.to(keys.dtype), self.values.to(values.dtype)
@@ -88,7 +94,7 @@ class StaticQuantLayer(StaticPlainLayer):
             setattr(self, f"{side}_scales", scales)
         self.keys = self.values = None
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor):
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """Quantize the new [B,H,T,D] K/V into `columns` [T] → all [B,H,S,D] K/V dequantized."""
         for side, new in (("key", keys), ("value", values)):
             codes, scales = quantize(new, self.kind)  # [B,H,T,C], [B,H,T,NB]
@@ -98,6 +104,102 @@ class StaticQuantLayer(StaticPlainLayer):
                 dequantize(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
 
 
+class StaticKiviLayer(StaticPlainLayer):
+    """KIVI over fixed shapes (see the module docstring): the quantized region of all S columns and the ring.
+
+    Invariant between writes, T columns written: the region holds columns [0, Q) quantized, Q = floor(T / r)·r,
+    exactly what kvcache.KiviLayer holds after the same columns; the ring holds columns [Q, T) as they came."""
+
+    TENSORS = (*KiviLayer.QUANTIZED, "ring_keys", "ring_values")
+
+    def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, **kwargs):
+        self.bits, self.group_size, self.residual_len = bits, group_size, residual_len
+        self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
+        super().__init__(*args, **kwargs)
+
+    def allocate(self) -> None:
+        if self.max_cache_len % self.ring_len:
+            raise ValueError(f"a static KIVI cache holds a multiple of {self.ring_len} columns "
+                             f"(got {self.max_cache_len})")
+        block, ring = (self.batch_size, self.num_heads, self.residual_len), (self.batch_size, self.num_heads, self.ring_len)
+        empty = self._quantize(torch.zeros(*block, self.k_head_dim, device=self.device),
+                               torch.zeros(*block, self.v_head_dim, device=self.device))
+        for name, tensor in zip(KiviLayer.QUANTIZED, empty):  # one block's tensors, repeated along the sequence
+            setattr(self, name, tensor.repeat(1, 1, self.max_cache_len // self.residual_len, 1))
+        self.ring_keys = torch.zeros((*ring, self.k_head_dim), dtype=self.storage, device=self.device)
+        self.ring_values = torch.zeros((*ring, self.v_head_dim), dtype=self.storage, device=self.device)
+        self.keys = self.values = None
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[B,H,r,D] K/V of one block → its six quantized tensors (kvcache.KiviLayer's arithmetic)."""
+        return (*quantize_groups(keys, self.bits, self.group_size, dim=-2),
+                *quantize_groups(values, self.bits, BLOCK, dim=-1))
+
+    def _rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
+        """[n] rows (dim -2) of tensor `name` that hold the block of r columns from column `start` (0-d)."""
+        per_block = {"key_codes": self.residual_len * self.bits // 8,
+                     "key_scales": self.residual_len // self.group_size, "key_mins": self.residual_len // self.group_size}
+        n = per_block.get(name, self.residual_len)
+        return start // self.residual_len * n + torch.arange(n, device=start.device)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
+        """[B,H,T,D] new K/V into `columns` [T] (consecutive) → all [B,H,S,D] K/V as attention reads them. In pieces
+        of ≤ r columns, each of which completes at most one block: any T, the same fixed-shape code. Columns from
+        `end` (0-d) on are padding (a compiled prefill's): never stored, never completing a block."""
+        r = self.residual_len
+        for start in range(0, keys.shape[-2], r):
+            piece = slice(start, start + r)
+            self._append(keys[..., piece, :], values[..., piece, :], columns[piece], end)
+        return self._view(torch.minimum(columns[-1] + 1, end) // r * r, keys.dtype)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
+        """[B,H,t,D] K/V (t ≤ r) into the ring; the block of r columns they complete, if any, quantized into the
+        region. Every shape is fixed: the block ending at the new Q is quantized whether or not it is new, and
+        written over itself when it is not (`where`)."""
+        r = self.residual_len
+        slots, real = columns % self.ring_len, (columns < end)[:, None]  # [t], [t,1]
+        for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
+            ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
+        done = torch.minimum(columns[-1] + 1, end) // r * r  # 0-d: Q after these columns
+        flush = done > columns[0] // r * r  # 0-d bool: a block was completed
+        start = (done - r).clamp(min=0)  # its first column (0 and no flush while Q is 0)
+        block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
+        new = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
+        for name, value in zip(KiviLayer.QUANTIZED, new):
+            tensor, rows = getattr(self, name), self._rows(name, start)
+            tensor.index_copy_(2, rows, torch.where(flush, value, tensor.index_select(2, rows)))
+
+    def _view(self, done: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,H,S,D] K and V in `dtype`: columns below `done` (0-d) dequantized from the region, the others read
+        from the ring (column c in slot c mod R; columns not yet written are masked by the caller)."""
+        length = self.max_cache_len
+        quantized = (torch.arange(length, device=done.device) < done)[:, None]  # [S,1]
+        keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.bits, self.group_size,
+                                      length, dtype, dim=-2)
+        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.bits, BLOCK,
+                                        self.v_head_dim, dtype, dim=-1)
+        return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
+                torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
+
+    def _tiled(self, ring: torch.Tensor) -> torch.Tensor:
+        """[B,H,R,D] → [B,H,S,D], column c = slot c mod R (a broadcast the compiled graph folds into its kernel)."""
+        b, h, _, d = ring.shape
+        return ring[:, :, None].expand(b, h, self.max_cache_len // self.ring_len, self.ring_len, d).reshape(b, h, -1, d)
+
+    def rollback(self, kept: int, held: int) -> None:
+        """After the write position moved back from `held` to `kept` columns: quantized columns past
+        floor(kept / r)·r return to the ring dequantized, as kvcache.KiviLayer.crop returns them to its residual,
+        and the next completed block quantizes them again."""
+        r = self.residual_len
+        start = kept // r * r
+        if kept == start or start >= held // r * r:  # nothing kept past Q, or Q did not move
+            return
+        keys, values = self._view(torch.tensor(held // r * r, device=self.device), self.storage)
+        slots = torch.arange(start, kept, device=self.device)
+        self.ring_keys.index_copy_(2, slots % self.ring_len, keys.index_select(2, slots))
+        self.ring_values.index_copy_(2, slots % self.ring_len, values.index_select(2, slots))
+
+
 class StaticKVCache(Cache):
     """One static layer per model layer and the columns the next forward writes."""
 
@@ -105,9 +207,10 @@ class StaticKVCache(Cache):
         super().__init__(layers=layers)
         self.kind = kind
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
+        self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].write(key_states, value_states, self.columns)
+        return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)
 
     @property
     def batch(self) -> int:
@@ -120,6 +223,13 @@ class StaticKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def rollback(self, kept: int, held: int) -> None:
+        """The write position moved back from `held` to `kept` columns (a speculative crop): layers that keep
+        columns in two forms (KIVI) move the kept ones where a later write expects them."""
+        for layer in self.layers:
+            if hasattr(layer, "rollback"):
+                layer.rollback(kept, held)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows follow [b] parents; dummy rows past b stay where they are."""
         rest = torch.arange(len(beam_idx), self.batch, device=beam_idx.device)
@@ -127,9 +237,17 @@ class StaticKVCache(Cache):
             layer.reorder_cache(torch.cat([beam_idx, rest]))
 
 
+def static_length(kind: str | None, length: int) -> int:
+    """Columns a static cache of `kind` holds for `length` wanted: KIVI rounds up to whole rings (2r)."""
+    name, options = parse_kind(kind)
+    ring = 2 * options["residual_len"] if name in KIVI_BITS else 1
+    return -(-length // ring) * ring
+
+
 def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:
-    """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns."""
-    name, _ = parse_kind(kind)
+    """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns
+    (KIVI: `static_length` of them)."""
+    name, options = parse_kind(kind)
     name = name or {v: k for k, v in STORAGE_DTYPES.items()}.get(model.dtype)
     if name not in STATIC_KINDS:
         raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
@@ -138,7 +256,10 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
     device = next(model.parameters()).device
     common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,
                   device=device)
-    if name in CODE_BITS:
+    if name in KIVI_BITS:
+        common["length"] = static_length(kind, length)
+        layers = [StaticKiviLayer(**common, bits=KIVI_BITS[name], **options) for _ in range(n_layers)]
+    elif name in CODE_BITS:
         layers = [StaticQuantLayer(**common, kind=name) for _ in range(n_layers)]
     else:
         layers = [StaticPlainLayer(**common, storage=STORAGE_DTYPES[name]) for _ in range(n_layers)]

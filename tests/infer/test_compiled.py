@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from runner.infer import compiled
-from runner.infer.compiled import CompiledEngine, batch_bucket, length_bucket
+from runner.infer.compiled import CompiledEngine, batch_bucket, length_bucket, prefill_pieces
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.generator import Generator
 from runner.infer.kvcache import bytes_per_token, cache_bytes
@@ -18,6 +18,7 @@ from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.static import STATIC_KINDS
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
+KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8"]  # blocks complete several times within 20 new tokens
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_buckets_round_up_and_respect_max_seq_len():
     assert length_bucket(300, 400) == 400 and length_bucket(500, 400) == 500
 
 
-@pytest.mark.parametrize("kind", STATIC_KINDS)
+@pytest.mark.parametrize("kind", [*STATIC_KINDS, *KIVI_FLUSHING])
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "padded"])
 def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
     eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
@@ -48,11 +49,62 @@ def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
     assert isinstance(gen.state, compiled.StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
 
 
-@pytest.mark.parametrize("kind", STATIC_KINDS)
+def test_prefill_pieces_are_whole_pieces_then_a_power_of_two():
+    assert prefill_pieces(5) == [(5, 16)] and prefill_pieces(16) == [(16, 16)] and prefill_pieces(17) == [(17, 32)]
+    assert prefill_pieces(1100) == [(512, 512), (512, 512), (76, 128)] and prefill_pieces(1024) == [(512, 512)] * 2
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Compiled prefill pieces of 4..16 columns: the tiny prompts span several pieces and a padded last one."""
+    monkeypatch.setattr(compiled, "PREFILL_MIN", 4)
+    monkeypatch.setattr(compiled, "PREFILL_MAX", 16)
+
+
+LONG_PROMPTS = ["one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen", "a b",
+                "The quick brown fox jumps over the lazy dog and runs far away"]
+
+
+@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8"])
+@pytest.mark.parametrize("prompts", [LONG_PROMPTS[:1], LONG_PROMPTS], ids=["batch1", "padded"])
+def test_compiled_prefill_in_padded_pieces_gives_the_eager_greedy_tokens(static_lm, small_pieces, kind, prompts):
+    eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
+    ours, gen = _generate(static_lm, prompts, "compiled", cache_kind=kind, max_new_tokens=20, temperature=0,
+                          prefill="compiled")
+    assert torch.equal(ours, eager)
+    width = static_lm.tokenizer(prompts, return_tensors="pt", padding=True).input_ids.shape[1]
+    assert gen.state.compiled_prefill and {p for _, p in prefill_pieces(width)} <= set(gen.state.step_lengths)
+
+
+def test_a_compiled_prefill_continues_a_conversation_with_pieces_it_did_not_compile(static_lm, small_pieces):
+    enc = static_lm.tokenizer(LONG_PROMPTS[:1], return_tensors="pt")
+    outs = []
+    for engine, prefill in (("eager", "eager"), ("compiled", "compiled")):
+        gen = Generator(static_lm.model, GenerateConfig(engine=engine, prefill=prefill, max_new_tokens=5,
+                                                        temperature=0, cache_kind="kivi4:g8:r16"))
+        outs.append(torch.cat([gen.generate(enc.input_ids), gen.generate(enc.input_ids[:, :7])], dim=1))
+    assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("kind", [k for k in STATIC_KINDS if not k.startswith("kivi")])  # KIVI: test_static.py
 def test_static_cache_holds_the_estimated_bytes_of_all_its_columns(static_lm, kind):
     _, gen = _generate(static_lm, PROMPTS[:1], "compiled", cache_kind=kind, max_new_tokens=2, temperature=0)
     per_token = bytes_per_token(static_lm.model.config, kind, static_lm.model.dtype)
     assert cache_bytes(gen.cache) == per_token * gen.cache.length  # codes + scales, never the float K/V
+
+
+def test_an_engine_keeps_its_most_recently_used_caches_and_frees_the_others(tiny_lm):
+    import gc
+    import weakref
+
+    engine = CompiledEngine(tiny_lm.model, compile=False, max_caches=2)
+    first = weakref.ref(engine.state("q8_0", 1, 10, 2048).cache)  # the state is dropped at once
+    for kind, batch in (("fp32", 1), ("q8_0", 3), ("fp32", 1), ("kivi4", 2)):
+        state = engine.state(kind, batch, 10, 2048)
+    gc.collect()
+    assert list(engine.caches) == [("fp32", 1, 256, ""), ("kivi4", 2, 256, "")] and state.cache is engine.caches[
+        ("kivi4", 2, 256, "")]
+    assert first() is None  # its memory went back
 
 
 def test_seeded_sampling_is_reproducible_and_stop_rules_apply(static_lm):
@@ -65,8 +117,9 @@ def test_seeded_sampling_is_reproducible_and_stop_rules_apply(static_lm):
     assert gen.stats.stop_reasons[0] == "eos" and gen.stats.new_tokens[0] == 1
 
 
-def test_beam_search_reorders_the_static_cache_like_the_eager_one(static_lm):
-    settings = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, temperature=0)
+@pytest.mark.parametrize("kind", [None, "kivi4:g8:r16"])
+def test_beam_search_reorders_the_static_cache_like_the_eager_one(static_lm, kind):
+    settings = dict(num_beams=3, num_return_sequences=2, max_new_tokens=20, temperature=0, cache_kind=kind)
     eager, _ = _generate(static_lm, PROMPTS[:2], "eager", **settings)
     ours, _ = _generate(static_lm, PROMPTS[:2], "compiled", **settings)
     assert torch.equal(ours, eager)
@@ -81,7 +134,7 @@ def test_continuing_a_conversation_writes_after_the_first_turn(static_lm):
     assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "q8_0", "nf4"])
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "nf4", *KIVI_FLUSHING])
 def test_speculative_verification_on_static_states_gives_the_target_greedy_tokens(static_lm, kind):
     enc = static_lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
     outs = []
@@ -90,6 +143,24 @@ def test_speculative_verification_on_static_states_gives_the_target_greedy_token
         outs.append(SpeculativeGenerator(static_lm.model, "prompt-lookup", config).generate(enc.input_ids,
                                                                                            enc.attention_mask))
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("held, kept", [(21, 13), (21, 17), (30, 9)])
+def test_a_static_kivi_state_cropped_across_blocks_gives_the_eager_caches_logits(static_lm, held, kept):
+    """A crop into quantized blocks returns their kept columns to full precision dequantized (as the eager
+    KiviLayer does); the logits after it then agree to float rounding (without the rollback: 4e-4 to 0.1)."""
+    from runner.infer.kvcache import make_cache
+    from runner.infer.speculative import crop_to, feed
+
+    model, kind = static_lm.model, "kivi2:g4:r8"
+    tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    with torch.inference_mode():
+        for cache in (make_cache(kind, model), compiled.engine_for(model).state(kind, 1, 64, 64)):
+            feed(model, cache, tokens[:held])
+            crop_to(cache, kept)
+            logits.append(feed(model, cache, tokens[held:held + 9], keep=9))
+    torch.testing.assert_close(*logits, rtol=0, atol=1e-5)
 
 
 def test_a_model_drafting_for_itself_gets_two_static_caches(static_lm):
@@ -102,31 +173,37 @@ def test_a_model_drafting_for_itself_gets_two_static_caches(static_lm):
 
 
 @pytest.mark.parametrize("settings, key", [
-    ({"cache_kind": "kivi4"}, "cache_kind"),
     ({"penalty_alpha": 0.5, "top_k": 4, "temperature": 0}, "penalty_alpha"),
     ({"decode_plan": "auto"}, "decode_plan"),
+    ({"prefill": "compiled"}, "prefill"),
 ])
 def test_what_the_compiled_engine_cannot_serve_is_a_config_error_naming_the_key(settings, key):
+    if key == "prefill":  # the other way round: compiled prefill needs the compiled engine
+        GenerateConfig(engine="compiled", **settings)
+        with pytest.raises(ValidationError, match=key):
+            GenerateConfig(engine="eager", **settings)
+        return
     GenerateConfig(engine="eager", **settings)  # fine on the eager engine
     with pytest.raises(ValidationError, match=key):
         GenerateConfig(engine="compiled", **settings)
-    if key == "cache_kind":
-        with pytest.raises(ValidationError, match=key):
-            SpeculativeConfig(engine="compiled", **settings)
 
 
 @pytest.mark.slow
 def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
-    """Compiles three shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32 and q4_0 padded."""
+    """Compiles five shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32, q4_0 and KIVI (blocks
+    completed every 16 columns) padded, and the last one's compiled prefill piece (20 prompt columns → 32)."""
     from tests.conftest import TINY_LLAMA
 
     from runner.infer.models import load_model
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=1)  # its own model object: its own compiled engine
-    for kind, prompts in (("fp32", PROMPTS[:1]), ("fp32", PROMPTS), ("q4_0", PROMPTS)):
+    for kind, prompts, prefill in (("fp32", PROMPTS[:1], "eager"), ("fp32", PROMPTS, "eager"),
+                                   ("q4_0", PROMPTS, "eager"), ("kivi4:g8:r16", PROMPTS, "compiled")):
         eager, _ = _generate(lm, prompts, "eager", cache_kind=kind, max_new_tokens=24, temperature=0)
-        ours, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0)
-        again, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0)
+        ours, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0,
+                            prefill=prefill)
+        again, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0,
+                             prefill=prefill)
         assert torch.equal(ours, eager) and torch.equal(again, eager)
     stats = compiled.engine_for(lm.model).stats
-    assert len(stats.compile_s) == 3 and stats.recompiles == 0
+    assert sorted(key[-1] for key in stats.compile_s) == [1, 1, 1, 1, 32] and stats.recompiles == 0  # 17..32 columns

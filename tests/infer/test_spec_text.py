@@ -117,3 +117,43 @@ def test_smollm2_drafts_for_qwen_through_text():
     out, gen = _spec(target, draft.model, draft.tokenizer, enc, spec_k=4, max_new_tokens=16, temperature=0)
     assert torch.equal(out, ref)
     assert gen.stats.accepted > 0
+
+
+def test_sampled_tokens_through_a_text_draft_follow_the_targets_distribution(tiny_lm):
+    """The sampling half of the text-draft argument: a text draft's proposal is a deterministic function of the
+    row's tokens, so reject_sampling must emit the target's own samples. n = 1000 rows in one batch, the first two
+    new tokens (k = 2: residual draws at either position and the bonus token) against the target's joint
+    p(a)·p(b|a) over all 258² pairs (cells expecting < 5 pooled): Pearson chi-square below its 1 − 1e-4 quantile.
+    The draft is the target under shuffled byte ids with a noisy head, so its proposals cross the text mapping and
+    are accepted only some of the time. Drawing a rejection's correction from p instead of the residual gives a
+    statistic 1.7× the threshold here."""
+    from tests.infer.test_speculative import _chi_square, _chi_square_quantile
+
+    n = 1000
+    target = copy.deepcopy(tiny_lm.model)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)  # a peaked distribution: few cells carry most of the mass
+    draft_tok, order = permuted_tokenizer()
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        noise = torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(7))
+        draft.lm_head.weight.add_(draft.lm_head.weight.std() * noise)
+        for weight in (draft.model.embed_tokens.weight, draft.lm_head.weight):
+            weight[:256] = weight[:256][torch.tensor(order)].clone()
+    prompt = tiny_lm.tokenizer(["abc abc ab"], return_tensors="pt").input_ids  # [1,T]
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        first = torch.softmax(target(prompt).logits[0, -1].float(), -1)  # [V]
+        ids = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)  # [V,T+1]
+        second = torch.softmax(target(ids).logits[:, -1].float(), -1)  # [V,V]
+    p = first[:, None] * second
+    lm = copy.copy(tiny_lm)
+    lm.model = target
+    enc = tiny_lm.tokenizer(["abc abc ab"] * n, return_tensors="pt")
+    out, gen = _spec(lm, draft, draft_tok, enc, spec_k=2, max_new_tokens=2, temperature=1.0,
+                     spec_method="reject_sampling", seed=13)
+    t = prompt.shape[1]
+    counts = torch.bincount(out[:, t] * vocab + out[:, t + 1], minlength=vocab * vocab)
+    stat, df = _chi_square(counts, p)
+    assert stat < _chi_square_quantile(df), (stat, df)
+    assert 0.05 < gen.acceptance_rate < 0.95, gen.stats.as_dict()  # acceptances and rejections both happened

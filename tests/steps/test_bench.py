@@ -132,8 +132,7 @@ def test_engines_are_an_axis_and_engine_is_one_of_them():
     assert [c["engine"] for c in cells] == ["eager", "compiled"]
     with pytest.raises(ValueError, match="not both"):
         BenchSpec.model_validate({"engine": "compiled", "engines": ["eager"]})
-    with pytest.raises(ValueError, match="KIVI"):
-        BenchSpec.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]})
+    assert BenchSpec.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]}).cache_kinds == ["kivi4"]
 
 
 def test_quantizations_are_an_axis_with_weight_and_total_bytes(tmp_path):

@@ -1,0 +1,118 @@
+"""Static caches: the KIVI layout over fixed shapes hands attention what kvcache.KiviLayer hands it, bit for bit,
+whatever the write sizes, crops and beam reorders; it holds the bytes it claims; the fused dequantizer agrees."""
+
+import pytest
+import torch
+
+from runner.infer.config import parse_kind
+from runner.infer.kvcache import CACHE_KINDS, _dims, cache_bytes, estimate_cache_bytes
+from runner.infer.quant import dequantize_groups, dequantize_groups_expr, quantize_groups
+from runner.infer.static import StaticKiviLayer, make_static_cache, static_length
+
+B, H, D = 3, 2, 40  # head_dim 40: value blocks of 32 padded
+
+
+def _pair(kind: str, columns: int, dtype=torch.float32):
+    """(eager KiviLayer, StaticKiviLayer of `columns` columns) of the same kind and options."""
+    name, options = parse_kind(kind)
+    eager = CACHE_KINDS[name](**options)
+    static = StaticKiviLayer(batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
+                             dtype=dtype, device=torch.device("cpu"), bits=eager.bits, **options)
+    return eager, static
+
+
+def _kv(n: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(B, H, n, D, generator=g) * 2 + 0.5).to(dtype),
+            (torch.randn(B, H, n, D, generator=g) - 0.3).to(dtype))
+
+
+def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0):
+    """n new columns after `written` into both layers (the static one also `padding` columns of garbage after
+    them, as a compiled prefill's last piece) → (eager K, V [B,H,written+n,D], static K, V cut to the same)."""
+    keys, values = _kv(n + padding, seed, static.storage)
+    eager_k, eager_v = eager.update(keys[..., :n, :], values[..., :n, :])
+    static_k, static_v = static.write(keys, values, torch.arange(written, written + n + padding),
+                                      torch.tensor(written + n))
+    return eager_k, eager_v, static_k[..., :written + n, :], static_v[..., :written + n, :]
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kind, dtype):
+    """Single columns, pieces shorter and longer than r, a piece completing two blocks: equal after every write."""
+    eager, static = _pair(kind, 400, dtype)
+    written = 0
+    for step, n in enumerate([5, 1, 1, 70, 1, 3, 24, 1, 2, 33, 1, 1, 1, 9]):
+        results = _write_both(eager, static, written, n, seed=step)
+        written += n
+        assert all(t.dtype == dtype for t in results)
+        assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "kivi4:g8:r24", "kivi2:g4:r8"])
+def test_static_kivi_ignores_the_padding_after_end(kind):
+    """A compiled prefill pads its last piece on the right: the padding never enters the ring nor completes a
+    block, so the next writes see the eager layer's K/V."""
+    eager, static = _pair(kind, 400)
+    written = 0
+    for step, (n, padding) in enumerate([(5, 11), (1, 0), (40, 24), (7, 57), (1, 0), (1, 0), (30, 2), (1, 0)]):
+        results = _write_both(eager, static, written, n, seed=step, padding=padding)
+        written += n
+        assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
+
+
+@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8"])
+@pytest.mark.parametrize("crop", [1, 5, 24, 30])
+def test_static_kivi_rollback_equals_the_eager_crop(kind, crop):
+    """A crop inside the residual or across quantized blocks, then more writes: still equal (kept quantized
+    columns go back to full precision dequantized, as in KiviLayer.crop)."""
+    eager, static = _pair(kind, 200)
+    written = 0
+    for step, n in enumerate([17, 1, 1, 20, 1]):
+        _write_both(eager, static, written, n, seed=step)
+        written += n
+    eager.crop(-crop)
+    static.rollback(written - crop, written)
+    written -= crop
+    for step, n in enumerate([1, 6, 1, 25, 1], start=10):
+        results = _write_both(eager, static, written, n, seed=step)
+        written += n
+        assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
+
+
+def test_static_kivi_rows_follow_their_beams():
+    eager, static = _pair("kivi4:g8:r16", 100)
+    written = 0
+    for step, n in enumerate([20, 1, 1]):
+        _write_both(eager, static, written, n, seed=step)
+        written += n
+    parents = torch.tensor([2, 0, 0])
+    eager.reorder_cache(parents)
+    static.reorder_cache(parents)
+    results = _write_both(eager, static, written, 11, seed=9)  # completes a block from reordered residuals
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64"])
+def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
+    """Bytes = estimate_cache_bytes at all S columns (a multiple of r: no residual) + the ring of 2r columns in the
+    model's dtype: codes, scales and minimums, never the float K/V."""
+    model = tiny_lm.model
+    cache = make_static_cache(kind, model, 2, 300)
+    _, options = parse_kind(kind)
+    ring = 2 * options["residual_len"]
+    assert cache.length == static_length(kind, 300) and cache.length % ring == 0 and cache.length >= 300
+    layers, heads, head_dim = _dims(model.config)
+    ring_bytes = 2 * layers * heads * 2 * head_dim * ring * model.dtype.itemsize  # rows × layers × heads × K,V
+    assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, cache.length, model.dtype) + ring_bytes
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dim, group, length", [(-1, 32, 40), (-2, 8, 24), (-2, 32, 64)])
+def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1
+    quantized = quantize_groups(x.narrow(dim, 0, length), bits, group, dim=dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_groups_expr(*quantized, bits, group, length, dtype, dim=dim),
+                           dequantize_groups(*quantized, bits, group, length, dtype, dim=dim))
