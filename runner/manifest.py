@@ -75,8 +75,8 @@ class ModelSpec(Strict):
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
     quantization: str = Field("none", description=(
         "Weight quantization through torchao: none, int8 (weight-only, per row), int8-dynamic (int8 weights and "
-        "activations quantized per token), int4 (weight-only, groups of 64 inputs; int4:g32, int4:g128). cpu or "
-        "cuda (int4 on cuda: bfloat16). See docs/weights.md."))
+        "activations quantized per token), int4 (weight-only, groups of 64 inputs; int4:g32, int4:g128; bfloat16 "
+        "models only). cpu or cuda. See docs/weights.md."))
 
     @model_validator(mode="before")
     @classmethod
@@ -110,9 +110,9 @@ class ModelSpec(Strict):
         if name != "none" and self.device == "mps":
             raise ValueError(f"quantization {self.quantization} runs on cpu or cuda (torchao), not mps: use "
                              "device: cpu, or quantization: none")
-        if name == "int4" and self.device.startswith("cuda") and self.dtype != "bfloat16":
-            raise ValueError(f"quantization {self.quantization} on cuda runs in bfloat16 (torchao's int4 kernel): "
-                             "set dtype: bfloat16, or use int8")
+        if name == "int4" and self.dtype != "bfloat16":
+            raise ValueError(f"quantization {self.quantization} runs in bfloat16 (torchao's int4 kernels; on CPU "
+                             "float32 takes a path hundreds of times slower): set dtype: bfloat16, or use int8")
         return self
 
     @field_validator("id")
@@ -364,10 +364,16 @@ class Target(Strict):
 
     @model_validator(mode="after")
     def _weights_chosen_from_full_precision(self) -> "Target":
-        joint = [r.id for r in self.runs if r.generate is not None and r.generate.weight_candidates]
+        joint = [r for r in self.runs if r.generate is not None and r.generate.weight_candidates]
         if joint and self.model.quantization != "none":
-            raise ValueError(f"run {joint[0]!r} chooses among weight_candidates, gated against the unquantized "
+            raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
                              f"model: remove model.quantization ({self.model.quantization})")
+        bench = [q for r in self.runs if r.bench is not None for q in r.bench.quantizations or []]
+        int4 = [q for r in joint for q in r.generate.weight_candidates] + bench
+        int4 = [q for q in int4 if q.startswith("int4")]
+        if int4 and self.model.dtype != "bfloat16" and not any(r.bench and r.bench.dtypes for r in self.runs):
+            raise ValueError(f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 takes a path "
+                             "hundreds of times slower): set model.dtype: bfloat16, or leave int4 out")
         return self
 
 

@@ -13,7 +13,8 @@ backend has no compiled path. What each name stores, per Linear [N out, K in]:
     int4:gG       CPU: PrototypeInt4WeightOnlyConfig (aten's tinygemm layout for _weight_int4pack_mm_for_cpu): 4-bit
                   asymmetric codes per group of G inputs, a scale and a zero per group in the model dtype; a Linear
                   whose N is not a multiple of 16 or K not of G is stored in int8 instead. CUDA: Int4WeightOnlyConfig
-                  (tile-packed for tinygemm, bfloat16 only)
+                  (tile-packed for tinygemm). bfloat16 models only: on CPU a float32 activation takes aten's slow
+                  path (measured ~500× slower than bfloat16 for one row), on CUDA the kernel is bfloat16.
 The input embedding is a lookup, not a matmul: stored in int8 per row (`QuantEmbedding` gathers the ids' rows). A tied
 embedding and output head stay tied: one int8 tensor serves both (int4 included), so nothing is stored twice.
 Does not know about manifests, quality or selection.
@@ -126,9 +127,9 @@ def quantize_model(model, quantization: str):
     device = next(model.parameters()).device
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"model.quantization: {quantization} runs on cpu or cuda, not {device.type}")
-    if name == "int4" and device.type == "cuda" and model.dtype != torch.bfloat16:
-        raise ModelError(f"model.quantization: {quantization} on CUDA runs in bfloat16 (torchao's tinygemm kernel): "
-                         f"set model.dtype: bfloat16, or use int8")
+    if name == "int4" and model.dtype != torch.bfloat16:
+        raise ModelError(f"quantization {quantization} runs in bfloat16 (torchao's int4 kernels; on CPU float32 "
+                         f"takes a path hundreds of times slower): set model.dtype: bfloat16, or use int8")
     configs = _configs(ao, options.get("group_size"), device)
     plan = assignments(model, quantization)
     head = model.get_output_embeddings()

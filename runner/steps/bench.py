@@ -54,7 +54,13 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     rows, bar = [], progress(step.key, len(cells), "cell")
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))
     for (dtype, quantization), group in itertools.groupby(cells, key=lambda c: (c["dtype"], c["quantization"])):
-        model = lm.model if (dtype, quantization) == loaded else _reload(step, dtype, quantization, base_dir)
+        try:
+            model = lm.model if (dtype, quantization) == loaded else _reload(step, dtype, quantization, base_dir)
+        except RunnerError as exc:  # e.g. int4 weights in float32: these cells fail, the others go on
+            for cell in group:
+                rows.append(_failed({**cell, "status": "ok", "error": ""}, exc))
+                bar.update(note=_label(cell) + " failed")
+            continue
         weight_mib = weight_bytes(model) / MIB
         for cell in group:
             row = run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers)

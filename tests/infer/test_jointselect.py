@@ -51,11 +51,11 @@ class Stubs:
 
 
 def _weights_of(model) -> str:
-    """none / int8 / int4:g32 told apart by what their first projection stores."""
+    """none / int8 / int8-dynamic told apart by what their first projection stores."""
     weight = model.model.layers[0].self_attn.q_proj.weight
     if not hasattr(weight, "__tensor_flatten__"):
         return "none"
-    return "int8" if hasattr(weight, "qdata") and weight.qdata.dtype == torch.int8 else "int4:g32"
+    return "int8" if weight.act_quant_kwargs is None else "int8-dynamic"
 
 
 def _timing(median, spread):
@@ -84,21 +84,21 @@ def test_the_memory_budget_counts_weights_and_cache(tiny_lm, tmp_path):
 
 def test_the_fastest_surviving_pair_is_chosen_and_the_plan_reused(tiny_lm, tmp_path, monkeypatch):
     stubs = Stubs(monkeypatch,
-                  delta_nll={("int8", "fp32"): 0.001, ("int8", "q8_0"): 0.002, ("int4:g32", "fp32"): 0.2,
-                             ("int4:g32", "q8_0"): 0.03},
-                  speed={"int8 + fp32": (100.0, 1.0), "int8 + q8_0": (90.0, 1.0), "int4:g32 + q8_0": (120.0, 1.0)})
-    config = _config(tmp_path, weight_candidates=["none", "int8", "int4:g32"], memory_budget_mb=0.3)
+                  delta_nll={("int8", "fp32"): 0.001, ("int8", "q8_0"): 0.002, ("int8-dynamic", "fp32"): 0.2,
+                             ("int8-dynamic", "q8_0"): 0.03},
+                  speed={"int8 + fp32": (100.0, 1.0), "int8 + q8_0": (90.0, 1.0), "int8-dynamic + q8_0": (120.0, 1.0)})
+    config = _config(tmp_path, weight_candidates=["none", "int8", "int8-dynamic"], memory_budget_mb=0.3)
     selection = _select(tiny_lm, config)
     rows = {(r["weights"], r["kind"]): r for r in selection.rows}
     assert not rows[("none", "fp32")]["fits"] and ("none", "fp32") not in stubs.probed  # over budget: not measured
-    assert rows[("int4:g32", "fp32")]["verdict"].startswith("ΔNLL 0.2 > 0.05")  # the gate
-    assert (selection.weights, selection.kind, selection.source) == ("int4:g32", "q8_0", "measured")
-    assert rows[("int4:g32", "q8_0")]["verdict"] == "chosen: fastest beyond the spread"
+    assert rows[("int8-dynamic", "fp32")]["verdict"].startswith("ΔNLL 0.2 > 0.05")  # the gate
+    assert (selection.weights, selection.kind, selection.source) == ("int8-dynamic", "q8_0", "measured")
+    assert rows[("int8-dynamic", "q8_0")]["verdict"] == "chosen: fastest beyond the spread"
     assert rows[("int8", "fp32")]["verdict"] == "passed gates, slower"
     assert rows[("int8", "q8_0")]["measured_weight_mib"] == pytest.approx(rows[("int8", "q8_0")]["weight_mib"])
     monkeypatch.setattr(jointselect, "measure_pairs", lambda *a, **k: pytest.fail("measured again"))
     again = _select(tiny_lm, config)
-    assert again.reused and (again.weights, again.kind) == ("int4:g32", "q8_0") and again.key == selection.key
+    assert again.reused and (again.weights, again.kind) == ("int8-dynamic", "q8_0") and again.key == selection.key
 
 
 def test_ties_within_the_spread_go_to_quality_then_total_bytes(tiny_lm, tmp_path, monkeypatch):
@@ -134,15 +134,15 @@ def test_the_key_covers_the_weight_candidates_and_cache_keys_stay_as_they_were(t
     assert "weight_candidates" not in fields["settings"] and "torchao" not in fields  # cache-only plans: same key
     joint = jointselect.joint_fields(tiny_lm.model, _config(tmp_path, weight_candidates=["int4"]),
                                      tiny_lm.fingerprint, 1, text)
-    assert joint["settings"]["weight_candidates"] == ["int4:g64"] and joint["torchao"]
+    assert joint["settings"]["weight_candidates"] == ["int4:g64"] and joint["torchao"]  # canonical
     assert {k: v for k, v in joint["settings"].items() if k not in ("weight_candidates", "memory_budget_mb")} == \
         fields["settings"]
-    Stubs(monkeypatch, delta_nll={("int8", "fp32"): 0.0, ("int8", "q8_0"): 0.0, ("int4:g32", "fp32"): 0.0,
-                                  ("int4:g32", "q8_0"): 0.0},
-          speed={"int8 + fp32": (1.0, 0.0), "int8 + q8_0": (1.0, 0.0), "int4:g32 + fp32": (1.0, 0.0),
-                 "int4:g32 + q8_0": (1.0, 0.0)})
+    Stubs(monkeypatch, delta_nll={("int8", "fp32"): 0.0, ("int8", "q8_0"): 0.0, ("int8-dynamic", "fp32"): 0.0,
+                                  ("int8-dynamic", "q8_0"): 0.0},
+          speed={"int8 + fp32": (1.0, 0.0), "int8 + q8_0": (1.0, 0.0), "int8-dynamic + fp32": (1.0, 0.0),
+                 "int8-dynamic + q8_0": (1.0, 0.0)})
     keys = {_select(tiny_lm, _config(tmp_path, **change)).key for change in (
-        {"weight_candidates": ["int8"]}, {"weight_candidates": ["int8", "int4:g32"]},
+        {"weight_candidates": ["int8"]}, {"weight_candidates": ["int8", "int8-dynamic"]},
         {"weight_candidates": ["int8"], "memory_budget_mb": 10.0})}
     assert len(keys) == 3
     cache_only = select_cache_kind(tiny_lm.model, tiny_lm.tokenizer, plain, batch_size=1, identity=tiny_lm.fingerprint)

@@ -27,8 +27,14 @@ def tied_lm():
     return load_model(config=TIED, device="cpu", seed=0)
 
 
+def _base(lm, quantization):
+    """A copy of the model to quantize: bfloat16 for int4 (its kernels' dtype), else as loaded."""
+    model = copy.deepcopy(lm.model)
+    return model.to(torch.bfloat16) if quantization.startswith("int4") else model
+
+
 def _quantized(lm, quantization):
-    return quantize_model(copy.deepcopy(lm.model), quantization)
+    return quantize_model(_base(lm, quantization), quantization)
 
 
 def _expected_bytes(model, quantization) -> int:
@@ -54,9 +60,9 @@ def _expected_bytes(model, quantization) -> int:
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_bytes_measured_equal_the_layout_and_the_estimate(tiny_lm, tied_lm, which, quantization):
     lm = tiny_lm if which == "untied" else tied_lm
-    expected = _expected_bytes(lm.model, quantization)
-    estimate = estimate_weight_bytes(lm.model, quantization)
-    model = _quantized(lm, quantization)
+    base = _base(lm, quantization)
+    expected, estimate = _expected_bytes(base, quantization), estimate_weight_bytes(base, quantization)
+    model = quantize_model(base, quantization)
     assert weight_bytes(model) == expected == estimate
     assert weight_bytes(model) < 0.3 * weight_bytes(lm.model)  # float32 → int8 / int4
     assert weight_bytes(lm.model) == sum(p.numel() * 4 for p in lm.model.parameters())  # unquantized: plain bytes
@@ -65,20 +71,22 @@ def test_bytes_measured_equal_the_layout_and_the_estimate(tiny_lm, tied_lm, whic
 def test_a_tensor_subclass_counts_its_inner_tensors(tied_lm):
     model = _quantized(tied_lm, "int4:g32")
     weight = model.model.layers[0].mlp.up_proj.weight  # [128, 64]
-    assert tensor_bytes(weight) == 128 * 64 // 2 + 64 // 32 * 128 * 2 * 4  # codes + fp32 scale and zero per group
+    assert tensor_bytes(weight) == 128 * 64 // 2 + 64 // 32 * 128 * 2 * 2  # codes + bf16 scale and zero per group
     assert tensor_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30
 
 
 def test_a_tied_embedding_reads_the_heads_int8_rows(tied_lm):
-    model = _quantized(tied_lm, "int4:g64")
+    base = _base(tied_lm, "int4:g64")
+    ids = torch.tensor([[1, 5, 271]])
+    full = base.get_input_embeddings()(ids).float()
+    model = quantize_model(base, "int4:g64")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(embedding, QuantEmbedding) and embedding.weight is head.weight  # stored once
-    ids = torch.tensor([[1, 5, 271]])
-    full = tied_lm.model.get_input_embeddings()(ids)
     rows = embedding(ids)
     scale = head.weight.scale[ids].squeeze(-1)  # [1,3]: one quantization step per row
-    assert rows.shape == full.shape and rows.dtype == full.dtype
-    assert ((rows - full).abs() <= scale[..., None] / 2 + 1e-6).all()  # rounding to the nearest step
+    assert rows.shape == full.shape and rows.dtype == torch.bfloat16
+    step = scale[..., None] / 2 + full.abs() / 128  # the nearest step, then bfloat16's rounding
+    assert ((rows.float() - full).abs() <= step).all()
     assert not torch.equal(rows, full)
 
 
@@ -87,13 +95,14 @@ def test_quality_against_the_unquantized_model_is_close_but_not_equal(tiny_lm, q
     """On a smooth tiny model (random weights: near-uniform predictions), quantizing moves the predictions a little:
     ΔNLL finite and small, KL above zero, the logits not equal."""
     probe = build_probe(tiny_lm.tokenizer, load_text("pydoc"), 12, 4, 4, 160, torch.device("cpu"))
-    reference = run_probe(tiny_lm.model, probe, None)
+    unquantized = _base(tiny_lm, quantization)  # the reference in the same dtype (int4: bfloat16)
+    reference = run_probe(unquantized, probe, None)
     quantized = _quantized(tiny_lm, quantization)
     metrics = compare(reference, run_probe(quantized, probe, None))
     assert math.isfinite(metrics["delta_nll"]) and abs(metrics["delta_nll"]) <= max_delta
     assert 0 < metrics["mean_kl"] < 0.01 and metrics["ppl_ratio"] == pytest.approx(1.0, abs=5 * max_delta)
     ids = probe.windows[:2]
-    assert not torch.equal(quantized(ids).logits, tiny_lm.model(ids).logits)
+    assert not torch.equal(quantized(ids).logits, unquantized(ids).logits)
     with_cache = compare(reference, run_probe(quantized, probe, "q4_0"))  # weights × cache: the errors add up
     assert with_cache["mean_kl"] > metrics["mean_kl"]
 
@@ -104,6 +113,11 @@ def test_the_loader_quantizes_and_says_so_in_the_fingerprint():
     assert "quantization" not in plain.fingerprint  # unquantized fingerprints (and the plans keyed on them) unchanged
     assert lm.fingerprint["quantization"] == "int8" and lm.fingerprint["weight_bytes"] == weight_bytes(lm.model)
     assert lm.fingerprint["content_sha256"] == plain.fingerprint["content_sha256"]
+
+
+def test_int4_asks_for_bfloat16(tiny_lm):
+    with pytest.raises(ModelError, match="int4:g32 runs in bfloat16 .*set model.dtype: bfloat16"):
+        quantize_model(copy.deepcopy(tiny_lm.model), "int4:g32")
 
 
 def test_names_and_group_sizes_are_checked():
