@@ -3,6 +3,8 @@
     python benchmarks/speculative.py                                   # prompt lookup on SmolLM2
     python benchmarks/speculative.py --target zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b \\
         --dtype bfloat16 --batch 1 2 4 8 --new-tokens 24
+    python benchmarks/speculative.py --target zoo:qwen2.5-coder-1.5b --draft zoo:smollm2-135m --dtype bfloat16
+                                                                       # another tokenizer: proposals as text
 
 Greedy, one process. Per batch size every method runs once as warm-up, then --repeats times in alternating
 order (runner.infer.timing.time_interleaved); we print the median new tokens/s of each (all rows' tokens over
@@ -29,6 +31,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
+from runner.infer.spec_text import same_tokenizer  # noqa: E402
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
 from runner.infer.timing import time_interleaved  # noqa: E402
 
@@ -72,11 +75,15 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     target = load_model(args.target, dtype=args.dtype, device=args.device)
     lookup = args.draft == PROMPT_LOOKUP
-    draft = PROMPT_LOOKUP if lookup else load_model(args.draft, dtype=args.dtype, device=args.device).model
+    draft_lm = None if lookup else load_model(args.draft, dtype=args.dtype, device=args.device)
+    draft = PROMPT_LOOKUP if lookup else draft_lm.model
+    # a draft with another tokenizer proposes through text (spec_text.TextDraft): it needs both tokenizers
+    text_draft = draft_lm is not None and not same_tokenizer(draft_lm.tokenizer, target.tokenizer)
+    tokenizers = {"tokenizer": target.tokenizer, "draft_tokenizer": draft_lm.tokenizer} if text_draft else {}
     prompts = LOOKUP_PROMPTS if lookup else CODE_PROMPTS
     n, k = args.new_tokens, args.k
     print(f"target={args.target} draft={args.draft} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"new_tokens={n} k={k} repeats={args.repeats} load={os.getloadavg()[0]:.1f}")
+          f"new_tokens={n} k={k} repeats={args.repeats} load={os.getloadavg()[0]:.1f} text_draft={text_draft}")
     print(f"{'batch':>5} {'method':>18} {'tok/s':>7} {'spread':>7} {'vs ours':>8} {'accept':>7} {'rows':>11} same")
     for batch in args.batch:
         enc = target.tokenizer([prompts[i % len(prompts)] for i in range(batch)], return_tensors="pt", padding=True)
@@ -84,8 +91,10 @@ def main() -> None:
         methods = {
             "ours target-only": lambda: Generator(target.model, GenerateConfig(
                 max_new_tokens=n, temperature=0, engine=args.engine)).generate(ids, mask),
-            "ours spec batched": lambda: _speculative(target.model, draft, ids, mask, n, k, True, args.engine),
-            "ours spec rows": lambda: _speculative(target.model, draft, ids, mask, n, k, False, args.engine),
+            "ours spec batched": lambda: _speculative(target.model, draft, ids, mask, n, k, True, args.engine,
+                                                      **tokenizers),
+            "ours spec rows": lambda: _speculative(target.model, draft, ids, mask, n, k, False, args.engine,
+                                                   **tokenizers),
         }
         if args.hf:
             methods["hf generate"] = lambda: target.model.generate(ids, attention_mask=mask, max_new_tokens=n,
@@ -126,8 +135,8 @@ class _Tokens(torch.Tensor):
     """Output ids that also carry the stats of the run that made them."""
 
 
-def _speculative(model, draft, ids, mask, n: int, k: int, batched: bool, engine: str) -> torch.Tensor:
-    gen = SpeculativeGenerator(target_model=model, draft_model=draft, batched=batched,
+def _speculative(model, draft, ids, mask, n: int, k: int, batched: bool, engine: str, **tokenizers) -> torch.Tensor:
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, batched=batched, **tokenizers,
                                config=SpeculativeConfig(max_new_tokens=n, temperature=0, spec_k=k, engine=engine))
     out = gen.generate(ids, mask).as_subclass(_Tokens)
     out.stats = gen.stats

@@ -11,7 +11,7 @@ Generator's loop, its sampling, stop rules and beam reordering work on it unchan
 T = spec_k + 1; other chunk lengths run the same static forward eagerly). Rows past b are dummies that attend
 only to themselves; their logits are dropped.
 Compilation: inductor, `dynamic=False`. On CPU the step reads the Linear weights from an input-major copy
-(`input_major_weights`: faster one-row products) through torch.func.functional_call; inductor's freezing was
+(`input_major_weights`: where measured faster, per shape and dtype) through torch.func.functional_call; inductor's freezing was
 no faster here (mode "freezing" still selects it). On CUDA, mode "reduce-overhead" (CUDA graphs) with the cache at
 a static address and the model's own weights. The first call of a shape is timed
 apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import torch
 from runner.errors import InferenceError
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import StaticKVCache, make_static_cache
-from runner.infer.timing import time_once
+from runner.infer.timing import time_interleaved, time_once
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,44 @@ def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch
     return out.logits
 
 
-def input_major_weights(model) -> dict[str, torch.Tensor]:
-    """Every Linear weight [out,in] as a view of an [in,out] copy (same values, transposed storage): on CPU a
-    one-row matrix product reads such a matrix about 1.3× faster (measured on this project's machine, one and two
-    threads, float32 and bfloat16). Costs one more copy of the Linear weights; a tied embedding reads its rows
-    from the same copy. Quantized weights (tensor subclasses, runner.infer.weights) keep their own layout."""
-    return {f"{name}.weight": module.weight.detach().t().contiguous().t()
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and not hasattr(module.weight, "__tensor_flatten__")}
+def input_major_weights(model, repeats: int = 5) -> dict[str, torch.Tensor]:
+    """The Linear weights [out,in] that a one-row product reads faster from an input-major copy (same values,
+    transposed storage), as views of such copies; the others are left out (functional_call keeps the model's).
+    Which layout wins depends on shape, dtype and CPU (measured here: float32's 49k-row head 1.7× faster input-major,
+    bfloat16's head and down projection 0.6×), so each distinct (shape, dtype) is timed both ways once, with the
+    one harness, and the copy kept where its median is ≥ 5 % faster. Costs the copied weights' bytes; a tied
+    embedding reads its rows from the same copy. Quantized weights (tensor subclasses, runner.infer.weights) keep
+    their own layout."""
+    linears = [(name, module.weight.detach()) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and not hasattr(module.weight, "__tensor_flatten__")]
+    faster: dict[tuple, bool] = {}
+    for _, weight in linears:
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in faster:
+            faster[key] = _input_major_is_faster(weight, repeats)
+    log.info("input-major Linear weights for %d of %d shapes: %s", sum(faster.values()), len(faster),
+             ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for (shape, dtype), yes in faster.items()
+                       if yes) or "none")
+    return {f"{name}.weight": weight.t().contiguous().t() for name, weight in linears
+            if faster[tuple(weight.shape), weight.dtype]}
+
+
+def _input_major_is_faster(weight: torch.Tensor, repeats: int) -> bool:
+    """Median time of a one-row F.linear with `weight` [out,in] as stored vs from an input-major copy."""
+    row = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)  # [1,in]
+    layouts = {"stored": weight, "input-major": weight.t().contiguous().t()}
+    calls = max(1, int(2e6 // weight.numel()))  # about 2M weights read per timed repeat
+
+    def product(w: torch.Tensor):
+        def run_once(tick):
+            for _ in range(calls):
+                torch.nn.functional.linear(row, w)
+            tick()
+        return run_once
+
+    marks = time_interleaved({name: product(w) for name, w in layouts.items()}, repeats)
+    stored, copied = (statistics.median(m[-1] for m in marks[name]) for name in layouts)
+    return copied * 1.05 <= stored
 
 
 # --- the engine --------------------------------------------------------------------------------------------------

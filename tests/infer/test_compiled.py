@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from runner.infer import compiled
-from runner.infer.compiled import CompiledEngine, batch_bucket, length_bucket, prefill_pieces
+from runner.infer.compiled import CompiledEngine, batch_bucket, input_major_weights, length_bucket, prefill_pieces
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.generator import Generator
 from runner.infer.kvcache import bytes_per_token, cache_bytes
@@ -207,3 +207,13 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
         assert torch.equal(ours, eager) and torch.equal(again, eager)
     stats = compiled.engine_for(lm.model).stats
     assert sorted(key[-1] for key in stats.compile_s) == [1, 1, 1, 1, 32] and stats.recompiles == 0  # 17..32 columns
+
+
+def test_input_major_weights_are_the_linear_weights_in_transposed_storage(tiny_lm):
+    """Whichever shapes the timing keeps, each kept weight holds the module's values in input-major storage."""
+    weights = input_major_weights(tiny_lm.model, repeats=1)
+    linears = {f"{name}.weight": m.weight for name, m in tiny_lm.model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert set(weights) <= set(linears)
+    for name, weight in weights.items():
+        assert torch.equal(weight, linears[name]) and weight.stride() == (1, weight.shape[0])

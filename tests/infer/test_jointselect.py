@@ -4,7 +4,6 @@ The measurements are stubbed (quality by weights and kind, speed by a table) so 
 to exercise it; the quantization itself and the budget's bytes are real (the tiny model's)."""
 
 import pytest
-import torch
 
 import runner.infer.jointselect as jointselect
 from runner.errors import InferenceError
