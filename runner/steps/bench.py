@@ -144,7 +144,7 @@ def with_spec_speedup(table: pd.DataFrame) -> pd.DataFrame:
     """Speculative rows get `spec_speedup`: their tokens/s over the same cell's without speculation."""
     if "ours_tokens_per_s" not in table or not (table["speculative"] == "on").any():
         return table
-    keys = [a for a in AXES if a != "speculative"]
+    keys = [a for a in AXES if a != "speculative" and a in table]
     plain = table[table["speculative"] == "off"].set_index(keys)["ours_tokens_per_s"]
     on = table["speculative"] == "on"
     table.loc[on, "spec_speedup"] = [
