@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from runner.infer.config import DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, parse_kind, static_kind_problem
+from runner.infer.config import (DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, check_quantizations, parse_kind,
+                                 parse_quantization, static_kind_problem)
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -72,6 +73,10 @@ class ModelSpec(Strict):
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
+    quantization: str = Field("none", description=(
+        "Weight quantization through torchao: none, int8 (weight-only, per row), int8-dynamic (int8 weights and "
+        "activations quantized per token), int4 (weight-only, groups of 64 inputs; int4:g32, int4:g128; bfloat16 "
+        "models only). cpu or cuda. See docs/weights.md."))
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +96,23 @@ class ModelSpec(Strict):
             raise ValueError("'config' needs 'model_type' (e.g. llama, qwen2, gpt2) and the sizes to change")
         if self.id is not None and self.id.startswith(ZOO_PREFIX) and self.id[len(ZOO_PREFIX):] not in ZOO:
             raise ValueError(f"unknown zoo model {self.id!r}; the zoo has: {', '.join(ZOO_PREFIX + n for n in ZOO)}")
+        return self
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str) -> str:
+        parse_quantization(value)  # ValueError names the known ones
+        return value
+
+    @model_validator(mode="after")
+    def _device_runs_the_quantization(self) -> "ModelSpec":
+        name, _ = parse_quantization(self.quantization)
+        if name != "none" and self.device == "mps":
+            raise ValueError(f"quantization {self.quantization} runs on cpu or cuda (torchao), not mps: use "
+                             "device: cpu, or quantization: none")
+        if name == "int4" and self.dtype != "bfloat16":
+            raise ValueError(f"quantization {self.quantization} runs in bfloat16 (torchao's int4 kernels; on CPU "
+                             "float32 takes a path hundreds of times slower): set dtype: bfloat16, or use int8")
         return self
 
     @field_validator("id")
@@ -232,6 +254,9 @@ class BenchSpec(Strict):
         "kivi3:g128:r128:s4:o1); default: the model's dtype."))
     dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
+    quantizations: list[str] | None = Field(None, min_length=1, description=(
+        "Weight quantizations (none, int8, int8-dynamic, int4, int4:g32, ...; the model is quantized for each); "
+        "weights MiB and total MiB (weights + measured cache) in every row. Default: the target's."))
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
     warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
@@ -263,7 +288,7 @@ class BenchSpec(Strict):
         return data
 
     @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", "engines", "baseline",
-                     mode="before")
+                     "quantizations", mode="before")
     @classmethod
     def _one_or_many(cls, value):
         if value == "none":
@@ -292,6 +317,11 @@ class BenchSpec(Strict):
             raise ValueError(f"cache_kinds: {next(p for p in problems if p)}")
         return self
 
+    @field_validator("quantizations")
+    @classmethod
+    def _known_quantizations(cls, values: list[str] | None) -> list[str] | None:
+        return check_quantizations(values)
+
 
 class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
@@ -319,6 +349,9 @@ class Run(Strict):
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
         if getattr(self, block) is None:
             raise ValueError(f"mode {self.mode} needs a '{block}' block")
+        if self.mode == "generate" and self.generate.weight_candidates:
+            raise ValueError("weight_candidates is read by mode auto-cache-select (it chooses the weights and the "
+                             "cache kind together): remove it, or use mode: auto-cache-select")
         if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
             raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
                              f"{self.generate.cache_kind} (or use mode: generate)")
@@ -336,6 +369,20 @@ class Target(Strict):
     def _unique_run_ids(cls, runs: list[Run]) -> list[Run]:
         _reject_duplicates([r.id for r in runs], "run id")
         return runs
+
+    @model_validator(mode="after")
+    def _weights_chosen_from_full_precision(self) -> "Target":
+        joint = [r for r in self.runs if r.generate is not None and r.generate.weight_candidates]
+        if joint and self.model.quantization != "none":
+            raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
+                             f"model: remove model.quantization ({self.model.quantization})")
+        bench = [q for r in self.runs if r.bench is not None for q in r.bench.quantizations or []]
+        int4 = [q for r in joint for q in r.generate.weight_candidates] + bench
+        int4 = [q for q in int4 if q.startswith("int4")]
+        if int4 and self.model.dtype != "bfloat16" and not any(r.bench and r.bench.dtypes for r in self.runs):
+            raise ValueError(f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 takes a path "
+                             "hundreds of times slower): set model.dtype: bfloat16, or leave int4 out")
+        return self
 
 
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")

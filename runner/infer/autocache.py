@@ -51,6 +51,7 @@ class Selection:
     plan_path: str
     seconds: float  # how long the selection took (a reused plan: no measurement at all)
     persist_error: str = ""  # why the plan could not be saved (the measurements are kept all the same)
+    weights: str | None = None  # joint selection (weight_candidates): the chosen weight quantization
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
@@ -60,21 +61,32 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
     watch = Stopwatch()  # how long the selection took (no device work to sync: the measurements sync their own)
     text = text or load_text(config.cache_quality_data, base_dir)
     fields = plan_fields(model, config, identity or model_identity(model), batch_size, text)
+
+    def measure_and_choose() -> dict:
+        rows = measure_candidates(model, tokenizer, config, batch_size, text, progress)
+        reference = within_budget(model, reference_kind(model), config, batch_size)
+        kind, source, reason = choose(rows, config, reference)
+        return {"kind": kind, "source": source, "reason": reason, "rows": rows}
+
+    return planned_selection(fields, config, measure_and_choose, watch)
+
+
+def planned_selection(fields: dict, config: GenerateConfig, measure_and_choose, watch: Stopwatch) -> Selection:
+    """The persisted plan of `fields` while fresh (nothing measured); else `measure_and_choose()` → a plan
+    ({kind, source, reason, rows}, joint selection: weights too), persisted under the fields' key."""
     key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
     plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
     if plan is not None:
         return Selection(plan["kind"], plan["source"], True, f"reused plan {key[:12]} ({why}): {plan['reason']}",
-                         plan["rows"], key, fields, str(store.path), watch.lap())
-    rows = measure_candidates(model, tokenizer, config, batch_size, text, progress)
-    reference = within_budget(model, reference_kind(model), config, batch_size)
-    kind, source, reason = choose(rows, config, reference)
+                         plan["rows"], key, fields, str(store.path), watch.lap(), weights=plan.get("weights"))
+    plan = measure_and_choose()
     try:
-        store.put(key, {"kind": kind, "source": source, "reason": reason, "rows": rows}, fields)
+        store.put(key, plan, fields)
         persist_error = ""
     except RunnerError as exc:  # the measurements stay: the caller records them and says what was not saved
         persist_error = str(exc)
-    return Selection(kind, source, False, f"{reason} (plan {key[:12]} was {why})", rows, key, fields,
-                     str(store.path), watch.lap(), persist_error)
+    return Selection(plan["kind"], plan["source"], False, f"{plan['reason']} (plan {key[:12]} was {why})",
+                     plan["rows"], key, fields, str(store.path), watch.lap(), persist_error, weights=plan.get("weights"))
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText,
@@ -91,8 +103,7 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
             f"batch {batch_size}: the smallest, {smallest['kind']}, needs {smallest['estimated_mib']:.1f} MiB "
             f"(estimates in MiB: {estimates}); raise the budget or lower max_seq_len / batch_size")
     device = next(model.parameters()).device
-    probe = build_probe(tokenizer, text, config.cache_quality_prompt_len, config.cache_quality_decode_steps,
-                        config.cache_quality_windows, min(config.cache_quality_ppl_len, config.max_seq_len), device)
+    probe = config_probe(tokenizer, text, config, device)
     bar = progress("cache quality", len(fitting) + 1, "kind")
     reference = run_probe(model, probe, None)
     bar.update(note="reference")
@@ -124,6 +135,12 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
             row.update(tokens_per_s=timing.decode_tokens_per_s.median,
                        tokens_per_s_spread=timing.decode_tokens_per_s.spread, prefill_ms=timing.ttft_s.median * 1e3)
     return rows
+
+
+def config_probe(tokenizer, text: EvalText, config: GenerateConfig, device: torch.device):
+    """The quality probe the cache_quality_* settings describe (its perplexity window capped by max_seq_len)."""
+    return build_probe(tokenizer, text, config.cache_quality_prompt_len, config.cache_quality_decode_steps,
+                       config.cache_quality_windows, min(config.cache_quality_ppl_len, config.max_seq_len), device)
 
 
 def _release(device: torch.device) -> None:
@@ -170,21 +187,29 @@ def choose(rows: list[dict], config: GenerateConfig, reference: dict) -> tuple[s
 
     `reference` is `within_budget`'s row for the model's own dtype: the fallback must fit the budget too.
     """
+    row, source, reason = choose_row(rows, config, reference)
+    return row["kind"], source, reason
+
+
+def choose_row(rows: list[dict], config: GenerateConfig, reference: dict, name=lambda r: r["kind"],
+               what: str = "cache kind", bytes_key: str = "estimated_mib") -> tuple[dict, str, str]:
+    """`choose` for any rows (joint selection: pairs named by `name`, compared on `bytes_key`): (the chosen row, or
+    the reference on a gate failure; source; reason)."""
     survivors = [row for row in rows if row["passed"]]
     if not survivors:
-        failed = "; ".join(f"{r['kind']}: {r['verdict']}" for r in rows)
+        failed = "; ".join(f"{name(r)}: {r['verdict']}" for r in rows)
         if config.cache_quality_on_fail == "error" or not reference["fits"]:
             why = ("cache_quality_on_fail is error" if reference["fits"]
-                   else f"the fallback, the reference {reference['kind']}, is {reference['verdict']}")
-            raise InferenceError(f"no cache kind passed the quality gates ({failed}) and {why}; loosen the gates "
-                            "or raise the budget")
-        kind = reference["kind"]
-        return kind, "gate_failed", f"no candidate passed the gates; using the reference {kind}"
+                   else f"the fallback, the reference {name(reference)}, is {reference['verdict']}")
+            raise InferenceError(f"no {what} passed the quality gates ({failed}) and {why}; loosen the gates "
+                                 "or raise the budget")
+        return reference, "gate_failed", f"no candidate passed the gates; using the reference {name(reference)}"
     if config.cache_auto_benchmark:
-        return _fastest(survivors, config.cache_auto_tie_break)
+        _, source, reason = _fastest(survivors, config.cache_auto_tie_break, name, bytes_key)
+        return next(row for row in survivors if row["verdict"].startswith("chosen")), source, reason
     best = survivors[0]
     best["verdict"] = "chosen: first passing candidate"
-    return best["kind"], "measured", f"{best['kind']}: first of {len(survivors)} passing (benchmark off)"
+    return best, "measured", f"{name(best)}: first of {len(survivors)} passing (benchmark off)"
 
 
 def speed_ties(survivors: list[dict]) -> list[dict]:
@@ -195,10 +220,12 @@ def speed_ties(survivors: list[dict]) -> list[dict]:
             <= max(fastest.get("tokens_per_s_spread", 0.0), row.get("tokens_per_s_spread", 0.0))]
 
 
-def _fastest(survivors: list[dict], tie_break: str) -> tuple[str, str, str]:
-    """The fastest beyond the spread; within it, by quality then bytes (or bytes then quality). Marks every row."""
+def _fastest(survivors: list[dict], tie_break: str, name=lambda r: r["kind"],
+             bytes_key: str = "estimated_mib") -> tuple[str, str, str]:
+    """The fastest beyond the spread; within it, by quality then bytes (or bytes then quality). Marks every row.
+    `name` labels a row in the reason (joint selection: weights + kind), `bytes_key` is the bytes compared."""
     ties = speed_ties(survivors)
-    quality, size = (lambda r: r.get("delta_nll", math.inf)), (lambda r: r.get("estimated_mib", math.inf))
+    quality, size = (lambda r: r.get("delta_nll", math.inf)), (lambda r: r.get(bytes_key, math.inf))
     order = (quality, size) if tie_break == "quality" else (size, quality)
     best = min(ties, key=lambda r: (order[0](r), order[1](r)))
     for row in survivors:
@@ -208,10 +235,10 @@ def _fastest(survivors: list[dict], tie_break: str) -> tuple[str, str, str]:
                           else "chosen: fastest beyond the spread" if len(ties) == 1
                           else f"chosen: tied on speed within the spread, best {tie_break}")
     if len(ties) == 1:
-        return best["kind"], "measured", (f"{best['kind']}: fastest of {len(survivors)} passing "
+        return best["kind"], "measured", (f"{name(best)}: fastest of {len(survivors)} passing "
                                           f"({best['tokens_per_s']:.1f} tok/s, beyond the others' spread)")
-    tied = ", ".join(f"{r['kind']} {r['tokens_per_s']:.1f}±{r.get('tokens_per_s_spread', 0.0):.1f}" for r in ties)
-    return best["kind"], "measured", (f"{best['kind']}: {len(ties)} candidates tied on speed within the spread "
+    tied = ", ".join(f"{name(r)} {r['tokens_per_s']:.1f}±{r.get('tokens_per_s_spread', 0.0):.1f}" for r in ties)
+    return best["kind"], "measured", (f"{name(best)}: {len(ties)} candidates tied on speed within the spread "
                                       f"({tied} tok/s); best {tie_break}")
 
 

@@ -29,6 +29,7 @@ from runner.infer.kvcache import cache_bytes, make_cache
 from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.speed import greedy_prefill, greedy_steps
 from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_once, time_ticks
+from runner.infer.weights import is_quantized, tensor_bytes, weight_bytes
 
 MIB = 2**20
 ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch size 1 "
@@ -200,10 +201,12 @@ def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: in
     table is not counted: a step reads only its batch's rows of it."""
     if not step_s or step_s <= 0 or math.isnan(step_s):
         return math.nan
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)  # measured: quantized weights count their codes and scales
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    if head is None or head.weight.data_ptr() != embedding.data_ptr():
-        weights -= embedding.numel() * embedding.element_size()
+    plain = head is not None and not is_quantized(head.weight) and not is_quantized(embedding)
+    tied = head is not None and (head.weight is embedding or plain and head.weight.data_ptr() == embedding.data_ptr())
+    if not tied:
+        weights -= tensor_bytes(embedding)
     kv_mid = kv_bytes_end * (prompt_len + new_tokens / 2) / (prompt_len + new_tokens)
     return (weights + kv_mid) / step_s / bandwidth
 

@@ -28,6 +28,52 @@ BEST_KIVI3, BEST_KIVI2 = "kivi3", "kivi2:g128:r128:s4:o1:nuq"
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", BEST_KIVI3, "kivi2", BEST_KIVI2)
 
 
+# Weight quantizations (model.quantization, bench quantizations, weight_candidates); int4 takes a group size option.
+QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+INT4_GROUPS = (32, 64, 128)  # what torchao's int4 CPU kernel (tinygemm layout) takes
+INT4_DEFAULT_GROUP = 64
+
+
+def parse_quantization(text: str) -> tuple[str, dict]:
+    """A weight quantization string → (name, options); ValueError naming the known ones.
+
+    "int8" → ("int8", {}); "int4" → ("int4", {"group_size": 64}); "int4:g32" → ("int4", {"group_size": 32}).
+    """
+    name, *fields = text.split(":")
+    if name not in QUANTIZATIONS:
+        close = difflib.get_close_matches(name, QUANTIZATIONS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown quantization {text!r}: {hint}known: {', '.join(QUANTIZATIONS)} "
+                         f"(int4 takes a group size, e.g. int4:g32)")
+    if name != "int4":
+        if fields:
+            raise ValueError(f"quantization {name!r} takes no options (got {text!r})")
+        return name, {}
+    group = INT4_DEFAULT_GROUP
+    if fields:
+        digits = fields[0][1:]
+        if len(fields) > 1 or fields[0][:1] != "g" or not (digits.isascii() and digits.isdigit()):
+            raise ValueError(f"bad option in quantization {text!r}: expected int4:g<group size>, e.g. int4:g32")
+        group = int(digits)
+    if group not in INT4_GROUPS:
+        raise ValueError(f"quantization {text!r}: int4 group size must be one of "
+                         f"{', '.join(map(str, INT4_GROUPS))} (got {group})")
+    return name, {"group_size": group}
+
+
+def check_quantizations(values: list[str] | None) -> list[str] | None:
+    """Every name known (a ValueError names the known ones); the list as given."""
+    for quantization in values or []:
+        parse_quantization(quantization)
+    return values
+
+
+def canonical_quantization(text: str) -> str:
+    """The one spelling: `int4` → `int4:g64`; the others as they are."""
+    name, options = parse_quantization(text)
+    return f"{name}:g{options['group_size']}" if options else name
+
+
 def torch_dtype(name: str):
     """The torch dtype of a manifest dtype name ("bfloat16") or a plain cache kind ("bf16")."""
     import torch  # here, not at the top: the manifest schema imports this module without torch
@@ -156,6 +202,13 @@ class AutoCacheConfig(BaseModel):
         "Prompt tokens before the timed decode."))
     cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description=(
         "Timed repeats after one warm-up (kinds interleaved); the median counts."))
+    weight_candidates: list[str] | None = Field(None, min_length=1, description=(
+        "mode auto-cache-select: also choose the weights' quantization (none, int8, int8-dynamic, int4, int4:g32, "
+        "...): a (weights, cache kind) pair whose weights + cache bytes fit memory_budget_mb, gated against the "
+        "unquantized model with its own-dtype cache, fastest of the survivors. Unset = choose the cache kind only."))
+    memory_budget_mb: float | None = Field(None, gt=0, description=(
+        "With weight_candidates: most MiB the weights (measured bytes) and the cache (estimated at max_seq_len × "
+        "batch) may take together; cache_budget_mb still bounds the cache alone. Unset = no limit."))
     cache_plan_path: str = Field("plans/cache_plans.json", min_length=1, description=(
         "Where selections are persisted and reused (relative to the working directory)."))
     cache_plan_probe: bool = Field(True, description="Re-measure a persisted plan once it is older than the interval.")
@@ -165,6 +218,18 @@ class AutoCacheConfig(BaseModel):
     @classmethod
     def _known_candidates(cls, value: list[str]) -> list[str]:
         return [_checked_kind(kind) for kind in value]
+
+    @field_validator("weight_candidates")
+    @classmethod
+    def _known_weights(cls, value: list[str] | None) -> list[str] | None:
+        return check_quantizations(value)
+
+    @model_validator(mode="after")
+    def _memory_budget_needs_weights(self):
+        if self.memory_budget_mb is not None and not self.weight_candidates:
+            raise ValueError("memory_budget_mb bounds weights + cache of the weight_candidates: set weight_candidates, "
+                             "or use cache_budget_mb for the cache alone")
+        return self
 
 
 ENGINE_DESCRIPTION = (

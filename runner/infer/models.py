@@ -23,6 +23,7 @@ from runner.errors import ModelError, ResourceError
 from runner.files import atomic_write_json
 from runner.infer.config import torch_dtype
 from runner.infer.pinned import cache_root
+from runner.infer.weights import quantize_model, weight_bytes
 from runner.infer.zoo import ZOO_PREFIX, zoo_entry, zoo_model_dir
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ def load_model(
     trust_remote_code: bool = False,
     seed: int = 0,
     base_dir: Path | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load `source` (or build `config` with random weights) in `dtype` on `device`."""
+    """Load `source` (or build `config` with random weights) in `dtype` on `device`, its weights quantized as asked
+    (runner.infer.weights); the fingerprint says how, and the weights' measured bytes."""
     target = resolve_device(device)
     if trust_remote_code:
         log.warning("trust_remote_code is ON for %s: code shipped with this model will run here",
@@ -79,13 +82,25 @@ def load_model(
         else:
             model, tokenizer, identity = _from_source(source, revision, trust_remote_code, base_dir)
         model = model.to(device=target, dtype=torch_dtype(dtype)).eval()
+        prequantized = getattr(model.config, "quantization_config", None)
+        if prequantized is not None and quantization != "none":
+            method = _quant_method(prequantized)
+            raise ModelError(f"model.quantization: {quantization} on {source}, which is already quantized ({method}): "
+                             f"remove model.quantization")
+        quantize_model(model, quantization)
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory loading {source or 'config model'} on {target}: {exc}") from None
+    except ImportError as exc:  # transformers asks for the library of a pre-quantized checkpoint (GPTQ, AWQ, ...)
+        raise ModelError(f"model {source!r} is a pre-quantized checkpoint that needs a library not installed here: "
+                         f"{exc}. Load a full-precision checkpoint and set model.quantization (int8, int8-dynamic, "
+                         f"int4) instead") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     n_params = sum(p.numel() for p in model.parameters())
     fingerprint = {**identity, "dtype": dtype, "device": str(target), "n_params": n_params}
+    if quantization != "none":  # unquantized fingerprints stay as they were (cache plans are keyed on them)
+        fingerprint |= {"quantization": quantization, "weight_bytes": weight_bytes(model)}
     LOADED[model] = (tokenizer, fingerprint)
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
@@ -96,7 +111,11 @@ def load_spec(spec: dict, seed: int, base_dir: Path | None = None, **override) -
     spec = {**spec, **override}
     return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
                       revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"], seed=seed,
-                      base_dir=base_dir)
+                      base_dir=base_dir, quantization=spec.get("quantization", "none"))
+
+
+def _quant_method(config) -> str:
+    return config.get("quant_method", "?") if isinstance(config, dict) else str(getattr(config, "quant_method", "?"))
 
 
 def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path | None):

@@ -1,4 +1,5 @@
-"""How much a KV-cache kind changes a model's predictions, measured on real text.
+"""How much a KV-cache kind (or a weight quantization: run the probe on the quantized model and compare it with the
+unquantized model's run) changes a model's predictions, measured on real text.
 
 A `Probe` holds the token ids (built once from real text); `run_probe` pushes them through a cache
 of one kind and keeps the log-probabilities; `compare` turns a reference run and a candidate run

@@ -49,6 +49,12 @@ def greedy_run(model, prompt: torch.Tensor, steps: int, kind: str | None) -> Cal
 def time_decode_kinds(model, prompt: torch.Tensor, steps: int, kinds: list, repeats: int,
                       warmup: int = 1) -> dict:
     """Time several cache kinds interleaved → kind → TokenTiming (ttft = prefill; decode = the `steps` steps)."""
-    marks = time_interleaved({kind: greedy_run(model, prompt, steps, kind) for kind in kinds}, repeats, warmup,
-                             sync=lambda: sync(prompt.device))
-    return {kind: TokenTiming.of(marks[kind], prompt.shape[0]) for kind in kinds}
+    return time_decode_pairs({kind: (model, kind) for kind in kinds}, prompt, steps, repeats, warmup)
+
+
+def time_decode_pairs(pairs: dict[str, tuple], prompt: torch.Tensor, steps: int, repeats: int,
+                      warmup: int = 1) -> dict:
+    """Time (model, cache kind) pairs interleaved (a model per weight quantization) → name → TokenTiming."""
+    marks = time_interleaved({name: greedy_run(model, prompt, steps, kind) for name, (model, kind) in pairs.items()},
+                             repeats, warmup, sync=lambda: sync(prompt.device))
+    return {name: TokenTiming.of(marks[name], prompt.shape[0]) for name in pairs}

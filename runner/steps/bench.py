@@ -23,6 +23,7 @@ from runner.infer.cells import (ASSISTED_NA, measure_hf, measure_hf_assisted, me
                                 measure_speculative)
 from runner.infer.data import load_text, token_windows
 from runner.infer.models import LoadedModel, load_spec
+from runner.infer.weights import weight_bytes
 from runner.infer.config import DTYPES
 from runner.infer.timing import copy_bandwidth
 from runner.manifest import BenchSpec
@@ -31,18 +32,19 @@ from runner.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
 
-AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine")
+AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
 HEADLINE = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "itl_ms", "peak_mib", "kv_mib", "bw_fraction",
-            "acceptance", "compile_s")
+            "acceptance", "compile_s", "total_mib")
 
 
+MIB = 2**20
 log = logging.getLogger(__name__)
 
 
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     spec = BenchSpec.model_validate(step.spec)
-    cells = matrix(spec, step.model["dtype"])
+    cells = matrix(spec, step.model["dtype"], step.model.get("quantization", "none"))
     text = load_text(text_source(spec.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
     if bandwidth:
@@ -50,10 +52,22 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     draft, draft_tokenizer = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else (None, None)
     tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
     rows, bar = [], progress(step.key, len(cells), "cell")
-    for dtype, group in itertools.groupby(cells, key=lambda c: c["dtype"]):
-        model = lm.model if dtype == step.model["dtype"] else _reload(step, dtype, base_dir)
+    loaded = (step.model["dtype"], step.model.get("quantization", "none"))
+    for (dtype, quantization), group in itertools.groupby(cells, key=lambda c: (c["dtype"], c["quantization"])):
+        try:
+            model = lm.model if (dtype, quantization) == loaded else _reload(step, dtype, quantization, base_dir)
+        except RunnerError as exc:  # e.g. int4 weights in float32: these cells fail, the others go on
+            for cell in group:
+                rows.append(_failed({**cell, "status": "ok", "error": ""}, exc))
+                bar.update(note=_label(cell) + " failed")
+            continue
+        weight_mib = weight_bytes(model) / MIB
         for cell in group:
-            rows.append(run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers))
+            row = run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers)
+            row["weight_mib"] = weight_mib
+            if "ours_kv_mib" in row:
+                row["ours_total_mib"] = weight_mib + row["ours_kv_mib"]
+            rows.append(row)
             write_table(pd.DataFrame(rows), out_dir)  # after every cell: an interrupted matrix keeps what it measured
             speed = f" {rows[-1]['ours_tokens_per_s']:.1f} tok/s" if "ours_tokens_per_s" in rows[-1] else ""
             bar.update(note=_label(cell) + speed)
@@ -71,13 +85,15 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             "metrics": metrics(table, bandwidth), "params": {"bench.cells": len(rows)}}
 
 
-def matrix(spec: BenchSpec, model_dtype: str) -> list[dict]:
-    """Every cell, grouped by dtype (one reload each); cache kinds default to the dtype's own."""
+def matrix(spec: BenchSpec, model_dtype: str, model_quantization: str = "none") -> list[dict]:
+    """Every cell, grouped by dtype and weight quantization (one reload each); cache kinds default to the dtype's
+    own."""
     dtypes = spec.dtypes or [model_dtype]
     speculative = ["off", "on"] if spec.speculative else ["off"]
-    return [dict(zip(AXES, values)) for dtype in dtypes for values in itertools.product(
-        [dtype], spec.cache_kinds or [DTYPES[dtype]], speculative, spec.batch_sizes, spec.prompt_lens,
-        spec.max_new_tokens, spec.engines)]
+    return [dict(zip(AXES, values)) for dtype in dtypes for quantization in spec.quantizations or [model_quantization]
+            for values in itertools.product([dtype], spec.cache_kinds or [DTYPES[dtype]], speculative,
+                                            spec.batch_sizes, spec.prompt_lens, spec.max_new_tokens, spec.engines,
+                                            [quantization])]
 
 
 def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None,
@@ -128,7 +144,7 @@ def with_spec_speedup(table: pd.DataFrame) -> pd.DataFrame:
     """Speculative rows get `spec_speedup`: their tokens/s over the same cell's without speculation."""
     if "ours_tokens_per_s" not in table or not (table["speculative"] == "on").any():
         return table
-    keys = [a for a in AXES if a != "speculative"]
+    keys = [a for a in AXES if a != "speculative" and a in table]
     plain = table[table["speculative"] == "off"].set_index(keys)["ours_tokens_per_s"]
     on = table["speculative"] == "on"
     table.loc[on, "spec_speedup"] = [
@@ -153,7 +169,7 @@ def write_table(table: pd.DataFrame, out_dir: Path) -> None:
 
 def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
-    wanted = [*AXES, "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "hfc_tokens_per_s",
+    wanted = [*AXES, "weight_mib", "ours_total_mib", "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "hfc_tokens_per_s",
               "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
               "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_acceptance_row_min",
               "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",
@@ -209,6 +225,7 @@ def metric_name(row: dict) -> str:
     """MLflow-safe cell name, e.g. b1_p128_n64_q8_0_float32 (kivi options: kivi4-g32-r32)."""
     name = f"b{row['batch']}_p{row['prompt_len']}_n{row['new_tokens']}_{row['cache_kind']}_{row['dtype']}"
     name += "_compiled" if row.get("engine") == "compiled" else ""
+    name += f"_w{row['quantization']}" if row.get("quantization", "none") != "none" else ""
     name += "_spec" if row["speculative"] == "on" else ""
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
 
@@ -236,10 +253,12 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     colours = {}
     for ax, value in zip(axes, panels):
-        for (kind, dtype, engine), lines in ok[ok[panel] == value].groupby(["cache_kind", "dtype", "engine"]):
+        for (kind, dtype, engine, weights), lines in ok[ok[panel] == value].groupby(
+                ["cache_kind", "dtype", "engine", "quantization"]):
             lines = lines.groupby(x)[[c for c in (f"ours_{y}", f"hf_{y}") if c in lines]].median().reset_index()
-            colour = colours.setdefault((kind, dtype, engine), f"C{len(colours) % 10}")
-            ax.plot(lines[x], lines[f"ours_{y}"], marker="o", color=colour, label=f"{kind} {dtype} {engine}")
+            colour = colours.setdefault((kind, dtype, engine, weights), f"C{len(colours) % 10}")
+            weights = f" w:{weights}" if weights != "none" else ""
+            ax.plot(lines[x], lines[f"ours_{y}"], marker="o", color=colour, label=f"{kind} {dtype} {engine}{weights}")
             if f"hf_{y}" in lines:
                 ax.plot(lines[x], lines[f"hf_{y}"], marker="x", linestyle="--", color=colour, label=f"{kind} hf")
         ax.set_xticks(sorted(ok[x].unique()))
@@ -252,10 +271,12 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
     fig.savefig(path, dpi=100)
 
 
-def _reload(step: Step, dtype: str, base_dir: Path):
+def _reload(step: Step, dtype: str, quantization: str, base_dir: Path):
     spec = step.model
-    log.info("[%s] loading %s as %s", step.key, spec.get("id") or "config model", dtype)
-    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype).model
+    weights = f" with {quantization} weights" if quantization != "none" else ""
+    log.info("[%s] loading %s as %s%s", step.key, spec.get("id") or "config model", dtype, weights)
+    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype,
+                     quantization=quantization).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:
@@ -277,7 +298,9 @@ def _reason(exc: Exception) -> str:
 def _label(cell: dict) -> str:
     spec = " spec" if cell["speculative"] == "on" else ""
     spec += " compiled" if cell.get("engine") == "compiled" else ""
-    return f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}{spec}"
+    weights = f" w:{cell['quantization']}" if cell.get("quantization", "none") != "none" else ""
+    return (f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}"
+            f"{weights}{spec}")
 
 
 def _number(value) -> bool:

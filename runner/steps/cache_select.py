@@ -15,6 +15,7 @@ from runner.files import atomic_write_json
 from runner.infer.autocache import Selection, select_cache_kind
 from runner.infer.config import GenerateConfig
 from runner.infer.data import load_text
+from runner.infer.jointselect import select_weights_and_cache
 from runner.infer.models import LoadedModel
 from runner.manifest import GenerateSpec, library_config
 from runner.paths import text_source
@@ -29,6 +30,7 @@ COLUMNS = {  # row key → table heading
     "tokens_per_s_spread": "± tok/s",
     "verdict": "verdict",
 }
+JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib": "total MiB"}  # weight_candidates
 
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -40,15 +42,20 @@ def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path,
 def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
                out_dir: Path, progress: ProgressFactory) -> Selection:
     """Select (or reuse a plan), show the table, and leave it in the step folder as CSV, PNG and JSON."""
-    log.info("[%s] choosing a cache kind among %s (budget %s, max_seq_len %d, batch %d)", step.key,
-             ", ".join(config.cache_candidates), _mib(config.cache_budget_mb), config.max_seq_len, spec.batch_size)
-    selection = select_cache_kind(lm.model, lm.tokenizer, config, batch_size=spec.batch_size,
-                                  identity=lm.fingerprint, progress=progress,
-                                  text=load_text(text_source(config.cache_quality_data, base_dir)))
-    table = candidates_table(selection.rows)
+    joint = bool(config.weight_candidates)
+    log.info("[%s] choosing %s among %s (budget %s, max_seq_len %d, batch %d)", step.key,
+             "weights × cache kind" if joint else "a cache kind",
+             " × ".join(", ".join(c) for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
+             _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, spec.batch_size)
+    select = select_weights_and_cache if joint else select_cache_kind
+    selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,
+                       progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
+    table = candidates_table(selection.rows, joint)
     how = selection.source + (", reused" if selection.reused else "")
-    show(f"[{step.key}] cache candidates:\n{table.to_string(index=False, na_rep='-')}\n"
-         f"[{step.key}] → {selection.kind} ({how}): {selection.reason} [{selection.seconds:.1f} s]")
+    chosen = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
+    show(f"[{step.key}] {'weights × cache' if joint else 'cache'} candidates:\n"
+         f"{table.to_string(index=False, na_rep='-')}\n"
+         f"[{step.key}] → {chosen} ({how}): {selection.reason} [{selection.seconds:.1f} s]")
     if selection.persist_error:
         log.warning("[%s] the measurements are kept in %s, but the cache plan was not saved: %s", step.key, out_dir,
                     selection.persist_error)
@@ -59,14 +66,16 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     return selection
 
 
-def candidates_table(rows: list[dict]) -> pd.DataFrame:
-    frame = pd.DataFrame(rows).reindex(columns=list(COLUMNS)).rename(columns=COLUMNS)
+def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:
+    columns = {**JOINT_COLUMNS, **COLUMNS} if joint else COLUMNS
+    frame = pd.DataFrame(rows).reindex(columns=list(columns)).rename(columns=columns)
     return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1,
-                        "± tok/s": 1})
+                        "± tok/s": 1, "weights MiB": 2, "total MiB": 2})
 
 
 def describe(selection: Selection) -> dict:
-    return {"kind": selection.kind, "source": selection.source, "reused": selection.reused,
+    weights = {} if selection.weights is None else {"weights": selection.weights}
+    return {**weights, "kind": selection.kind, "source": selection.source, "reused": selection.reused,
             "reason": selection.reason, "key": selection.key,
             "plan_path": selection.plan_path, "plan_saved": not selection.persist_error,
             "plan_error": selection.persist_error or None, "seconds": selection.seconds, "candidates": selection.rows,
@@ -77,24 +86,30 @@ def selection_metrics(selection: Selection) -> dict:
     metrics = {"selection_s": selection.seconds, "plan_reused": float(selection.reused),
                "plan_saved": float(not selection.persist_error)}
     for row in selection.rows:
-        for name in ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s"):
+        prefix = row["kind"] if selection.weights is None else f"{row['weights']}_{row['kind']}"
+        for name in ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s",
+                     "weight_mib", "total_mib"):
             if row.get(name) is not None:
-                metrics[f"{row['kind']}.{name}"] = row[name]
+                metrics[f"{prefix}.{name}"] = row[name]
     return metrics
 
 
 def params(selection: Selection) -> dict:
-    return {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source}
+    weights = {} if selection.weights is None else {"weights.chosen": selection.weights}
+    return {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source, **weights}
 
 
 def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) -> None:
     """Per candidate: memory against the budget, ΔNLL against its gate, decode speed; then quality vs memory."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
-    rows = selection.rows
-    kinds = [r["kind"] for r in rows]
-    colours = ["tab:green" if r["kind"] == selection.kind else "tab:blue" if r["passed"] else "tab:gray" for r in rows]
-    panels = [("estimated_mib", "cache MiB at max_seq_len × batch", config.cache_budget_mb),
+    rows, joint = selection.rows, selection.weights is not None
+    kinds = [f"{r['weights']}+{r['kind']}" if joint else r["kind"] for r in rows]
+    chosen = [r["kind"] == selection.kind and r.get("weights") == selection.weights for r in rows]
+    colours = ["tab:green" if c else "tab:blue" if r["passed"] else "tab:gray" for r, c in zip(rows, chosen)]
+    size = (("total_mib", "weights + cache MiB at max_seq_len × batch", config.memory_budget_mb) if joint
+            else ("estimated_mib", "cache MiB at max_seq_len × batch", config.cache_budget_mb))
+    panels = [size,
               ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
               ("tokens_per_s", "decode tokens/s", None)]
     fig = Figure(figsize=(16, 3.6))
@@ -104,16 +119,20 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
         if limit is not None:
             ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=10)
-    measured = [(r.get("estimated_mib"), r.get("delta_nll"), r["kind"], c) for r, c in zip(rows, colours)]
+    if joint:
+        for ax in axes[:3]:
+            ax.tick_params(axis="x", labelrotation=90, labelsize=6)
+    measured = [(r.get(size[0]), r.get("delta_nll"), k, c) for r, k, c in zip(rows, kinds, colours)]
     measured = [m for m in measured if m[0] is not None and m[1] is not None]
     ax = axes[3]
     ax.scatter([m[0] for m in measured], [m[1] for m in measured], c=[m[3] for m in measured])
     for mib, nll, kind, _ in measured:
         ax.annotate(kind, (mib, nll), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("cache MiB")
+    ax.set_xlabel("weights + cache MiB" if joint else "cache MiB")
     ax.set_ylabel("ΔNLL")
     ax.set_title("quality vs memory", fontsize=10)
-    fig.suptitle(f"cache selection: {selection.kind} ({selection.source}); green = chosen, grey = dropped",
+    what = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
+    fig.suptitle(f"cache selection: {what} ({selection.source}); green = chosen, grey = dropped",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

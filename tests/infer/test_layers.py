@@ -13,12 +13,12 @@ INFER = Path(runner.infer.__file__).parent
 # Bottom to top; within a layer, a module may import the ones listed before it.
 LAYERS = [
     ("config", ["config", "quant", "kvcodes"]),
-    ("loading", ["pinned", "zoo", "data", "models"]),
+    ("loading", ["pinned", "zoo", "data", "weights", "models"]),
     ("forward", ["forward"]),
     ("caches", ["codebooks", "kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
-    ("select", ["cache_plans", "autocache"]),
+    ("select", ["cache_plans", "autocache", "jointselect"]),
     ("generators", ["compiled", "generator", "spec_text", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
 ]

@@ -133,3 +133,24 @@ def test_engines_are_an_axis_and_engine_is_one_of_them():
     with pytest.raises(ValueError, match="not both"):
         BenchSpec.model_validate({"engine": "compiled", "engines": ["eager"]})
     assert BenchSpec.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]}).cache_kinds == ["kivi4"]
+
+
+def test_quantizations_are_an_axis_with_weight_and_total_bytes(tmp_path):
+    runs = """      - id: weights
+        mode: bench
+        bench: {batch_sizes: 1, prompt_lens: 16, max_new_tokens: 3, quantizations: [none, int8, int4:g32],
+                dtypes: [float32, bfloat16], repeats: 1, baseline: hf, roofline: false}
+"""
+    done = run_cli(tiny_manifest(tmp_path, runs), "tracking.mlflow=false", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "with int8 weights" in done.stderr and "| quantization | weight_mib | ours_total_mib |" in done.stdout
+    table = pd.read_csv(next((tmp_path / "runs").glob("*-t")) / "tiny" / "weights" / "bench.csv")
+    assert list(table["quantization"]) == ["none", "int8", "int4:g32"] * 2
+    failed = table[table["status"] != "ok"]  # int4 in float32: those cells fail with the reason, the others run
+    assert list(failed["dtype"]) == ["float32"] and failed["error"].str.contains("runs in bfloat16").all()
+    ok = table[table["status"] == "ok"].set_index(["dtype", "quantization"])["weight_mib"]
+    assert ok["float32", "none"] > 3 * ok["float32", "int8"]  # float32 → int8
+    assert ok["bfloat16", "none"] > ok["bfloat16", "int8"] > ok["bfloat16", "int4:g32"] > 0
+    assert (table["ours_total_mib"] - table["weight_mib"] - table["ours_kv_mib"]).abs().max() < 1e-9
+    assert (table[table["status"] == "ok"]["hf_tokens_per_s"] > 0).all()  # generate() runs quantized weights too
+    assert metric_name(table.iloc[1].to_dict()) == "b1_p16_n3_fp32_float32_wint8"

@@ -81,3 +81,35 @@ def test_a_plan_that_cannot_be_saved_keeps_every_measurement(tmp_path):
     assert pick["metrics"]["plan_saved"] == 0.0 and len(pick["selection"]["candidates"]) == 3
     for name in ("cache_candidates.csv", "cache_candidates.png", "cache_plan.json"):
         assert (folder / "tiny" / "pick" / name).stat().st_size > 0
+
+
+def test_weight_candidates_choose_weights_and_cache_under_one_memory_budget(tmp_path):
+    """The unquantized tiny model's 0.4 MiB of weights are over the 0.3 MiB budget: a quantized pair is chosen; the
+    table, plan and MLflow say which weights."""
+    settings = SETTINGS.format(plans=tmp_path / "plans.json").replace("cache_budget_mb: 0.1",
+                                                                      "memory_budget_mb: 0.3")
+    runs = f"""      - id: joint
+        mode: auto-cache-select
+        generate: {{weight_candidates: [none, int8], {settings}}}
+"""
+    done = run_cli(tiny_manifest(tmp_path, runs), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and p.name.endswith("-t")]
+    selection = json.loads((folder / "tiny" / "joint" / "results.json").read_text())["selection"]
+    assert selection["weights"] == "int8" and selection["source"] == "measured"
+    rows = {(r["weights"], r["kind"]): r for r in selection["candidates"]}
+    assert len(rows) == 6 and all(not r["fits"] for (w, _), r in rows.items() if w == "none")
+    assert all(r["total_mib"] <= 0.3 and r["passed"] for (w, _), r in rows.items() if w == "int8")
+    table = (folder / "tiny" / "joint" / "cache_candidates.csv").read_text()
+    assert table.startswith("weights,weights MiB,total MiB,kind,") and "over memory budget" in table
+    assert "weights int8, cache" in done.stdout
+    assert (folder / "tiny" / "joint" / "cache_candidates.png").stat().st_size > 10_000
+
+
+def test_weight_candidates_are_read_by_auto_cache_select_only(tmp_path):
+    runs = """      - id: g
+        mode: generate
+        generate: {weight_candidates: [int8], cache_kind: auto}
+"""
+    done = run_cli("check", tiny_manifest(tmp_path, runs))
+    assert done.returncode == 2 and "weight_candidates is read by mode auto-cache-select" in done.stderr

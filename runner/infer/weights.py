@@ -1,0 +1,190 @@
+"""Weight quantization: a loaded model's weights stored in int8 or int4 through torchao, and the bytes they really hold.
+
+    quantize_model(model, "int8" | "int8-dynamic" | "int4:g64" | "none")  the model, quantized in place
+    weight_bytes(model)                    measured from the stored tensors (a torchao tensor: its inner codes, scales
+                                           and zero points), a tensor shared by two modules once
+    estimate_weight_bytes(model, name)     the same figure from the shapes of an unquantized model (selection's budget)
+
+Library: torchao, chosen because its CPU and CUDA paths run under torch.compile (inductor lowers the int8 matmul to a
+fused int8 kernel; int4 calls a packed int4 kernel), so the compiled engine gets the benefit; bitsandbytes' CPU
+backend has no compiled path. What each name stores, per Linear [N out, K in]:
+    int8          Int8WeightOnlyConfig: int8 codes per output row, an fp32 scale and an int8 zero point per row
+    int8-dynamic  Int8DynamicActivationInt8WeightConfig: the same weights; activations quantized per token at run time
+    int4:gG       CPU: PrototypeInt4WeightOnlyConfig (aten's tinygemm layout for _weight_int4pack_mm_for_cpu): 4-bit
+                  asymmetric codes per group of G inputs, a scale and a zero per group in the model dtype; a Linear
+                  whose N is not a multiple of 16 or K not of G is stored in int8 instead. CUDA: Int4WeightOnlyConfig
+                  (tile-packed for tinygemm). bfloat16 models only: on CPU a float32 activation takes aten's slow
+                  path (measured ~500× slower than bfloat16 for one row), on CUDA the kernel is bfloat16.
+The input embedding is a lookup, not a matmul: stored in int8 per row (`QuantEmbedding` gathers the ids' rows). A tied
+embedding and output head stay tied: one int8 tensor serves both (int4 included), so nothing is stored twice.
+Does not know about manifests, quality or selection.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from runner.errors import ModelError
+from runner.infer.config import parse_quantization
+
+log = logging.getLogger(__name__)
+# Importing torchao (transformers does, while loading any model, once it is installed) logs "Failed to load
+# ...cutlass.so" on a CPU-only torch, and torch's pytree two deprecation notices about torchao's enums: noise to a user.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+INT4_ROWS = 16  # aten's int4 CPU packing takes N (output rows) in multiples of 16
+INT8_ROW_BYTES = 4 + 1  # per output row: an fp32 scale and an int8 zero point (torchao's Int8Tensor)
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An input embedding read from an int8 tensor [V,D]: gather the ids' rows of codes, scales and zero points."""
+
+    def __init__(self, weight: torch.nn.Parameter, embed_scale: torch.Tensor | float | None = None):
+        super().__init__()
+        self.weight = weight  # an Int8Tensor [V,D] (qdata int8 [V,D], scale [V,1], zero_point [V,1])
+        self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
+        w = self.weight
+        codes = w.qdata[ids].float() - w.zero_point[ids].float()
+        rows = (codes * w.scale[ids].float()).to(w.dtype)
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really stores: a tensor subclass's inner tensors, summed; a plain tensor's elements."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model) -> int:
+    """Measured bytes of every parameter; `parameters()` yields a tensor shared by two modules once."""
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    return hasattr(t, "__tensor_flatten__")
+
+
+# --- what goes where ------------------------------------------------------------------------------------------------
+
+def assignments(model, quantization: str) -> list[tuple[str, torch.nn.Module, str]]:
+    """(module name, module, how) for every module a quantization changes; how is int8, int8-dynamic, int4,
+    embedding (int8 rows of its own) or tied (the embedding reads the head's int8 tensor). The one place both
+    quantize_model and estimate_weight_bytes read, so the estimate follows what is done."""
+    name, options = parse_quantization(quantization)
+    if name == "none":
+        return []
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    cuda = next(model.parameters()).device.type == "cuda"
+    plan = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        how = name
+        if module is head and tied:
+            how = "int8-dynamic" if name == "int8-dynamic" else "int8"  # its rows are read by the lookup too
+        elif name == "int4" and not cuda and (module.out_features % INT4_ROWS or
+                                              module.in_features % options["group_size"]):
+            how = "int8"
+        plan.append((module_name, module, how))
+    names = {id(m): n for n, m in model.named_modules()}
+    plan.append((names[id(embedding)], embedding, "tied" if tied else "embedding"))
+    return plan
+
+
+def estimate_weight_bytes(model, quantization: str) -> int:
+    """Bytes `model` (unquantized) would hold once quantized, from its shapes; equals `weight_bytes` afterwards."""
+    name, options = parse_quantization(quantization)
+    total = weight_bytes(model)
+    dtype_bytes = next(model.parameters()).element_size()
+    for _, module, how in assignments(model, quantization):
+        if how == "tied":
+            continue  # its bytes are the head's
+        rows, cols = module.weight.shape
+        total -= tensor_bytes(module.weight)
+        if how == "int4":
+            total += rows * cols // 2 + cols // options["group_size"] * rows * 2 * dtype_bytes
+        else:
+            total += rows * cols + rows * INT8_ROW_BYTES
+    return total
+
+
+# --- quantizing -----------------------------------------------------------------------------------------------------
+
+def quantize_model(model, quantization: str):
+    """Quantize `model`'s Linear weights and input embedding in place (see the module docstring); returns it."""
+    name, options = parse_quantization(quantization)
+    if name == "none":
+        return model
+    ao = _torchao()
+    device = next(model.parameters()).device
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"model.quantization: {quantization} runs on cpu or cuda, not {device.type}")
+    if name == "int4" and model.dtype != torch.bfloat16:
+        raise ModelError(f"quantization {quantization} runs in bfloat16 (torchao's int4 kernels; on CPU float32 "
+                         f"takes a path hundreds of times slower): set model.dtype: bfloat16, or use int8")
+    configs = _configs(ao, options.get("group_size"), device)
+    plan = assignments(model, quantization)
+    head = model.get_output_embeddings()
+    for _, module, how in plan:
+        if how in configs:
+            ao.quantize_(module, configs[how])
+    for module_name, module, how in plan:
+        if how == "tied":
+            model.set_input_embeddings(QuantEmbedding(head.weight, getattr(module, "embed_scale", None)))
+        elif how == "embedding":
+            weight = ao.Int8Tensor.from_hp(module.weight.detach(), granularity=ao.PerRow())
+            model.set_input_embeddings(QuantEmbedding(torch.nn.Parameter(weight, requires_grad=False),
+                                                      getattr(module, "embed_scale", None)))
+    fallback = sum(1 for _, _, how in plan if how == "int8") if name == "int4" else 0
+    if fallback:
+        log.info("int4: %d Linear layer(s) stored in int8 (output rows not a multiple of %d, inputs not of the "
+                 "group size, or the head tied to the embedding)", fallback, INT4_ROWS)
+    return model
+
+
+class _TorchAO:
+    """The torchao names used here, imported once (importing torchao takes seconds and logs about CUDA libraries)."""
+
+    def __init__(self):
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
+                                          Int8WeightOnlyConfig, PerRow, quantize_)
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+        from torchao.utils import should_reduce_range
+
+        self.quantize_, self.PerRow, self.Int8Tensor = quantize_, PerRow, Int8Tensor
+        self.Int8WeightOnly, self.Int8Dynamic = Int8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig
+        self.Int4CPU, self.Int4CUDA, self.should_reduce_range = (PrototypeInt4WeightOnlyConfig, Int4WeightOnlyConfig,
+                                                                 should_reduce_range)
+
+
+_AO: list[_TorchAO] = []
+
+
+def _torchao() -> _TorchAO:
+    if not _AO:
+        try:
+            _AO.append(_TorchAO())
+        except ImportError as exc:
+            raise ModelError(f"model.quantization needs torchao (pip install 'torchao>=0.18'): {exc}") from None
+    return _AO[0]
+
+
+def _configs(ao: _TorchAO, group_size: int | None, device: torch.device) -> dict:
+    """how → torchao config; set_inductor_config off: quantizing must not change inductor's settings for others."""
+    configs = {"int8": ao.Int8WeightOnly(set_inductor_config=False),
+               "int8-dynamic": ao.Int8Dynamic(set_inductor_config=False,
+                                              reduce_range=ao.should_reduce_range(device))}
+    if group_size is not None:
+        configs["int4"] = (ao.Int4CUDA(group_size=group_size, int4_packing_format="tile_packed_to_4d",
+                                       set_inductor_config=False) if device.type == "cuda"
+                           else ao.Int4CPU(group_size=group_size, set_inductor_config=False))
+    return configs
