@@ -38,6 +38,7 @@ from runner.errors import InferenceError
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_interleaved, time_once
+from runner.infer.weights import is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def input_major_weights(model, repeats: int = 5) -> dict[str, torch.Tensor]:
     embedding reads its rows from the same copy. Quantized weights (tensor subclasses, runner.infer.weights) keep
     their own layout."""
     linears = [(name, module.weight.detach()) for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and not hasattr(module.weight, "__tensor_flatten__")]
+               if isinstance(module, torch.nn.Linear) and not is_quantized(module.weight)]
     faster: dict[tuple, bool] = {}
     for _, weight in linears:
         key = (tuple(weight.shape), weight.dtype)

@@ -56,7 +56,7 @@ class QuantEmbedding(torch.nn.Module):
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really stores: a tensor subclass's inner tensors, summed; a plain tensor's elements."""
-    if hasattr(t, "__tensor_flatten__"):
+    if is_quantized(t):
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, name)) for name in names)
     return t.numel() * t.element_size()
@@ -68,6 +68,7 @@ def weight_bytes(model) -> int:
 
 
 def is_quantized(t: torch.Tensor) -> bool:
+    """A torchao tensor subclass (codes, scales, zero points inside), not a plain tensor."""
     return hasattr(t, "__tensor_flatten__")
 
 
