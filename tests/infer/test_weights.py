@@ -15,11 +15,12 @@ from runner.infer.data import load_text
 from runner.infer.generator import Generator
 from runner.infer.models import load_model
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.infer.weights import QuantEmbedding, estimate_weight_bytes, quantize_model, tensor_bytes, weight_bytes
+from runner.infer.weights import (QuantEmbedding, estimate_weight_bytes, int4_row_block, quantize_model, tensor_bytes,
+                                  weight_bytes)
 from tests.conftest import TINY_LLAMA
 
 VARIANTS = ["int8", "int8-dynamic", "int4:g32", "int4:g64"]
-TIED = {**TINY_LLAMA, "tie_word_embeddings": True, "vocab_size": 272}  # 272 rows: a multiple of 16 (int4 packing)
+TIED = {**TINY_LLAMA, "tie_word_embeddings": True, "vocab_size": 320}  # rows a multiple of int4's row block (64)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,9 @@ def _quantized(lm, quantization):
 
 def _expected_bytes(model, quantization) -> int:
     """From the layout torchao stores, written out here on its own: int8 N·K codes + an fp32 scale and an int8 zero
-    per row; int4 N·K/2 + a scale and a zero per group of G in the model dtype (rows not a multiple of 16, or a head
-    tied to the embedding: int8); the embedding int8 per row (tied: the head's tensor, counted once)."""
+    per row; int4 N·K/2 + a scale and a zero per group of G in the model dtype (rows not a multiple of 16: int8); the
+    embedding int8 per row, or int4 when its rows are a multiple of int4's row block of 64 (the untied tiny model's
+    258 are not; tied: the head's tensor, counted once, int4 when its rows are)."""
     name, options = parse_quantization(quantization)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head.weight is embedding.weight
@@ -49,7 +51,7 @@ def _expected_bytes(model, quantization) -> int:
     matrices = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] + ([] if tied else [embedding])
     for m in matrices:
         rows, cols = m.weight.shape
-        if name == "int4" and isinstance(m, torch.nn.Linear) and rows % 16 == 0 and not (tied and m is head):
+        if name == "int4" and rows % (64 if m in (head, embedding) else 16) == 0:
             total += rows * cols // 2 + cols // options["group_size"] * rows * 2 * m.weight.element_size()
         else:
             total += rows * cols + rows * 5
@@ -75,19 +77,45 @@ def test_a_tensor_subclass_counts_its_inner_tensors(tied_lm):
     assert tensor_bytes(torch.zeros(3, 5, dtype=torch.bfloat16)) == 30
 
 
-def test_a_tied_embedding_reads_the_heads_int8_rows(tied_lm):
-    base = _base(tied_lm, "int4:g64")
-    ids = torch.tensor([[1, 5, 271]])
+@pytest.mark.parametrize("quantization, step_of", [("int8", lambda head, ids: head.weight.scale[ids] / 2),
+                                                    ("int4:g64", lambda head, ids: _int4_scales(head.weight, ids))])
+def test_a_tied_embedding_reads_the_heads_rows(tied_lm, quantization, step_of):
+    base = _base(tied_lm, quantization)
+    ids = torch.tensor([[1, 5, 63, 64, 319]])  # both halves of a packed block, and the next block
     full = base.get_input_embeddings()(ids).float()
-    model = quantize_model(base, "int4:g64")
+    model = quantize_model(base, quantization)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(embedding, QuantEmbedding) and embedding.weight is head.weight  # stored once
     rows = embedding(ids)
-    scale = head.weight.scale[ids].squeeze(-1)  # [1,3]: one quantization step per row
-    assert rows.shape == full.shape and rows.dtype == torch.bfloat16
-    step = scale[..., None] / 2 + full.abs() / 128  # the nearest step, then bfloat16's rounding
+    assert rows.shape == full.shape and rows.dtype == base.dtype
+    step = step_of(head, ids) + full.abs() / 128  # int8: the nearest step; int4: a step (scale and zero are bfloat16)
     assert ((rows.float() - full).abs() <= step).all()
     assert not torch.equal(rows, full)
+
+
+def _int4_scales(weight, ids):
+    """[1,5,D]: each column's int4 scale (scale_and_zero [D/G,V,2])."""
+    scales = weight.scale_and_zero[:, ids, 0].float().movedim(0, -1)  # [1,5,D/G]
+    return scales.repeat_interleave(weight.shape[1] // scales.shape[-1], dim=-1)
+
+
+def test_int4_rows_gathered_for_the_lookup_equal_what_the_int4_kernel_multiplies(tied_lm):
+    """The lookup unpacks aten's packing itself: the rows it gives must be the kernel's own dequantized weights,
+    read here through the head (identity rows in, the weight's columns out)."""
+    model = _quantized(tied_lm, "int4:g32")
+    head = model.get_output_embeddings()
+    cols = head.weight.shape[1]
+    kernel_rows = torch.nn.functional.linear(torch.eye(cols, dtype=torch.bfloat16), head.weight).t()  # [V,D]
+    ids = torch.arange(head.weight.shape[0])
+    assert int4_row_block() == 64 and torch.equal(model.get_input_embeddings()(ids), kernel_rows)
+
+
+def test_an_untied_embedding_under_int4_is_int4_when_its_rows_allow_and_int8_otherwise(tiny_lm):
+    untied = {**TINY_LLAMA, "vocab_size": 320}
+    readable = quantize_model(_base(load_model(config=untied, device="cpu", seed=0), "int4:g32"), "int4:g32")
+    assert hasattr(readable.get_input_embeddings().weight, "scale_and_zero")
+    other = _quantized(tiny_lm, "int4:g32")  # 258 rows: not a multiple of 64
+    assert hasattr(other.get_input_embeddings().weight, "zero_point")
 
 
 @pytest.mark.parametrize("quantization, max_delta", [("int8", 0.01), ("int8-dynamic", 0.02), ("int4:g32", 0.1)])
