@@ -186,9 +186,11 @@ def test_the_static_path_of_the_compiled_engine_gives_the_eager_tokens(tied_lm, 
 
 
 @pytest.mark.slow
-def test_the_compiled_step_runs_int8_weights_without_recompiling(tied_lm):
-    """Really compiles (about 30 s on two loaded cores): inductor takes torchao's int8 tensors and the row lookup."""
-    model = _quantized(tied_lm, "int8")
+@pytest.mark.parametrize("quantization", ["int8", "int4:g32"])
+def test_the_compiled_step_runs_quantized_weights_without_recompiling(tied_lm, quantization):
+    """Really compiles (about 30 s on two loaded cores): inductor takes torchao's tensors and the row lookup (int4:
+    the unpacking of aten's packing)."""
+    model = _quantized(tied_lm, quantization)
     enc = tied_lm.tokenizer(["hello world, this is"], return_tensors="pt")
     tokens = [Generator(model, GenerateConfig(engine=engine, max_new_tokens=12, temperature=0, max_seq_len=64),
                         tokenizer=tied_lm.tokenizer).generate(enc.input_ids, enc.attention_mask)
