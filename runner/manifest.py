@@ -75,8 +75,9 @@ class ModelSpec(Strict):
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
     quantization: str = Field("none", description=(
         "Weight quantization through torchao: none, int8 (weight-only, per row), int8-dynamic (int8 weights and "
-        "activations quantized per token), int4 (weight-only, groups of 64 inputs; int4:g32, int4:g128; bfloat16 "
-        "models only). cpu or cuda. See docs/weights.md."))
+        "activations quantized per token), int4 (weight-only, groups of 64 inputs, the embedding "
+        "too; int4:g32, int4:g128; int4:g32:e8 keeps the embedding and a tied head in int8; bfloat16 models only). "
+        "cpu or cuda. See docs/weights.md."))
 
     @model_validator(mode="before")
     @classmethod

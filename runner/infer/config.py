@@ -37,7 +37,8 @@ INT4_DEFAULT_GROUP = 64
 def parse_quantization(text: str) -> tuple[str, dict]:
     """A weight quantization string → (name, options); ValueError naming the known ones.
 
-    "int8" → ("int8", {}); "int4" → ("int4", {"group_size": 64}); "int4:g32" → ("int4", {"group_size": 32}).
+    "int8" → ("int8", {}); "int4" → ("int4", {"group_size": 64, "embedding_bits": 4});
+    "int4:g32:e8" → ("int4", {"group_size": 32, "embedding_bits": 8}): the embedding (and a head tied to it) in int8.
     """
     name, *fields = text.split(":")
     if name not in QUANTIZATIONS:
@@ -49,16 +50,20 @@ def parse_quantization(text: str) -> tuple[str, dict]:
         if fields:
             raise ValueError(f"quantization {name!r} takes no options (got {text!r})")
         return name, {}
-    group = INT4_DEFAULT_GROUP
-    if fields:
-        digits = fields[0][1:]
-        if len(fields) > 1 or fields[0][:1] != "g" or not (digits.isascii() and digits.isdigit()):
-            raise ValueError(f"bad option in quantization {text!r}: expected int4:g<group size>, e.g. int4:g32")
-        group = int(digits)
-    if group not in INT4_GROUPS:
+    options = {"group_size": INT4_DEFAULT_GROUP, "embedding_bits": 4}
+    keys = {"g": "group_size", "e": "embedding_bits"}
+    for field in fields:
+        key, digits = keys.get(field[:1]), field[1:]
+        if key is None or not (digits.isascii() and digits.isdigit()) or fields.count(field) > 1:
+            raise ValueError(f"bad option in quantization {text!r}: expected int4:g<group size>[:e8], e.g. int4:g32 "
+                             f"or int4:g32:e8 (the embedding in int8)")
+        options[key] = int(digits)
+    if options["group_size"] not in INT4_GROUPS:
         raise ValueError(f"quantization {text!r}: int4 group size must be one of "
-                         f"{', '.join(map(str, INT4_GROUPS))} (got {group})")
-    return name, {"group_size": group}
+                         f"{', '.join(map(str, INT4_GROUPS))} (got {options['group_size']})")
+    if options["embedding_bits"] not in (4, 8):
+        raise ValueError(f"quantization {text!r}: the embedding's bits must be 4 or 8 (e4, e8)")
+    return name, options
 
 
 def check_quantizations(values: list[str] | None) -> list[str] | None:
@@ -69,9 +74,11 @@ def check_quantizations(values: list[str] | None) -> list[str] | None:
 
 
 def canonical_quantization(text: str) -> str:
-    """The one spelling: `int4` → `int4:g64`; the others as they are."""
+    """The one spelling: `int4` → `int4:g64`, `int4:g32:e4` → `int4:g32`; the others as they are."""
     name, options = parse_quantization(text)
-    return f"{name}:g{options['group_size']}" if options else name
+    if not options:
+        return name
+    return f"{name}:g{options['group_size']}" + (":e8" if options["embedding_bits"] == 8 else "")
 
 
 def torch_dtype(name: str):

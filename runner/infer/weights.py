@@ -16,8 +16,8 @@ backend has no compiled path. What each name stores, per Linear [N out, K in]:
                   (tile-packed for tinygemm). bfloat16 models only: on CPU a float32 activation takes aten's slow
                   path (measured ~500× slower than bfloat16 for one row), on CUDA the kernel is bfloat16.
 The input embedding is a lookup, not a matmul: `QuantEmbedding` gathers the ids' rows of codes and scales. Under int4 on
-CPU it is stored like an int4 Linear (aten's packing, whose row order `int4_row_block` finds by packing a probe), else in
-int8 per row. A tied embedding and output head stay tied: one tensor serves both, so nothing is stored twice.
+CPU it is stored like an int4 Linear (aten's packing, whose row order `int4_row_block` finds by packing a probe), else
+(and under `int4:gG:e8`, for the quality an int8 embedding and head keep) in int8 per row. A tied embedding and output head stay tied: one tensor serves both, so nothing is stored twice.
 Does not know about manifests, quality or selection.
 """
 
@@ -126,7 +126,8 @@ def assignments(model, quantization: str) -> list[tuple[str, torch.nn.Module, st
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     cuda = next(model.parameters()).device.type == "cuda"
-    int4_lookup = name == "int4" and not cuda and _int4_readable(embedding.weight.shape, options["group_size"])
+    int4_lookup = (name == "int4" and options["embedding_bits"] == 4 and not cuda
+                   and _int4_readable(embedding.weight.shape, options["group_size"]))
     plan = []
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):

@@ -19,7 +19,7 @@ from runner.infer.weights import (QuantEmbedding, estimate_weight_bytes, int4_ro
                                   weight_bytes)
 from tests.conftest import TINY_LLAMA
 
-VARIANTS = ["int8", "int8-dynamic", "int4:g32", "int4:g64"]
+VARIANTS = ["int8", "int8-dynamic", "int4:g32", "int4:g64", "int4:g32:e8"]
 TIED = {**TINY_LLAMA, "tie_word_embeddings": True, "vocab_size": 320}  # rows a multiple of int4's row block (64)
 
 
@@ -42,7 +42,7 @@ def _expected_bytes(model, quantization) -> int:
     """From the layout torchao stores, written out here on its own: int8 N·K codes + an fp32 scale and an int8 zero
     per row; int4 N·K/2 + a scale and a zero per group of G in the model dtype (rows not a multiple of 16: int8); the
     embedding int8 per row, or int4 when its rows are a multiple of int4's row block of 64 (the untied tiny model's
-    258 are not; tied: the head's tensor, counted once, int4 when its rows are)."""
+    258 are not) and not under :e8; tied: the head's tensor, counted once, int4 when its rows are)."""
     name, options = parse_quantization(quantization)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head.weight is embedding.weight
@@ -51,7 +51,8 @@ def _expected_bytes(model, quantization) -> int:
     matrices = [m for m in model.modules() if isinstance(m, torch.nn.Linear)] + ([] if tied else [embedding])
     for m in matrices:
         rows, cols = m.weight.shape
-        if name == "int4" and rows % (64 if m in (head, embedding) else 16) == 0:
+        lookup = m is embedding or (tied and m is head)
+        if name == "int4" and rows % (64 if lookup else 16) == 0 and not (lookup and options["embedding_bits"] == 8):
             total += rows * cols // 2 + cols // options["group_size"] * rows * 2 * m.weight.element_size()
         else:
             total += rows * cols + rows * 5
@@ -78,6 +79,7 @@ def test_a_tensor_subclass_counts_its_inner_tensors(tied_lm):
 
 
 @pytest.mark.parametrize("quantization, step_of", [("int8", lambda head, ids: head.weight.scale[ids] / 2),
+                                                    ("int4:g64:e8", lambda head, ids: head.weight.scale[ids] / 2),
                                                     ("int4:g64", lambda head, ids: _int4_scales(head.weight, ids))])
 def test_a_tied_embedding_reads_the_heads_rows(tied_lm, quantization, step_of):
     base = _base(tied_lm, quantization)
@@ -150,6 +152,11 @@ def test_int4_asks_for_bfloat16(tiny_lm):
 
 def test_names_and_group_sizes_are_checked():
     assert canonical_quantization("int4") == "int4:g64" and canonical_quantization("int8") == "int8"
+    assert canonical_quantization("int4:e8:g32") == "int4:g32:e8" and canonical_quantization("int4:g32:e4") == "int4:g32"
+    with pytest.raises(ValueError, match="embedding's bits must be 4 or 8"):
+        parse_quantization("int4:e2")
+    with pytest.raises(ValueError, match="bad option .*int4:g32:e8 \\(the embedding in int8\\)"):
+        parse_quantization("int4:g32:g32")
     with pytest.raises(ValueError, match="did you mean 'int8'"):
         parse_quantization("int9")
     with pytest.raises(ValueError, match="group size must be one of 32, 64, 128"):
