@@ -197,10 +197,12 @@ def quantize_model(model, quantization: str):
                       else ao.Int8Tensor.from_hp(table, granularity=ao.PerRow()))
             model.set_input_embeddings(QuantEmbedding(torch.nn.Parameter(weight, requires_grad=False),
                                                       getattr(module, "embed_scale", None)))
-    fallback = sum(1 for _, _, how in plan if how in ("int8", "embedding-int8")) if name == "int4" else 0
+    asked = name == "int4" and options["embedding_bits"] == 8  # :e8: the lookup's table in int8 is no fallback
+    fallback = [module_name for module_name, module, how in plan if name == "int4" and how.endswith("int8")
+                and not (asked and (module is head or how == "embedding-int8"))]
     if fallback:
-        log.info("int4: %d matrices stored in int8 (output rows not a multiple of %d, inputs not of the group size, "
-                 "or an embedding whose rows the int4 packing cannot give back)", fallback, INT4_ROWS)
+        log.info("int4: stored in int8 (output rows not a multiple of %d, inputs not of the group size, or an "
+                 "embedding whose rows the int4 packing cannot give back): %s", INT4_ROWS, ", ".join(fallback))
     return model
 
 

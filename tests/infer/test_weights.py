@@ -112,12 +112,16 @@ def test_int4_rows_gathered_for_the_lookup_equal_what_the_int4_kernel_multiplies
     assert int4_row_block() == 64 and torch.equal(model.get_input_embeddings()(ids), kernel_rows)
 
 
-def test_an_untied_embedding_under_int4_is_int4_when_its_rows_allow_and_int8_otherwise(tiny_lm):
+def test_an_untied_embedding_under_int4_is_int4_when_its_rows_allow_and_int8_otherwise(tiny_lm, tied_lm, caplog):
     untied = {**TINY_LLAMA, "vocab_size": 320}
+    caplog.set_level("INFO", logger="runner.infer.weights")
     readable = quantize_model(_base(load_model(config=untied, device="cpu", seed=0), "int4:g32"), "int4:g32")
     assert hasattr(readable.get_input_embeddings().weight, "scale_and_zero")
+    _quantized(tied_lm, "int4:g32:e8")  # int8 as asked: not a fallback
+    assert "stored in int8" not in caplog.text
     other = _quantized(tiny_lm, "int4:g32")  # 258 rows: not a multiple of 64
     assert hasattr(other.get_input_embeddings().weight, "zero_point")
+    assert "stored in int8 (" in caplog.text and caplog.text.count("embed_tokens") == 1
 
 
 @pytest.mark.parametrize("quantization, max_delta", [("int8", 0.01), ("int8-dynamic", 0.02), ("int4:g32", 0.1)])
