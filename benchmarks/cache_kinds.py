@@ -61,10 +61,13 @@ REFERENCE = ["kivi4", "kivi3", "kivi3:s4:o2", "kivi3:rot:rotv", "kivi2", "kivi2:
              "kivi2:rot:rotv", "kivi2:r128:s4:o2"]
 GRID = [f"kivi3:{base}" for base in ("g64:r128", "g128:r128", "g128:r128:s4", "g128:r128:s4:o0.5", "g128:r128:s4:o1",
                                      "g128:r128:s4:nuq", "g128:r128:s4:o0.5:nuq", "g64:r128:s4:o0.5:nuq",
-                                     "g128:r128:s4:o0.5:rotv", "g128:r128:s4:o0.5:rot:rotv:nuq")] + [
+                                     "g128:r128:s4:o0.5:rotv", "g128:r128:s4:o0.5:rot:rotv:nuq",
+                                     "g64:r128:s4:o0.5:nuq", "g64:r128:s4:o1:b64:nuq", "k4v2:g128:r128:s4:o0.5:nuq",
+                                     "k4v3:g128:r128:s4:b64", "k4v3:g128:r128:s4:b64:nuq")] + [
         f"kivi2:{base}" for base in ("g128:r128", "g128:r128:s4", "g128:r128:s4:o1", "g128:r128:s4:nuq",
                                      "g128:r128:s4:o1:nuq", "g128:r128:s4:o1:rot:rotv", "g128:r128:s4:o1:rot:rotv:nuq",
-                                     "g64:r128:s4:o1:nuq", "g128:r128:s4:o2:nuq", "g128:r128:s4:rot:rotv:nuq")]
+                                     "g64:r128:s4:o1:nuq", "g128:r128:s4:o2:nuq", "g128:r128:s4:rot:rotv:nuq",
+                                     "g128:r128:s4:o2:b64:nuq", "k3v2:g128:r128:s4:b64:nuq")]
 
 
 def decode_from(model, start, steps: int):

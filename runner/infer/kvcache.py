@@ -157,13 +157,15 @@ class KiviLayer(QuantLayer):
     Options (kvcodes.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
     `outlier_percent` % of each chunk of g tokens × D values kept exact (fp16 + index); keys and/or values rotated
     by a fixed randomized Hadamard matrix before quantizing (`rotate_keys`, `rotate_values`); `levels` = (key
-    levels, value levels), fitted non-uniform codes (nuq) instead of uniform steps.
+    levels, value levels), fitted non-uniform codes (nuq) instead of uniform steps; `key_bits` / `value_bits` (k4v2)
+    different widths for the two sides (the class's `bits` is the default of both); values in blocks of
+    `value_block` channels (b64) instead of 32.
     S sinks, Q quantized tokens, r residual tokens, T = S + Q + r; S = min(T, sinks) and Q = floor((T − S) /
     residual_len)·residual_len after every update and crop, so what is held depends only on T (the estimator relies
     on it). Tensors (sequence dim -2, batch 0):
         sink_keys [B,H,S,Dk], sink_values [B,H,S,Dv] in the dtype K/V arrived in
-        key_codes [B,H,Q·b/8,Dk] uint8     key_scales, key_mins [B,H,Q/g,Dk] fp16    (per channel per group)
-        value_codes [B,H,Q,NB·32·b/8]      value_scales, value_mins [B,H,Q,NB] fp16  (per token per 32-block)
+        key_codes [B,H,Q·bk/8,Dk] uint8    key_scales, key_mins [B,H,Q/g,Dk] fp16    (per channel per group)
+        value_codes [B,H,Q,NB·bs·bv/8]     value_scales, value_mins [B,H,Q,NB] fp16  (per token per block of bs)
         key_outliers, value_outliers [B,H,Q/g,k] fp16, key_outlier_index, value_outlier_index [B,H,Q/g,k] int16
         residual_keys [B,H,r,Dk], residual_values [B,H,r,Dv] in the dtype K/V arrived in.
     With nuq the scales are the groups' ranges (max − min). The codebooks count once per layer while T > 0.
@@ -178,9 +180,12 @@ class KiviLayer(QuantLayer):
 
     def __init__(self, group_size: int = 32, residual_len: int | None = None, sinks: int = 0,
                  outlier_percent: float = 0.0, rotate_keys: bool = False, rotate_values: bool = False,
-                 nuq: bool = False, levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+                 nuq: bool = False, levels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 key_bits: int | None = None, value_bits: int | None = None, value_block: int = BLOCK, **kwargs):
         super().__init__(**kwargs)
-        options = kivi_options(self.bits, group_size, residual_len)
+        self.key_bits, self.value_bits = key_bits or self.bits, value_bits or self.bits
+        self.value_block = value_block
+        options = kivi_options(self.key_bits, group_size, residual_len)
         self.group_size, self.residual_len = options["group_size"], options["residual_len"]
         self.sinks, self.outlier_percent = sinks, outlier_percent
         self.rotate_keys, self.rotate_values = rotate_keys, rotate_values
@@ -203,17 +208,18 @@ class KiviLayer(QuantLayer):
         values = rotate(values) if self.rotate_values else values
         keys, key_outliers = self._outliers(keys, per_channel=True)
         values, value_outliers = self._outliers(values, per_channel=False)
+        kb, vb, g, block = self.key_bits, self.value_bits, self.group_size, self.value_block
         if self.levels is not None:
-            return (*quantize_levels(keys, self.levels[0], self.bits, self.group_size, dim=-2),
-                    *quantize_levels(values, self.levels[1], self.bits, BLOCK, dim=-1), *key_outliers, *value_outliers)
-        return (*quantize_groups(keys, self.bits, self.group_size, dim=-2),
-                *quantize_groups(values, self.bits, BLOCK, dim=-1), *key_outliers, *value_outliers)
+            return (*quantize_levels(keys, self.levels[0], kb, g, dim=-2),
+                    *quantize_levels(values, self.levels[1], vb, block, dim=-1), *key_outliers, *value_outliers)
+        return (*quantize_groups(keys, kb, g, dim=-2), *quantize_groups(values, vb, block, dim=-1),
+                *key_outliers, *value_outliers)
 
     def _outliers(self, x: torch.Tensor, per_channel: bool):
         """x [B,H,n,D] → (x with its outliers replaced, (values, indices) [B,H,n/g,k]); k = 0: x as it is."""
         count, g = outlier_count(self.outlier_percent, self.group_size, x.shape[-1]), self.group_size
         if count and x.shape[-2]:
-            filled, values, index = split_outliers(x.float(), count, g, BLOCK, per_channel)
+            filled, values, index = split_outliers(x.float(), count, g, self.value_block, per_channel)
             return filled, (values, index)
         shape = (*x.shape[:-2], x.shape[-2] // g, count)
         return x, (x.new_empty(shape, dtype=torch.float16), x.new_empty(shape, dtype=index_dtype(g, x.shape[-1])))
@@ -221,7 +227,7 @@ class KiviLayer(QuantLayer):
     def _rows(self, name: str, tokens: int) -> int:
         """Rows (dim -2) of tensor `name` that `tokens` quantized tokens take (tokens a multiple of group_size)."""
         if name == "key_codes":
-            return tokens * self.bits // 8
+            return tokens * self.key_bits // 8
         return tokens // self.group_size if name in self.PER_GROUP else tokens
 
     def quantized_len(self) -> int:
@@ -263,19 +269,19 @@ class KiviLayer(QuantLayer):
         inverse rotation (in float32)."""
         quantized, g = keys.shape[-2], self.group_size
         if self.levels is None and not (self.outlier_percent or self.rotate_keys or self.rotate_values):
-            dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.bits, g, quantized,
+            dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.key_bits, g, quantized,
                               keys.dtype, dim=-2, out=keys)
-            dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.bits, BLOCK, self.value_dim,
-                              values.dtype, dim=-1, out=values)
+            dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.value_bits, self.value_block,
+                              self.value_dim, values.dtype, dim=-1, out=values)
             return
-        for side, out, group, dim, length, rotated, levels in (
-                ("key", keys, g, -2, quantized, self.rotate_keys, 0), ("value", values, BLOCK, -1, self.value_dim,
-                                                                       self.rotate_values, 1)):
+        for side, out, bits, group, dim, length, rotated, levels in (
+                ("key", keys, self.key_bits, g, -2, quantized, self.rotate_keys, 0),
+                ("value", values, self.value_bits, self.value_block, -1, self.value_dim, self.rotate_values, 1)):
             codes, scales, mins = t[f"{side}_codes"], t[f"{side}_scales"], t[f"{side}_mins"]
             if self.levels is not None:
-                x = dequantize_levels(codes, scales, mins, self.levels[levels], self.bits, group, length, dim=dim)
+                x = dequantize_levels(codes, scales, mins, self.levels[levels], bits, group, length, dim=dim)
             else:
-                x = dequantize_groups(codes, scales, mins, self.bits, group, length, torch.float32, dim=dim)
+                x = dequantize_groups(codes, scales, mins, bits, group, length, torch.float32, dim=dim)
             restore_outliers_(x, t[f"{side}_outliers"], t[f"{side}_outlier_index"], g)
             out.copy_(unrotate_(x) if rotated else x)
 
@@ -350,7 +356,7 @@ def make_cache(kind: str | None, model) -> Cache:
         return DynamicCache(config=model.config)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     if options.get("nuq"):  # fitted once per model and options, then read from ~/.cache/runner
-        levels = fitted_levels(model, KIVI_BITS[name], options)
+        levels = fitted_levels(model, options)
         return Cache(layers=[CACHE_KINDS[name](**options, levels=levels[i]) for i in range(n_layers)])
     return Cache(layers=[CACHE_KINDS[name](**options) for _ in range(n_layers)])
 
@@ -376,14 +382,15 @@ def _dims(config) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
-def _kivi_head_bytes(bits: int, group_size: int, head_dim: int, tokens: int) -> int:
+def _kivi_head_bytes(options: dict, head_dim: int, tokens: int) -> int:
     """K + V bytes of `tokens` quantized tokens (a multiple of group_size) of one head in one layer.
 
-    keys: tokens·D·b/8 code bytes + tokens/g groups × D channels × (fp16 scale + fp16 min);
-    values: tokens × ceil(D/32) blocks × (32·b/8 code bytes + fp16 scale + fp16 min).
+    keys: tokens·D·bk/8 code bytes + tokens/g groups × D channels × (fp16 scale + fp16 min);
+    values: tokens × ceil(D/bs) blocks × (bs·bv/8 code bytes + fp16 scale + fp16 min), bs the value block (32).
     """
-    keys = tokens * head_dim * bits // 8 + tokens // group_size * head_dim * 4
-    values = tokens * -(-head_dim // BLOCK) * (BLOCK * bits // 8 + 4)
+    block = options["value_block"]
+    keys = tokens * head_dim * options["key_bits"] // 8 + tokens // options["group_size"] * head_dim * 4
+    values = tokens * -(-head_dim // block) * (block * options["value_bits"] // 8 + 4)
     return keys + values
 
 
@@ -416,7 +423,7 @@ def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int |
     name, options = parse_kind(kind)
     if name in KIVI_BITS:
         group = options["group_size"]
-        per_group = layers * kv_heads * (_kivi_head_bytes(KIVI_BITS[name], group, head_dim, group)
+        per_group = layers * kv_heads * (_kivi_head_bytes(options, head_dim, group)
                                          + _outlier_chunk_bytes(options, head_dim))
         return per_group // group if per_group % group == 0 else per_group / group
     if name in CODE_BITS:
@@ -445,11 +452,12 @@ def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, mod
     if name not in KIVI_BITS:
         return batch * seq_len * bytes_per_token(config, kind, model_dtype)
     layers, kv_heads, head_dim = _dims(config)
-    bits, group = KIVI_BITS[name], options["group_size"]
+    group = options["group_size"]
     sinks, quantized, _ = _kivi_split(options, seq_len)
-    compressed = (_kivi_head_bytes(bits, group, head_dim, quantized) + sinks * 2 * head_dim * model_dtype.itemsize
+    compressed = (_kivi_head_bytes(options, head_dim, quantized) + sinks * 2 * head_dim * model_dtype.itemsize
                   + quantized // group * _outlier_chunk_bytes(options, head_dim))
-    codebooks = layers * 2 * 2**bits * 2 if options["nuq"] and seq_len else 0  # fp16 levels, K and V, per layer
+    levels = 2 ** options["key_bits"] + 2 ** options["value_bits"]
+    codebooks = layers * levels * 2 if options["nuq"] and seq_len else 0  # fp16 levels, K and V, per layer
     return (batch * layers * kv_heads * compressed + codebooks
             + residual_bytes(config, kind, batch, seq_len, model_dtype))
 

@@ -32,24 +32,34 @@ def _codebooks_in_tmp(tmp_path, monkeypatch):
 
 def _layer(kind, keys, values, chunks=()):
     name, options = parse_kind(kind)
-    levels = (torch.linspace(0, 1, 2**Kivi3Layer.bits).half(),) * 2 if options["nuq"] else None
+    levels = tuple(torch.linspace(0, 1, 2 ** options[side]).half() for side in ("key_bits", "value_bits"))
     from runner.infer.kvcache import CACHE_KINDS
 
-    layer = CACHE_KINDS[name](**options, levels=levels)
+    layer = CACHE_KINDS[name](**options, levels=levels if options["nuq"] else None)
     bounds = [0, *chunks, keys.shape[-2]]
     for start, end in zip(bounds, bounds[1:]):
         out = layer.update(keys[..., start:end, :], values[..., start:end, :])
     return layer, out
 
 
-@pytest.mark.parametrize("kind", ["kivi3:g8:r16:s5:o1:rot:nuq", "kivi2:nuq"])  # the other options: test_kvcache
-def test_estimator_equals_measured_bytes_with_fitted_codes(kind, hd64_lm):
-    model = hd64_lm.model
+@pytest.mark.parametrize("kind, levels", [("kivi3:g8:r16:s5:o1:rot:nuq", 8 + 8), ("kivi2:nuq", 4 + 4),
+                                          ("kivi3:k4v2:g8:r16:s3:o1:b16:nuq", 16 + 4), ("kivi2:k3v2:b64:nuq", 8 + 4)])
+def test_estimator_equals_measured_bytes_with_fitted_codes(kind, levels, hd64_lm):
+    model = hd64_lm.model  # the other options: test_kvcache, and the split widths below
     for batch, seq_len, steps in FILLS[::2]:
         cache = _fill(model, kind, batch, seq_len, steps)
         assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, batch, seq_len + steps, model.dtype) > 0
-        levels = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.levels)
-        assert levels == 2 * 2 * 2**cache.layers[0].bits * 2  # 2 layers × K, V × fp16 levels
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.levels)
+        assert held == 2 * levels * 2  # 2 layers × (K levels + V levels) × fp16
+
+
+@pytest.mark.parametrize("kind", ["kivi3:k4v2", "kivi3:k4v3:g16:r48:s3:o1", "kivi2:k3v2:g8:r16:b64:rotv",
+                                  "kivi4:b16", "kivi3:k2v4:b64:s2"])
+def test_estimator_equals_measured_bytes_with_split_widths_and_value_blocks(kind, hd64_lm, tiny_lm):
+    for model in (hd64_lm.model, tiny_lm.model):  # head_dim 64 and 16 (b64, b32 and b16: a ragged, padded block)
+        for batch, seq_len, steps in FILLS:
+            cache = _fill(model, kind, batch, seq_len, steps)
+            assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, batch, seq_len + steps, model.dtype)
 
 
 def test_bytes_of_the_options_for_smollm2_shapes():
@@ -68,9 +78,15 @@ def test_bytes_of_the_options_for_smollm2_shapes():
     assert estimate_cache_bytes(SMOLLM2, "kivi3:g64:r128:nuq", 2, 1024, torch.float32) == estimate_cache_bytes(
         SMOLLM2, "kivi3:g64:r128", 2, 1024, torch.float32) + 30 * 2 * 8 * 2
     assert residual_bytes(SMOLLM2, "kivi3:g64:r128:s4", 1, 4 + 1000, torch.float32) == 30 * 3 * 2 * 64 * 104 * 4
+    # keys at 4 bits (32 + 8), values at 2 (16 + 8): kivi3's bytes; values in one block of 64: 16 + 4
+    assert bytes_per_token(SMOLLM2, "kivi3:k4v2", torch.float32) == 30 * 3 * (32 + 8 + 16 + 8) == 0.25 * fp16
+    assert bytes_per_token(SMOLLM2, "kivi2:k3v2:g128:b64", torch.float32) == 30 * 3 * (24 + 2 + 16 + 4)
+    assert estimate_cache_bytes(SMOLLM2, "kivi3:k4v2:nuq", 1, 64, torch.float32) == estimate_cache_bytes(
+        SMOLLM2, "kivi3:k4v2", 1, 64, torch.float32) + 30 * (16 + 4) * 2
 
 
-@pytest.mark.parametrize("kind", ["kivi3:g8:r16:s5:o2", "kivi2:g16:r32:s4:o1:rot:rotv", "kivi3:s3:nuq:rotv"])
+@pytest.mark.parametrize("kind", ["kivi3:g8:r16:s5:o2", "kivi2:g16:r32:s4:o1:rot:rotv", "kivi3:s3:nuq:rotv",
+                                  "kivi3:k4v2:g8:r16:s2:o1:b16:nuq"])
 def test_state_depends_only_on_the_tokens_not_the_chunking(kind):
     keys, values = _kv(seq=100, head_dim=64)
     one_go, out = _layer(kind, keys, values)
@@ -79,7 +95,8 @@ def test_state_depends_only_on_the_tokens_not_the_chunking(kind):
         assert _same(one_go, chunked) and all(torch.equal(a, b) for a, b in zip(out, chunked_out))
 
 
-@pytest.mark.parametrize("kind", ["kivi3:s4", "kivi2:g16:r32:s4:o2:rot", "kivi3:g8:r16:s2:o1:rotv:nuq"])
+@pytest.mark.parametrize("kind", ["kivi3:s4", "kivi2:g16:r32:s4:o2:rot", "kivi3:g8:r16:s2:o1:rotv:nuq",
+                                  "kivi2:k3v2:g8:r16:s2:o1:b64:nuq"])
 @pytest.mark.parametrize("crop", [-1, -7, -20, -38, -60, -74, -76])
 def test_sinks_and_outliers_survive_crops_and_attention_sees_the_same_kv(kind, crop):
     """Crops inside the residual, across groups and into the sinks: every kept token has exactly the K/V it had,
@@ -100,7 +117,7 @@ def test_sinks_and_outliers_survive_crops_and_attention_sees_the_same_kv(kind, c
         assert torch.equal(after_v[..., :keep, :], v[..., :keep, :])
 
 
-@pytest.mark.parametrize("kind", ["kivi3:s4:o1", "kivi2:s3:o2:rot:rotv"])
+@pytest.mark.parametrize("kind", ["kivi3:s4:o1", "kivi2:s3:o2:rot:rotv", "kivi3:k4v2:s4:o1:b64"])
 def test_batch_reorder_select_and_repeat_permute_sinks_and_outliers(kind):
     keys, values = _kv(seq=45, head_dim=64)  # 4 sinks, 32 quantized, 9 residual
     for apply, rows in [(lambda layer: layer.reorder_cache(torch.tensor([2, 0, 1])), [2, 0, 1]),
@@ -130,11 +147,32 @@ def test_rotation_alone_round_trips_through_the_layer_within_the_rotated_bound()
         assert (got - want).abs().mean() < 0.15 * want.abs().mean()
 
 
+def test_split_widths_code_each_side_exactly_as_the_kind_of_that_width_does():
+    """k4v2: the keys of kivi4 and the values of kivi2, bit for bit; b64: values coded in blocks of 64 channels,
+    a coarser step than blocks of 32 but within the 2-bit bound of a block's range."""
+    keys, values = _kv(batch=1, seq=64, head_dim=64)
+    values = values[..., :64]
+    _, (k4, v4) = _layer("kivi4", keys, values)
+    _, (k2, v2) = _layer("kivi2", keys, values)
+    split, (k, v) = _layer("kivi3:k4v2", keys, values)
+    assert torch.equal(k, k4) and torch.equal(v, v2) and not torch.equal(k, k2)
+    assert split.key_codes.shape[-2] == 64 * 4 // 8 and split.value_codes.shape[-1] == 64 * 2 // 8
+    _, (_, v64) = _layer("kivi2:b64", keys, values)
+    for got in (v2, v64):  # asymmetric 2 bits: at most half a step, a step = range / 3
+        blocks = values.unflatten(-1, (-1, 32 if got is v2 else 64))
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 3
+        assert ((got.unflatten(-1, blocks.shape[-2:]) - blocks).abs() <= step / 2 + 1e-3).all()
+    assert (v64 - values).abs().mean() > (v2 - values).abs().mean()
+
+
 def test_kind_strings_name_their_options_and_one_spelling():
     assert canonical_kind("kivi3") == "kivi3:g32:r32"
     assert canonical_kind("kivi3:nuq:rot:o1:s4:r128:g64") == "kivi3:g64:r128:s4:o1:rot:nuq"
     assert canonical_kind("kivi2:o0.5:rotv") == "kivi2:g32:r32:o0.5:rotv"
     assert parse_kind("kivi3:s4")[1]["sinks"] == 4 and parse_kind("kivi3:o1.5")[1]["outlier_percent"] == 1.5
+    assert canonical_kind("kivi3:k4v2:b64:s4:nuq") == "kivi3:g32:r32:s4:b64:k4v2:nuq"
+    assert canonical_kind("kivi3:k3v3:b32") == "kivi3:g32:r32"  # the defaults spelled out are the defaults
+    assert parse_kind("kivi2:k3v2")[1]["key_bits"] == 3 and parse_kind("kivi3")[1]["value_bits"] == 3
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -146,6 +184,11 @@ def test_kind_strings_name_their_options_and_one_spelling():
     ("kivi2:o1.x", "bad option 'o1.x'"),
     ("kivi3:rot:rot", "bad option 'rot'"),
     ("kivi5", "did you mean"),
+    ("kivi3:k4v4", "average 4: kivi3 takes splits whose average rounds down to 3"),
+    ("kivi3:k2v2", "average 2"),
+    ("kivi2:k3v2:g4", "positive multiple of 8 at 3 bits"),  # keys are packed along the tokens of a group
+    ("kivi3:b12", "value block \\(b\\) must be a positive multiple of 8 at 3 bits"),
+    ("kivi3:k5v1", "bad option 'k5v1'"),
 ])
 def test_bad_options_are_rejected_with_the_closest_valid_one(kind, message):
     with pytest.raises(ValueError, match=message):
@@ -183,7 +226,8 @@ def test_nuq_codes_are_fitted_once_per_model_and_options_and_cached_on_disk(hd64
     assert len(list((tmp_path / "codebooks").glob("*.json"))) == 2
 
 
-@pytest.mark.parametrize("kind", ["kivi3:s4:o1", "kivi2:g8:r16:s4:o2:rot:rotv", "kivi3:g8:r16:nuq"])
+@pytest.mark.parametrize("kind", ["kivi3:s4:o1", "kivi2:g8:r16:s4:o2:rot:rotv", "kivi3:g8:r16:nuq",
+                                  "kivi3:k4v2:g8:r16:b16:nuq"])
 def test_greedy_matches_transformers_with_the_options(tiny_lm, kind):
     from runner.infer.config import GenerateConfig
     from runner.infer.forward import DecodeState

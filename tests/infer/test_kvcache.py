@@ -319,11 +319,12 @@ def test_bytes_relative_to_fp16_for_smollm2_shapes():
 def test_parse_kind_resolves_aliases_and_defaults():
     assert parse_kind(None) == (None, {})
     assert parse_kind("q4") == ("q4_0", {}) and parse_kind("q4_1") == ("q4_1", {})
-    off = KIVI_DEFAULTS  # sinks, outliers, rotations, nuq: off unless named
-    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32, **off})
-    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64, **off})  # r defaults to g
-    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128, **off})
-    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128, **off})
+    off = KIVI_DEFAULTS  # sinks, outliers, rotations, nuq, value block: off unless named; both sides at the name's bits
+    four, two = {**off, "key_bits": 4, "value_bits": 4}, {**off, "key_bits": 2, "value_bits": 2}
+    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32, **four})
+    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64, **two})  # r defaults to g
+    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128, **four})
+    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128, **four})
 
 
 @pytest.mark.parametrize("kind, message", [

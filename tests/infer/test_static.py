@@ -119,7 +119,8 @@ def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
                            dequantize_groups(*quantized, bits, group, length, dtype, dim=dim))
 
 
-@pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq")])
+@pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
+                                         ("kivi3:k4v2", "k4v2"), ("kivi2:b64:s4", "s, b")])
 def test_static_kivi_refuses_the_options_it_has_no_layout_for(tiny_lm, kind, named):
     with pytest.raises(ValueError, match=f"no static layout for the KIVI option\\(s\\) {named} of cache kind"):
         make_static_cache(kind, tiny_lm.model, 1, 64)
