@@ -14,7 +14,7 @@ INFER = Path(runner.infer.__file__).parent
 LAYERS = [
     ("config", ["config", "quant", "kvcodes"]),
     ("loading", ["pinned", "zoo", "data", "weights", "models"]),
-    ("forward", ["forward"]),
+    ("forward", ["forward", "packed_attention"]),
     ("caches", ["codebooks", "kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "speed", "quality"]),
