@@ -32,7 +32,8 @@ from runner.infer.timing import Stopwatch, device_name
 from runner.report import ProgressFactory, no_progress
 
 MIB = 1024 * 1024
-CACHE_FORMAT = 2  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply (2: *_mib)
+CACHE_FORMAT = 3  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply
+# (2: *_mib; 3: rows say timed_on and compile_s)
 # Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
