@@ -4,7 +4,9 @@
                       → within_budget (estimated bytes at max_seq_len × batch)
                       → run_probe per kind, compare with the reference → gate_failures
                       → time_decode_kinds the survivors → choose → PlanStore.put
-The reference is the model's own dtype in transformers' DynamicCache. Every candidate's row (bytes,
+The survivors are timed on the engine the run decodes with (`engine`: eager, or compiled with its steps compiled
+first, the seconds that took in each row's `compile_s`, never in a timing); each row says which (`timed_on`) and
+the plan's key includes the engine. The reference is the model's own dtype in transformers' DynamicCache. Every candidate's row (bytes,
 ΔNLL, PPL ratio, KL, needle, tokens/s, verdict) is kept in the plan. Does not print tables, draw
 plots or know about manifests: the auto-cache-select step does that with the rows returned here.
 """
@@ -21,22 +23,24 @@ import transformers
 
 from runner.errors import InferenceError, RunnerError
 from runner.infer.cache_plans import PlanStore, plan_key
-from runner.infer.config import GenerateConfig, canonical_kind
+from runner.infer.config import GenerateConfig, canonical_kind, static_kind_problem
 from runner.infer.data import EvalText, load_text, token_windows
 from runner.infer.kvcache import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.infer.speed import time_decode_kinds
+from runner.infer.speed import compile_pairs, time_decode_kinds
 from runner.infer.timing import Stopwatch, device_name
 from runner.report import ProgressFactory, no_progress
 
 MIB = 1024 * 1024
-CACHE_FORMAT = 2  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply (2: *_mib)
+CACHE_FORMAT = 3  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply
+# (2: *_mib; 3: rows say timed_on and compile_s)
 # Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
                   "cache_quality_windows", "cache_quality_ppl_len", "cache_quality_on_fail", "cache_auto_benchmark",
                   "cache_auto_tie_break",
-                  "cache_auto_bench_steps", "cache_auto_bench_prompt_len", "cache_auto_bench_repeats", "max_seq_len")
+                  "cache_auto_bench_steps", "cache_auto_bench_prompt_len", "cache_auto_bench_repeats", "max_seq_len",
+                  "engine")
 
 
 @dataclass(frozen=True)
@@ -124,17 +128,36 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
         failures = gate_failures(metrics, config)
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
-    survivors = [row for row in fitting if row["passed"]]
+    survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
     if config.cache_auto_benchmark and survivors:
         prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
                               device=device)
-        timings = time_decode_kinds(model, prompt, config.cache_auto_bench_steps,
-                                    [row["kind"] for row in survivors], config.cache_auto_bench_repeats)
+        pairs = {row["kind"]: (model, row["kind"]) for row in survivors}
+        compile_s = (compile_pairs(pairs, prompt, config.cache_auto_bench_steps, config.max_seq_len)
+                     if config.engine == "compiled" else {})
+        timings = time_decode_kinds(model, prompt, config.cache_auto_bench_steps, list(pairs),
+                                    config.cache_auto_bench_repeats, engine=config.engine,
+                                    max_seq_len=config.max_seq_len)
         for row in survivors:
-            timing = timings[row["kind"]]
-            row.update(tokens_per_s=timing.decode_tokens_per_s.median,
-                       tokens_per_s_spread=timing.decode_tokens_per_s.spread, prefill_ms=timing.ttft_s.median * 1e3)
+            record_speed(row, timings[row["kind"]], config.engine, compile_s.get(row["kind"]))
     return rows
+
+
+def unserved(row: dict, config: GenerateConfig) -> bool:
+    """True, and the row failed with the reason, when the run's engine cannot decode with the row's kind (the
+    compiled engine's static KIVI layout has no sinks, outliers, rotation or nuq): it is neither timed nor chosen."""
+    problem = static_kind_problem(row["kind"]) if config.engine == "compiled" else None
+    if problem:
+        row.update(passed=False, verdict=problem)
+    return bool(problem)
+
+
+def record_speed(row: dict, timing, engine: str, compile_s: float | None) -> None:
+    """A survivor's decode speed, the engine that timed it and what compiling its step took (compiled only)."""
+    row.update(tokens_per_s=timing.decode_tokens_per_s.median, tokens_per_s_spread=timing.decode_tokens_per_s.spread,
+               prefill_ms=timing.ttft_s.median * 1e3, timed_on=engine)
+    if compile_s is not None:
+        row["compile_s"] = compile_s
 
 
 def config_probe(tokenizer, text: EvalText, config: GenerateConfig, device: torch.device):

@@ -5,7 +5,8 @@
                                equal to the measured ones) + cache bytes at max_seq_len × batch
                              → per weight candidate with a fitting pair: quantize a copy, run_probe per fitting kind,
                                compare with the reference → gate_failures
-                             → time the survivors interleaved (each on its own model) → fastest → PlanStore.put
+                             → time the survivors interleaved (each on its own model, on the run's engine, as
+                               cache selection does) → fastest → PlanStore.put
 The reference is the unquantized model with its own-dtype cache (transformers' DynamicCache), as in cache selection; a
 candidate is (weights, cache kind). Every pair's row is kept in the plan; the key is cache selection's fields plus the
 weight candidates, the memory budget and torchao's version, so plans without weight_candidates keep their keys.
@@ -22,12 +23,12 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer.autocache import (MIB, Selection, candidates, check_lengths, choose_row, config_probe,
-                                    gate_failures, model_identity, plan_fields, planned_selection, reference_kind,
-                                    within_budget)
+                                    gate_failures, model_identity, plan_fields, planned_selection, record_speed,
+                                    reference_kind, unserved, within_budget)
 from runner.infer.config import GenerateConfig, canonical_quantization
 from runner.infer.data import EvalText, load_text, token_windows
 from runner.infer.quality import compare, run_probe
-from runner.infer.speed import time_decode_pairs
+from runner.infer.speed import compile_pairs, time_decode_pairs
 from runner.infer.timing import Stopwatch
 from runner.infer.weights import estimate_weight_bytes, quantize_model, weight_bytes
 from runner.report import ProgressFactory, no_progress
@@ -106,16 +107,17 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
             models[weights] = candidate  # kept for the speed pick
         del candidate
     bar.close()
-    survivors = [row for row in fitting if row["passed"]]
+    survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
     if config.cache_auto_benchmark and survivors:
         prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
                               device=device)
         pairs = {label(r): (models[r["weights"]], r["kind"]) for r in survivors}
-        timings = time_decode_pairs(pairs, prompt, config.cache_auto_bench_steps, config.cache_auto_bench_repeats)
+        compile_s = (compile_pairs(pairs, prompt, config.cache_auto_bench_steps, config.max_seq_len)
+                     if config.engine == "compiled" else {})
+        timings = time_decode_pairs(pairs, prompt, config.cache_auto_bench_steps, config.cache_auto_bench_repeats,
+                                    engine=config.engine, max_seq_len=config.max_seq_len)
         for row in survivors:
-            timing = timings[label(row)]
-            row.update(tokens_per_s=timing.decode_tokens_per_s.median,
-                       tokens_per_s_spread=timing.decode_tokens_per_s.spread, prefill_ms=timing.ttft_s.median * 1e3)
+            record_speed(row, timings[label(row)], config.engine, compile_s.get(label(row)))
     return rows
 
 

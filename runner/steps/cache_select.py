@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 COLUMNS = {  # row key → table heading
     "kind": "kind", "estimated_mib": "est MiB", "measured_mib": "meas MiB", "delta_nll": "ΔNLL",
     "ppl_ratio": "PPL ratio", "mean_kl": "mean KL", "needle_found": "needle", "tokens_per_s": "tok/s",
-    "tokens_per_s_spread": "± tok/s",
+    "tokens_per_s_spread": "± tok/s", "timed_on": "timed on", "compile_s": "compile s",
     "verdict": "verdict",
 }
 JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib": "total MiB"}  # weight_candidates
@@ -70,7 +70,7 @@ def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:
     columns = {**JOINT_COLUMNS, **COLUMNS} if joint else COLUMNS
     frame = pd.DataFrame(rows).reindex(columns=list(columns)).rename(columns=columns)
     return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1,
-                        "± tok/s": 1, "weights MiB": 2, "total MiB": 2})
+                        "± tok/s": 1, "compile s": 1, "weights MiB": 2, "total MiB": 2})
 
 
 def describe(selection: Selection) -> dict:

@@ -195,3 +195,50 @@ def test_candidates_are_spelled_one_way_and_unknown_kinds_are_schema_errors():
         GenerateConfig(cache_kind="kiv4")
     with pytest.raises(ValidationError, match="residual length must be a positive multiple"):
         GenerateConfig(cache_candidates=["kivi4:g32:r48"])
+
+
+@pytest.fixture
+def static_engine(tiny_lm, monkeypatch):
+    """tiny_lm's compiled engine running its static step uncompiled (as in test_compiled.py)."""
+    from runner.infer import compiled
+
+    engine = compiled.CompiledEngine(tiny_lm.model, compile=False)
+    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, engine)
+    return engine
+
+
+def test_the_speed_pick_times_on_the_engine_the_run_decodes_with(tiny_lm, tmp_path, static_engine):
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0", "kivi4:g8:r16:s4"], cache_quality_max_mean_kl=10,
+                     cache_quality_max_delta_nll=10, cache_quality_max_ppl_ratio=10, engine="compiled")
+    selection = _select(tiny_lm, config)
+    rows = {row["kind"]: row for row in selection.rows}
+    assert selection.fields["settings"]["engine"] == "compiled"
+    for kind in ("fp32", "q8_0"):  # timed on static states of the engine, each shape prepared before the timing
+        assert rows[kind]["timed_on"] == "compiled" and rows[kind]["compile_s"] >= 0 and rows[kind]["tokens_per_s"] > 0
+        assert any(key[0] == kind for key in static_engine.warm)
+    assert not rows["kivi4:g8:r16:s4"]["passed"] and "no static layout" in rows["kivi4:g8:r16:s4"]["verdict"]
+    assert "tokens_per_s" not in rows["kivi4:g8:r16:s4"] and selection.kind in ("fp32", "q8_0")
+    assert static_engine.stats.recompiles == 0
+    eager = _select(tiny_lm, config.model_copy(update={"engine": "eager"}))
+    assert eager.key != selection.key and not eager.reused  # the engine is part of the plan's key
+    assert {row.get("timed_on") for row in eager.rows if row.get("tokens_per_s")} == {"eager"}
+    assert all("compile_s" not in row for row in eager.rows)
+
+
+@pytest.mark.slow
+def test_the_speed_pick_on_the_compiled_engine_compiles_before_timing_and_never_recompiles(tmp_path):
+    """Really compiles two shapes (fp32 and q8_0 at batch 1): about a minute each on two loaded cores."""
+    from tests.conftest import TINY_LLAMA
+
+    from runner.infer import compiled
+    from runner.infer.models import load_model
+
+    lm = load_model(config=TINY_LLAMA, device="cpu", seed=2)  # its own model object: its own compiled engine
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0"], cache_quality_max_mean_kl=10,
+                     cache_quality_max_delta_nll=10, cache_quality_max_ppl_ratio=10, engine="compiled",
+                     cache_auto_bench_repeats=3)
+    selection = _select(lm, config)
+    stats = compiled.engine_for(lm.model).stats
+    assert all(row["timed_on"] == "compiled" and row["compile_s"] > 0 for row in selection.rows)
+    assert stats.recompiles == 0 and sorted(key[0] for key in stats.compile_s) == ["fp32", "q8_0"]
+    assert {row["speed_verdict"] for row in selection.rows} <= {"fastest", "tied", "slower"}

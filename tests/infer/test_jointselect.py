@@ -45,7 +45,7 @@ class Stubs:
         d = self.delta_nll[candidate]
         return {"delta_nll": d, "ppl_ratio": 1.0 + d, "mean_kl": d, "measured_bytes_per_token": 1.0}
 
-    def time(self, pairs, prompt, steps, repeats, warmup=1):
+    def time(self, pairs, prompt, steps, repeats, warmup=1, engine="eager", max_seq_len=None):
         return {name: _timing(*self.speed[name]) for name in pairs}
 
 
