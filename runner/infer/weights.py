@@ -49,11 +49,12 @@ class QuantEmbedding(torch.nn.Module):
         super().__init__()
         self.weight = weight
         self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
+        self.row_block = int4_row_block() if hasattr(weight, "scale_and_zero") else None  # a constant to a graph
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
         w = self.weight
-        if hasattr(w, "scale_and_zero"):
-            rows = int4_rows(w.qdata, w.scale_and_zero, ids, int4_row_block()).to(w.dtype)
+        if self.row_block is not None:
+            rows = int4_rows(w.qdata, w.scale_and_zero, ids, self.row_block).to(w.dtype)
         else:  # Int8Tensor: qdata int8 [V,D], scale [V,1], zero_point [V,1]
             codes = w.qdata[ids].float() - w.zero_point[ids].float()
             rows = (codes * w.scale[ids].float()).to(w.dtype)
