@@ -6,13 +6,22 @@ In call order (shapes in comments):
 beam) and generators change it only through its methods. Special-token lookup (EOS, pad) lives here too.
 Knows nothing of cache kinds (a cache is passed in; one whose layers evict slots says which through
 `keep_columns`), sampling, timing or manifests.
+`reduced_attention(model)` makes the model's attention, while inside, `attend_reduced` (registered with
+transformers as REDUCED_ATTENTION): for one new column, scores and output are sums of products over the K/V the
+cache hands it, so a compiled graph fuses the cache's dequantization into those reductions instead of building the
+full float K/V (and its copy per query head) for sdpa; other lengths go to sdpa.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+REDUCED_ATTENTION = "runner_reduced"
 
 
 def positions_from(count: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
@@ -67,6 +76,44 @@ def prefill(model, ids: torch.Tensor, past_mask: torch.Tensor | None, new_mask: 
         mask = trim_mask(mask, cache)
         states.append(h)
     return logits, mask, torch.cat(states, dim=1) if hidden else None
+
+
+def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
+    """transformers' attention signature. One query column ([B,Hq,1,D] query; [B,Hkv,S,D] key and value, any
+    elementwise expression of the cache; [B,1,1,S] boolean or additive mask) → ([B,1,Hq,Dv], None) in float32
+    arithmetic, query heads grouped over their KV head (no copy of K/V per query head). The sums run in another
+    order than sdpa's, so results agree to float rounding, not bit for bit. Longer queries: sdpa."""
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    b, heads, _, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    scaling = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, 1, dim).float()  # [B,Hkv,G,1,D]
+    scores = (grouped * key[:, :, None].float()).sum(-1) * scaling  # [B,Hkv,G,S]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1, -columns:].reshape(attention_mask.shape[0], 1, 1, columns)  # [B|1,1,1,S]
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask.float())
+    probs = scores.softmax(-1)  # [B,Hkv,G,S]
+    out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B,Hkv,G,Dv]
+    return out.reshape(b, 1, heads, value.shape[-1]).to(query.dtype), None
+
+
+AttentionInterface.register(REDUCED_ATTENTION, attend_reduced)
+
+
+@contextmanager
+def reduced_attention(model):
+    """While inside, `model` attends with `attend_reduced` (its config's attention implementation swapped, then
+    restored): the compiled engine's static forwards, so eager forwards of the same model keep theirs."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = REDUCED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def sync(device: torch.device) -> None:
