@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from runner.infer.config import KIVI_BITS, parse_kind, static_kind_problem
 from runner.infer.kvcache import STORAGE_DTYPES, KiviLayer, _dims
-from runner.infer.quant import BLOCK, CODE_BITS, dequantize, dequantize_groups_expr, quantize, quantize_groups
+from runner.infer.quant import BLOCK, CODE_BITS, dequantize_expr, dequantize_groups_expr, quantize, quantize_groups
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
 
@@ -100,8 +100,8 @@ class StaticQuantLayer(StaticPlainLayer):
             codes, scales = quantize(new, self.kind)  # [B,H,T,C], [B,H,T,NB]
             getattr(self, f"{side}_codes").index_copy_(2, columns, codes)
             getattr(self, f"{side}_scales").index_copy_(2, columns, scales)
-        return (dequantize(self.key_codes, self.key_scales, self.kind, self.k_head_dim, keys.dtype),
-                dequantize(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
+        return (dequantize_expr(self.key_codes, self.key_scales, self.kind, self.k_head_dim, keys.dtype),
+                dequantize_expr(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
 
 
 class StaticKiviLayer(StaticPlainLayer):
