@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from runner.errors import InferenceError
+from runner.infer.attention import reduced_attention
 from runner.infer.forward import positions_from, sync
-from runner.infer.packed_attention import packed
 from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_interleaved, time_once
 from runner.infer.weights import is_quantized
@@ -226,7 +226,7 @@ class CompiledEngine:
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
         end = torch.tensor(columns, device=self.device)
         before = _graph_count()
-        with packed(self.model):
+        with reduced_attention(self.model):
             self.stats.compile_s[key] = time_once(  # no aliased inputs
                 lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
                 sync=lambda: sync(self.device))
@@ -239,7 +239,7 @@ class CompiledEngine:
     def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
         """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged."""
         before = _graph_count()
-        with packed(self.model):
+        with reduced_attention(self.model):
             logits = self.step(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
         made = _graph_count() - before
         if made:
@@ -329,7 +329,8 @@ class StaticDecodeState:
         if compiled and t in self.step_lengths:
             logits = self.engine.call(*args)
         else:
-            logits = decode_step(model, *args)
+            with reduced_attention(model):
+                logits = decode_step(model, *args)
         self.length += real
         return logits[:self.rows]
 

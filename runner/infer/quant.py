@@ -214,16 +214,37 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 
 
 def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """`unpack` as one expression (shifts and masks stacked next to `dim`, no writes into views): what a compiled
-    graph fuses into the kernel that consumes the codes."""
+    """`unpack` as one expression of indices (no stack, no writes into views): code n along `dim` is its byte (3
+    bits: its 3-byte word) shifted by its slot, so a compiled graph computes it inside the kernel that consumes the
+    codes (a stack would be built as a buffer of all the codes first). uint8 codes (int32 at 3 bits)."""
     dim = dim % packed.dim()
-    if bits == 3:  # three bytes → one 24-bit word → its 8 codes (see _pack3)
-        triples = packed.movedim(dim, -1).unflatten(-1, (-1, 3)).to(torch.int32)  # [..., P/3, 3]
-        word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
-        return torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=-1).flatten(-2).movedim(-1, dim)
-    per_byte, mask = 8 // bits, 2**bits - 1
-    slots = [(packed >> (bits * i)) & mask for i in range(per_byte)]  # code i of every byte
-    return torch.stack(slots, dim=dim + 1).flatten(dim, dim + 1)
+    units = packed
+    if bits == 3:  # three bytes → one 24-bit word of 8 codes (see _pack3)
+        triples = packed.unflatten(dim, (-1, 3)).to(torch.int32)  # [..., P/3, 3, ...]
+        units = triples.select(dim + 1, 0) | (triples.select(dim + 1, 1) << 8) | (triples.select(dim + 1, 2) << 16)
+    per_unit = CODES_PER_UNIT[bits]
+    shape = [*units.shape[:dim + 1], per_unit, *units.shape[dim + 1:]]
+    spread = units.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1)  # [..., N, ...]: each unit per_unit times
+    slots = torch.arange(spread.shape[dim], device=packed.device) % per_unit  # [N]
+    shifts = (slots * bits).to(spread.dtype).view(-1, *[1] * (spread.dim() - dim - 1))
+    return (spread >> shifts) & (2**bits - 1)
+
+
+def dequantize_expr(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize` as one elementwise expression, for the compiled engine: the same floats (the same products of
+    the same code values and scales), computed inside the kernel that reads them."""
+    if kind == "q4_1":
+        pairs = scales.unflatten(-1, (-1, 2))  # [..., NB, 2]
+        return dequantize_groups_expr(codes, pairs[..., 0], pairs[..., 1], 4, BLOCK, head_dim, dtype, dim=-1)
+    if kind == "q8_0":
+        values = codes.float()  # [..., NB*32]
+    elif kind == "q4_0":
+        values = unpack_expr(codes, 4).float() - 8
+    else:
+        values = _on(codes.device, "levels", NF4_LEVELS)[unpack_expr(codes, 4).long()]
+    blocks = values.unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
+    return blocks.flatten(-2)[..., :head_dim].to(dtype)
 
 
 def dequantize_groups_expr(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,

@@ -15,7 +15,9 @@ A column is a slot of the cache, not a token position: rows of a left-padded bat
 which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
 `StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
 engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
-dequantization of a quantized kind is one elementwise expression over fixed shapes that inductor fuses per layer.
+dequantization of a quantized kind is one elementwise expression over fixed shapes (quant.dequantize_expr,
+dequantize_groups_expr: unpacking, scale and minimum); the compiled engine's one-column attention sums products over
+it (forward.attend_reduced), so inductor computes it inside those sums and no full-size float K/V is written.
 Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
 """
@@ -27,7 +29,14 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from runner.infer.config import KIVI_BITS, parse_kind, static_kind_problem
 from runner.infer.kvcache import STORAGE_DTYPES, KiviLayer, _dims
-from runner.infer.quant import BLOCK, CODE_BITS, dequantize, dequantize_groups_expr, quantize, quantize_groups
+from runner.infer.quant import (
+    BLOCK,
+    CODE_BITS,
+    dequantize_expr,
+    dequantize_groups_expr,
+    quantize,
+    quantize_groups,
+)
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
 
@@ -100,8 +109,8 @@ class StaticQuantLayer(StaticPlainLayer):
             codes, scales = quantize(new, self.kind)  # [B,H,T,C], [B,H,T,NB]
             getattr(self, f"{side}_codes").index_copy_(2, columns, codes)
             getattr(self, f"{side}_scales").index_copy_(2, columns, scales)
-        return (dequantize(self.key_codes, self.key_scales, self.kind, self.k_head_dim, keys.dtype),
-                dequantize(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
+        return (dequantize_expr(self.key_codes, self.key_scales, self.kind, self.k_head_dim, keys.dtype),
+                dequantize_expr(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
 
 
 class StaticKiviLayer(StaticPlainLayer):

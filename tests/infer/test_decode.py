@@ -1,5 +1,6 @@
 """Our decode loop against transformers' generate(), and the Generator's stateful API."""
 
+
 import pytest
 import torch
 

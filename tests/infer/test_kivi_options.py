@@ -9,7 +9,7 @@ import torch
 from runner.infer import codebooks
 from runner.infer.config import canonical_kind, parse_kind
 from runner.infer.data import load_text
-from runner.infer.kvcache import (Kivi3Layer, KiviLayer, bytes_per_token, cache_bytes, estimate_cache_bytes,
+from runner.infer.kvcache import (KiviLayer, bytes_per_token, cache_bytes, estimate_cache_bytes,
                                   make_cache, residual_bytes)
 from runner.infer.quality import build_probe, compare, run_probe
 from tests.infer.test_kvcache import FILLS, HEAD_DIM_64, SMOLLM2, _fill, _kv, _same

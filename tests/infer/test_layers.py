@@ -14,7 +14,7 @@ INFER = Path(runner.infer.__file__).parent
 LAYERS = [
     ("config", ["config", "quant", "kvcodes"]),
     ("loading", ["pinned", "zoo", "data", "weights", "models"]),
-    ("forward", ["forward", "packed_attention"]),
+    ("forward", ["forward", "attention"]),
     ("caches", ["codebooks", "kvcache", "window", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "compiled", "speed", "quality"]),  # compiled: the engine speed.py times on

@@ -6,7 +6,14 @@ import torch
 
 from runner.infer.config import parse_kind
 from runner.infer.kvcache import CACHE_KINDS, _dims, cache_bytes, estimate_cache_bytes
-from runner.infer.quant import dequantize_groups, dequantize_groups_expr, quantize_groups
+from runner.infer.quant import (
+    dequantize,
+    dequantize_expr,
+    dequantize_groups,
+    dequantize_groups_expr,
+    quantize,
+    quantize_groups,
+)
 from runner.infer.static import StaticKiviLayer, make_static_cache, static_length
 
 B, H, D = 3, 2, 40  # head_dim 40: value blocks of 32 padded
@@ -117,6 +124,16 @@ def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_groups_expr(*quantized, bits, group, length, dtype, dim=dim),
                            dequantize_groups(*quantized, bits, group, length, dtype, dim=dim))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "nf4", "q4_1"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_fused_block_dequantizer_equals_dequantize(kind, head_dim):
+    x = torch.randn(2, 3, 17, head_dim, generator=torch.Generator().manual_seed(head_dim)) * 3 - 1
+    codes, scales = quantize(x, kind)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_expr(codes, scales, kind, head_dim, dtype),
+                           dequantize(codes, scales, kind, head_dim, dtype))
 
 
 @pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
