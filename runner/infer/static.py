@@ -17,7 +17,7 @@ which columns of a row are real. `StaticKVCache.columns` ([T] long) says where t
 engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
 dequantization of a quantized kind is one elementwise expression over fixed shapes (quant.dequantize_expr,
 dequantize_groups_expr: unpacking, scale and minimum); the compiled engine's one-column attention sums products over
-it (forward.attend_reduced), so inductor computes it inside those sums and no full-size float K/V is written.
+it (attention.attend_reduced), so inductor computes it inside those sums and no full-size float K/V is written.
 Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
 """
