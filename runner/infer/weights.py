@@ -17,7 +17,8 @@ backend has no compiled path. What each name stores, per Linear [N out, K in]:
                   path (measured ~500× slower than bfloat16 for one row), on CUDA the kernel is bfloat16.
 The input embedding is a lookup, not a matmul: `QuantEmbedding` gathers the ids' rows of codes and scales. Under int4 on
 CPU it is stored like an int4 Linear (aten's packing, whose row order `int4_row_block` finds by packing a probe), else
-(and under `int4:gG:e8`, for the quality an int8 embedding and head keep) in int8 per row. A tied embedding and output head stay tied: one tensor serves both, so nothing is stored twice.
+(and under `int4:gG:e8`, for the quality an int8 embedding and head keep) in int8 per row. A tied embedding and
+output head stay tied: one tensor serves both, so nothing is stored twice.
 Does not know about manifests, quality or selection.
 """
 
