@@ -3,7 +3,7 @@
     select_cache_kind → lookup plan (fresh: done, nothing measured)
                       → within_budget (estimated bytes at max_seq_len × batch)
                       → run_probe per kind, compare with the reference → gate_failures
-                      → time_decode_kinds the survivors → choose → PlanStore.put
+                      → time_survivors (time_decode_pairs) → choose → PlanStore.put
 The survivors are timed on the engine the run decodes with (`engine`: eager, or compiled with its steps compiled
 first, the seconds that took in each row's `compile_s`, never in a timing); each row says which (`timed_on`) and
 the plan's key includes the engine. The reference is the model's own dtype in transformers' DynamicCache. Every candidate's row (bytes,
@@ -27,7 +27,7 @@ from runner.infer.config import GenerateConfig, canonical_kind, static_kind_prob
 from runner.infer.data import EvalText, load_text, token_windows
 from runner.infer.kvcache import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.infer.speed import compile_pairs, time_decode_kinds
+from runner.infer.speed import compile_pairs, time_decode_pairs
 from runner.infer.timing import Stopwatch, device_name
 from runner.report import ProgressFactory, no_progress
 
@@ -129,17 +129,7 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
     survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
-    if config.cache_auto_benchmark and survivors:
-        prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
-                              device=device)
-        pairs = {row["kind"]: (model, row["kind"]) for row in survivors}
-        compile_s = (compile_pairs(pairs, prompt, config.cache_auto_bench_steps, config.max_seq_len)
-                     if config.engine == "compiled" else {})
-        timings = time_decode_kinds(model, prompt, config.cache_auto_bench_steps, list(pairs),
-                                    config.cache_auto_bench_repeats, engine=config.engine,
-                                    max_seq_len=config.max_seq_len)
-        for row in survivors:
-            record_speed(row, timings[row["kind"]], config.engine, compile_s.get(row["kind"]))
+    time_survivors({row["kind"]: (row, model) for row in survivors}, tokenizer, text, config, batch_size)
     return rows
 
 
@@ -152,12 +142,28 @@ def unserved(row: dict, config: GenerateConfig) -> bool:
     return bool(problem)
 
 
-def record_speed(row: dict, timing, engine: str, compile_s: float | None) -> None:
-    """A survivor's decode speed, the engine that timed it and what compiling its step took (compiled only)."""
-    row.update(tokens_per_s=timing.decode_tokens_per_s.median, tokens_per_s_spread=timing.decode_tokens_per_s.spread,
-               prefill_ms=timing.ttft_s.median * 1e3, timed_on=engine)
-    if compile_s is not None:
-        row["compile_s"] = compile_s
+def time_survivors(survivors: dict[str, tuple[dict, object]], tokenizer, text: EvalText, config: GenerateConfig,
+                   batch_size: int) -> None:
+    """Time the gates' survivors (name → (row, model)) interleaved on the run's engine, when cache_auto_benchmark
+    asks; each row gets its decode speed, the engine that timed it (`timed_on`) and, compiled, what compiling its
+    step took (`compile_s`, measured before and apart from the timing)."""
+    if not (config.cache_auto_benchmark and survivors):
+        return
+    device = next(next(iter(survivors.values()))[1].parameters()).device
+    prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
+                          device=device)
+    pairs = {name: (model, row["kind"]) for name, (row, model) in survivors.items()}
+    compile_s = (compile_pairs(pairs, prompt, config.cache_auto_bench_steps, config.max_seq_len)
+                 if config.engine == "compiled" else {})
+    timings = time_decode_pairs(pairs, prompt, config.cache_auto_bench_steps, config.cache_auto_bench_repeats,
+                                engine=config.engine, max_seq_len=config.max_seq_len)
+    for name, (row, _) in survivors.items():
+        timing = timings[name]
+        row.update(tokens_per_s=timing.decode_tokens_per_s.median,
+                   tokens_per_s_spread=timing.decode_tokens_per_s.spread, prefill_ms=timing.ttft_s.median * 1e3,
+                   timed_on=config.engine)
+        if name in compile_s:
+            row["compile_s"] = compile_s[name]
 
 
 def config_probe(tokenizer, text: EvalText, config: GenerateConfig, device: torch.device):

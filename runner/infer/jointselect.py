@@ -19,16 +19,14 @@ import copy
 from importlib import metadata
 from pathlib import Path
 
-import torch
 
 from runner.errors import InferenceError
 from runner.infer.autocache import (MIB, Selection, candidates, check_lengths, choose_row, config_probe,
-                                    gate_failures, model_identity, plan_fields, planned_selection, record_speed,
-                                    reference_kind, unserved, within_budget)
+                                    gate_failures, model_identity, plan_fields, planned_selection, reference_kind,
+                                    time_survivors, unserved, within_budget)
 from runner.infer.config import GenerateConfig, canonical_quantization
-from runner.infer.data import EvalText, load_text, token_windows
+from runner.infer.data import EvalText, load_text
 from runner.infer.quality import compare, run_probe
-from runner.infer.speed import compile_pairs, time_decode_pairs
 from runner.infer.timing import Stopwatch
 from runner.infer.weights import estimate_weight_bytes, quantize_model, weight_bytes
 from runner.report import ProgressFactory, no_progress
@@ -108,16 +106,7 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
         del candidate
     bar.close()
     survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
-    if config.cache_auto_benchmark and survivors:
-        prompt = torch.tensor(token_windows(tokenizer, text, config.cache_auto_bench_prompt_len, 1) * batch_size,
-                              device=device)
-        pairs = {label(r): (models[r["weights"]], r["kind"]) for r in survivors}
-        compile_s = (compile_pairs(pairs, prompt, config.cache_auto_bench_steps, config.max_seq_len)
-                     if config.engine == "compiled" else {})
-        timings = time_decode_pairs(pairs, prompt, config.cache_auto_bench_steps, config.cache_auto_bench_repeats,
-                                    engine=config.engine, max_seq_len=config.max_seq_len)
-        for row in survivors:
-            record_speed(row, timings[label(row)], config.engine, compile_s.get(label(row)))
+    time_survivors({label(r): (r, models[r["weights"]]) for r in survivors}, tokenizer, text, config, batch_size)
     return rows
 
 
