@@ -86,6 +86,9 @@ teardown() {
     [[ -f $WORK/slurm/slurm.conf ]] && cluster/slurm.sh stop "$WORK/slurm"
     cluster/mlflow_server.sh stop "$WORK/mlflow"
     cp -r "$WORK/mlflow/server.log" "$WORK/slurm/log" "$OUT/" 2>/dev/null
+    mkdir -p "$OUT/jobs"  # each job's log (submitit's) and each point's status.json, to see what ran where
+    find "$WORK" \( -name '*_log.err' -o -name '*_log.out' \) -exec cp {} "$OUT/jobs/" \; 2>/dev/null
+    find "$WORK/runs" -name status.json | while read -r f; do cp "$f" "$OUT/jobs/$(echo "${f#$WORK/runs/}" | tr / _)"; done
     rm -rf "$WORK"
 }
 trap teardown EXIT
