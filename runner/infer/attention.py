@@ -7,11 +7,13 @@ layer of SmolLM2, G = 3, one thread: copy + attention 1353 µs against 233 µs p
 against 3.1 ms at 4096). Two forms, neither copying:
     attend_reduced  one new column: scores and output as sums of products over the K/V the cache hands it (any
                     elementwise expression of its codes), so inductor fuses a quantized cache's dequantization into
-                    those reductions instead of building the full float K/V
+                    those reductions instead of building the full float K/V; head_dim is summed in chunks of
+                    quant.PLANE values, the width of a packed cache's planes (`_chunked`)
     attend_packed   more columns (prefill pieces, speculative verification): the G query heads of a KV head become
                     G·T query rows of it for sdpa, the mask repeated G times along its rows
 `reduced_attention(model)` switches the model to them for the duration of a call (the compiled engine's steps) and
-restores its own setting after, so eager forwards and transformers' baselines are untouched. Knows nothing of caches.
+restores its own setting after, so eager forwards and transformers' baselines are untouched. Knows of caches only
+the chunk width their codes are packed in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from runner.infer.quant import PLANE
 
 REDUCED_ATTENTION = "runner_reduced"
 
@@ -34,17 +38,26 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if query.shape[2] != 1:
         return attend_packed(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     b, heads, _, dim = query.shape
-    kv_heads, columns = key.shape[1], key.shape[2]
+    kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     scaling = dim**-0.5 if scaling is None else scaling
-    grouped = query.reshape(b, kv_heads, heads // kv_heads, 1, dim).float()  # [B,Hkv,G,1,D]
-    scores = (grouped * key[:, :, None].float()).sum(-1) * scaling  # [B,Hkv,G,S]
+    grouped = _chunked(query.reshape(b, kv_heads, heads // kv_heads, 1, dim).float())  # [B,Hkv,G,1,D/C,C]
+    scores = (grouped * _chunked(key[:, :, None].float())).sum((-2, -1)) * scaling  # [B,Hkv,G,S]
     if attention_mask is not None:
         mask = attention_mask[:, :, -1, -columns:].reshape(attention_mask.shape[0], 1, 1, columns)  # [B|1,1,1,S]
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores + mask.float())
     probs = scores.softmax(-1)  # [B,Hkv,G,S]
-    out = (probs[..., None] * value[:, :, None].float()).sum(-2)  # [B,Hkv,G,Dv]
-    return out.reshape(b, 1, heads, value.shape[-1]).to(query.dtype), None
+    chunks = _chunked(value[:, :, None].float())  # [B,Hkv,1,S,Dv/C,C]
+    out = (probs[..., None, None] * chunks).sum(-3)  # [B,Hkv,G,Dv/C,C]
+    return out.reshape(b, 1, heads, value_dim).to(query.dtype), None
+
+
+def _chunked(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] → [..., D/C, C], C = quant.PLANE (D a multiple of it; else [..., 1, D]): a packed cache's codes lie
+    in planes of C bytes, so reductions over (D/C, C) read C bytes at a time under one shift, where a sum over D
+    alone makes inductor gather the bytes of each value one by one. For float K/V inductor merges them back."""
+    chunk = PLANE if x.shape[-1] % PLANE == 0 else x.shape[-1]
+    return x.unflatten(-1, (-1, chunk))
 
 
 AttentionInterface.register(REDUCED_ATTENTION, attend_reduced)

@@ -141,7 +141,7 @@ def quantize_levels(x: torch.Tensor, levels: torch.Tensor, bits: int, group: int
     u = (groups - mins.float()) / torch.where(ranges > 0, ranges.float(), 1.0)
     levels = levels.float().to(x.device)
     codes = torch.bucketize(u.contiguous(), (levels[1:] + levels[:-1]) / 2).to(torch.uint8).flatten(-2)
-    return (pack(codes, bits, dim=-1).movedim(-1, dim), ranges.squeeze(-1).movedim(-1, dim),
+    return (pack(codes.movedim(-1, dim), bits, dim=dim), ranges.squeeze(-1).movedim(-1, dim),
             mins.squeeze(-1).movedim(-1, dim))
 
 

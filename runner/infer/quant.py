@@ -9,13 +9,18 @@ the padding is stored):
           in 0..15, two per byte. Its "scales" tensor holds each block's s then m: [..., 2·NB].
 Groups (`quantize_groups`, used by q4_1 and by the KIVI cache): asymmetric b ∈ {2, 3, 4} bits over groups of
 `group` values along any axis, s = (max − min) / (2^b − 1) and m per group in fp16; 8/b codes per uint8 byte at
-2 and 4 bits, 8 codes in 3 bytes (one little-endian 24-bit word) at 3 bits; the first code in the lowest bits.
+2 and 4 bits, 8 codes in 3 bytes (one little-endian 24-bit word) at 3 bits.
+Packing (`pack`). Along the last axis (head_dim) 2- and 4-bit codes are packed in planes, as llama.cpp packs q4_0:
+the codes are cut into chunks of C = 16 (`PLANE`; fewer for rows too short), and the 8/b chunks of a group of C
+bytes share them, chunk i in bits [b·i, b·(i+1)). So C consecutive values are C consecutive bytes under one shift,
+and a compiled kernel that reads values in chunks of C loads bytes contiguously (`unpack_planes_expr`); the
+interleaved order (neighbours in one byte) made inductor gather byte by byte, 9-21× slower at 4k columns. Along any
+other axis (KIVI's keys, packed along the sequence) code n is slot n mod 8/b of byte n // (8/b), first code in the
+lowest bits: there a whole row of head_dim values shares one byte row and one shift.
 Owns only the arithmetic; knows nothing of caches, layers, models or transformers.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +90,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: i
     elif kind == "q4_0":
         values = unpack(codes, 4, dim=-1).float() - 8  # [..., NB*32]
     else:  # one lookup per byte: a 256 × 2 table of (low, high) levels, 2× faster than a lookup per nibble
-        values = F.embedding(codes.long(), _on(codes.device, "pairs", _NF4_PAIRS)).flatten(-2)  # [..., NB*32]
+        pairs = F.embedding(codes.long(), _on(codes.device, "pairs", _NF4_PAIRS))  # [..., NB*16, 2]
+        chunk = plane_bytes(codes.shape[-1] * 2, 4)
+        values = pairs.unflatten(-2, (-1, chunk)).transpose(-1, -2).flatten(-3)  # planes → [..., NB*32] in order
     blocks = values.unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
     return blocks.flatten(-2)[..., :head_dim].to(dtype)
 
@@ -95,11 +102,30 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: i
 CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # codes that fill whole bytes: a byte (2, 4 bits) or three bytes (3 bits)
 
 
+PLANE = 16  # bytes of a plane group along the last axis (see the module docstring)
+
+
+def plane_bytes(n_codes: int, bits: int) -> int:
+    """C, the bytes of a plane group for a row of `n_codes` `bits`-bit codes: 16, or the largest power of two
+    below it whose group (C·8/bits codes) tiles the row."""
+    per_byte, c = 8 // bits, PLANE
+    while n_codes % (c * per_byte):
+        c //= 2
+    return c
+
+
 def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """uint8 codes < 2^bits, N along `dim` (a multiple of CODES_PER_UNIT[bits]) → N·bits/8 bytes along `dim`."""
+    """uint8 codes < 2^bits, N along `dim` (a multiple of CODES_PER_UNIT[bits]) → N·bits/8 bytes along `dim`;
+    planes along the last axis, interleaved along others (module docstring)."""
     if bits == 3:
         return _pack3(codes, dim)
     per_byte = 8 // bits
+    if dim in (-1, codes.dim() - 1):
+        planes = codes.unflatten(-1, (-1, per_byte, plane_bytes(codes.shape[-1], bits)))  # [..., NG, per_byte, C]
+        packed = planes[..., 0, :]
+        for i in range(1, per_byte):
+            packed = packed | (planes[..., i, :] << (bits * i))
+        return packed.flatten(-2)
     codes = codes.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., N/per_byte, per_byte]
     packed = codes[..., 0]
     for i in range(1, per_byte):
@@ -115,19 +141,19 @@ def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 
 
 def unpack_into(out: torch.Tensor, packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """`unpack` written into `out` (any dtype: the codes are converted on the way), no float temporaries.
-
-    Along the last axis the codes of a byte are spread over the bytes of a wider integer (`_spread`), which, read
-    as bytes, are the codes in order: one contiguous conversion into `out`. Along another axis (KIVI's keys, packed
-    along the sequence) each code position of a byte is a whole row: one copy per position. Returns `out`.
+    """`unpack` written into `out` (any dtype: the codes are converted on the way), no float temporaries: one
+    copy per code position of a byte, each a plane of chunks (last axis) or a whole row (other axes). Returns `out`.
     """
     if bits == 3:
         return _unpack3_into(out, packed, dim)
-    if dim in (-1, packed.dim() - 1) and packed.is_contiguous() and sys.byteorder == "little":
-        return out.copy_(_spread(packed, bits).flatten(-2))
     per_byte, mask = 8 // bits, 2**bits - 1
-    slots = out.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., P, per_byte], a view of out
-    packed = packed.movedim(dim, -1)  # [..., P]
+    if dim in (-1, packed.dim() - 1):
+        c = plane_bytes(out.shape[-1], bits)
+        slots = out.unflatten(-1, (-1, per_byte, c)).movedim(-2, -1)  # [..., NG, C, per_byte], a view of out
+        packed = packed.unflatten(-1, (-1, c))  # [..., NG, C]
+    else:
+        slots = out.movedim(dim, -1).unflatten(-1, (-1, per_byte))  # [..., P, per_byte], a view of out
+        packed = packed.movedim(dim, -1)  # [..., P]
     slots[..., 0].copy_(packed & mask)
     for i in range(1, per_byte):
         slots[..., i].copy_(packed >> (bits * i) if bits * (i + 1) == 8 else (packed >> (bits * i)) & mask)
@@ -154,21 +180,6 @@ def _unpack3_into(out: torch.Tensor, packed: torch.Tensor, dim: int) -> torch.Te
     return out
 
 
-def _spread(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [..., P] → uint8 [..., P, 8/bits]: code i of each byte moved to byte i of an int16 (4 bits) or int32
-    (2 bits) by shifts and masks on the whole tensor, then viewed as bytes (little-endian)."""
-    if bits == 4:  # hi·16 + lo → hi·256 + lo
-        wide = packed.to(torch.int16)
-        wide = (wide | (wide << 4)) & 0x0F0F
-    elif bits == 2:  # c3·64 + c2·16 + c1·4 + c0 → c3·2^24 + c2·2^16 + c1·2^8 + c0
-        wide = packed.to(torch.int32)
-        wide = (wide | (wide << 12)) & 0x000F000F
-        wide = (wide | (wide << 6)) & 0x03030303
-    else:
-        raise ValueError(f"no spreading of {bits}-bit codes")
-    return wide.view(torch.uint8).unflatten(-1, (-1, 8 // bits))
-
-
 def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
     """Asymmetric `bits`-bit codes over groups of `group` consecutive values along `dim` (zero-padded to whole groups).
 
@@ -182,7 +193,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int, dim: int = -1):
     scales = ((groups.amax(-1, keepdim=True) - mins.float()) / qmax).clamp(max=FP16_MAX).half()
     steps = (groups - mins.float()) / torch.where(scales > 0, scales.float(), 1.0)  # equal values → all codes 0
     codes = steps.round().clamp(0, qmax).to(torch.uint8).flatten(-2)  # [..., NG*group]
-    return (pack(codes, bits, dim=-1).movedim(-1, dim), scales.squeeze(-1).movedim(-1, dim),
+    return (pack(codes.movedim(-1, dim), bits, dim=dim), scales.squeeze(-1).movedim(-1, dim),
             mins.squeeze(-1).movedim(-1, dim))
 
 
@@ -214,10 +225,12 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 
 
 def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """`unpack` as one expression of indices (no stack, no writes into views): code n along `dim` is its byte (3
-    bits: its 3-byte word) shifted by its slot, so a compiled graph computes it inside the kernel that consumes the
-    codes (a stack would be built as a buffer of all the codes first). uint8 codes (int32 at 3 bits)."""
+    """`unpack` as one expression of indices (no writes into views), so a compiled graph computes it inside the
+    kernel that consumes the codes. uint8 codes (int32 at 3 bits). Along the last axis: `unpack_planes_expr`
+    flattened; along another, code n is its byte (3 bits: its 3-byte word) shifted by its slot."""
     dim = dim % packed.dim()
+    if bits != 3 and dim == packed.dim() - 1:
+        return unpack_planes_expr(packed, bits).flatten(-3)
     units = packed
     if bits == 3:  # three bytes → one 24-bit word of 8 codes (see _pack3)
         triples = packed.unflatten(dim, (-1, 3)).to(torch.int32)  # [..., P/3, 3, ...]
@@ -230,29 +243,54 @@ def unpack_expr(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return (spread >> shifts) & (2**bits - 1)
 
 
+def unpack_planes_expr(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bytes [..., P] packed along the last axis (2 or 4 bits) → codes [..., NG, 8/bits, C]: group, plane, chunk,
+    so that code (g, i, j) is value g·8/bits·C + i·C + j. Constant shifts per plane, stacked (a pointwise
+    expression in inductor), never a shift by a tensor of amounts (which inductor does not vectorize)."""
+    per_byte, mask = 8 // bits, 2**bits - 1
+    groups = packed.unflatten(-1, (-1, plane_bytes(packed.shape[-1] * per_byte, bits)))  # [..., NG, C]
+    planes = [groups & mask] + [(groups >> (bits * i)) & mask for i in range(1, per_byte)]
+    return torch.stack(planes, dim=-2)
+
+
+def _per_chunk(scales: torch.Tensor, block: int, planes: torch.Tensor) -> torch.Tensor | None:
+    """Scales [..., NB] of blocks of `block` values → [..., NG, 8/b, 1], the scale of each chunk of `planes`
+    ([..., NG, 8/b, C]), or None when a chunk straddles blocks."""
+    chunk = planes.shape[-1]
+    if block % chunk:
+        return None
+    return scales.float().repeat_interleave(block // chunk, -1).unflatten(-1, planes.shape[-3:-1])[..., None]
+
+
 def dequantize_expr(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """`dequantize` as one elementwise expression, for the compiled engine: the same floats (the same products of
-    the same code values and scales), computed inside the kernel that reads them."""
+    the same code values and scales), computed inside the kernel that reads them; 4-bit codes by chunk of their
+    planes (`unpack_planes_expr`), so the kernel reads bytes contiguously."""
     if kind == "q4_1":
         pairs = scales.unflatten(-1, (-1, 2))  # [..., NB, 2]
         return dequantize_groups_expr(codes, pairs[..., 0], pairs[..., 1], 4, BLOCK, head_dim, dtype, dim=-1)
     if kind == "q8_0":
-        values = codes.float()  # [..., NB*32]
-    elif kind == "q4_0":
-        values = unpack_expr(codes, 4).float() - 8
-    else:
-        values = _on(codes.device, "levels", NF4_LEVELS)[unpack_expr(codes, 4).long()]
-    blocks = values.unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
-    return blocks.flatten(-2)[..., :head_dim].to(dtype)
+        values = codes.float().unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
+        return values.flatten(-2)[..., :head_dim].to(dtype)
+    planes = unpack_planes_expr(codes, 4)  # [..., NG, 2, C]
+    values = planes.float() - 8 if kind == "q4_0" else _on(codes.device, "levels", NF4_LEVELS)[planes.long()]
+    return (values * _per_chunk(scales, BLOCK, planes)).flatten(-3)[..., :head_dim].to(dtype)
 
 
 def dequantize_groups_expr(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
                            length: int, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
     """`dequantize_groups` as one elementwise expression, for the compiled engine: inductor fuses the unpacking,
     code·s + m and the cast into the kernel attention's input comes from, per layer. The same floats as
-    `dequantize_groups` (code·s is exact in float32, so only the add rounds, fused or not)."""
+    `dequantize_groups` (code·s is exact in float32, so only the add rounds, fused or not). Along the last axis
+    by chunk of the codes' planes, where each chunk lies in one group."""
     dim = dim % codes.dim()
+    if bits != 3 and dim == codes.dim() - 1:
+        planes = unpack_planes_expr(codes, bits)  # [..., NG, 8/b, C]
+        chunk_scales = _per_chunk(scales, group, planes)
+        if chunk_scales is not None:
+            out = torch.addcmul(_per_chunk(mins, group, planes), planes.float(), chunk_scales)
+            return out.flatten(-3)[..., :length].to(dtype)
     values = unpack_expr(codes, bits, dim).float().unflatten(dim, (-1, group))  # [..., NG, group, ...]
     out = torch.addcmul(mins.unsqueeze(dim + 1).float(), values, scales.unsqueeze(dim + 1).float())
     return out.flatten(dim, dim + 1).narrow(dim, 0, length).to(dtype)

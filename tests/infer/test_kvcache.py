@@ -9,11 +9,37 @@ from runner.infer.config import KIVI_BITS, KIVI_DEFAULTS, GenerateConfig
 from runner.infer.data import load_text
 from runner.infer.forward import DecodeState
 from runner.infer.generator import Generator, generate
-from runner.infer.kvcache import (BLOCK, NF4_LEVELS, CastLayer, Kivi2Layer, Kivi4Layer, KiviLayer, NF4Layer, Q4_0Layer,
-                                  Q4_1Layer, Q8_0Layer, QuantLayer, bytes_per_token, cache_bytes, dequantize,
-                                  estimate_cache_bytes, make_cache, parse_kind, quantize, residual_bytes)
+from runner.infer.kvcache import (
+    BLOCK,
+    NF4_LEVELS,
+    CastLayer,
+    Kivi2Layer,
+    Kivi4Layer,
+    KiviLayer,
+    NF4Layer,
+    Q4_0Layer,
+    Q4_1Layer,
+    Q8_0Layer,
+    QuantLayer,
+    bytes_per_token,
+    cache_bytes,
+    dequantize,
+    estimate_cache_bytes,
+    make_cache,
+    parse_kind,
+    quantize,
+    residual_bytes,
+)
 from runner.infer.quality import build_probe, compare, run_probe
-from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack, unpack_into
+from runner.infer.quant import (
+    dequantize_groups,
+    pack,
+    plane_bytes,
+    quantize_groups,
+    unpack,
+    unpack_expr,
+    unpack_into,
+)
 
 QUANT = ["q8_0", "q4_0", "nf4", "q4_1"]
 KIVI = ["kivi4", "kivi2"]
@@ -134,11 +160,11 @@ def test_storage_is_really_compressed(kind, dtype):
 def test_q4_codes_are_offset_nibbles_and_nf4_codes_are_the_nearest_level():
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     codes, _ = quantize(x, "q4_0")
-    nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+    nibbles = unpack(codes, 4)
     assert nibbles.min() >= 1 and nibbles.max() <= 15  # code + 8 with code in [-7, 7]
 
     codes, scales = quantize(x, "nf4")
-    nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).long()  # [4, 256], even index = low nibble
+    nibbles = unpack(codes, 4).long()  # [4, 256]
     normalized = x.unflatten(-1, (-1, BLOCK)) / scales.float().unsqueeze(-1)
     nearest = (normalized.unsqueeze(-1) - NF4_LEVELS).abs().argmin(-1).flatten(-2)
     assert torch.equal(nibbles, nearest)
@@ -147,7 +173,7 @@ def test_q4_codes_are_offset_nibbles_and_nf4_codes_are_the_nearest_level():
 def test_q4_1_codes_span_0_to_15_from_the_block_minimum():
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     codes, params = quantize(x, "q4_1")  # params [4, 16]: (scale, min) per block
-    nibbles = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).unflatten(-1, (-1, BLOCK))  # [4, 8, 32]
+    nibbles = unpack(codes, 4).unflatten(-1, (-1, BLOCK))  # [4, 8, 32]
     assert (nibbles.amin(-1) == 0).all() and (nibbles.amax(-1) == 15).all()
     scales, mins = params.unflatten(-1, (-1, 2)).unbind(-1)
     blocks = x.unflatten(-1, (-1, BLOCK))
@@ -163,7 +189,7 @@ def test_dequantize_returns_the_requested_dtype():
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_pack_puts_the_first_code_in_the_lowest_bits_and_unpack_inverts_it(bits):
+def test_pack_interleaves_codes_along_other_axes_and_unpack_inverts_it(bits):
     codes = torch.randint(0, 2**bits, (3, 16, 8), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
     for dim in (-1, -2, 1):
         packed = pack(codes, bits, dim=dim)
@@ -173,10 +199,27 @@ def test_pack_puts_the_first_code_in_the_lowest_bits_and_unpack_inverts_it(bits)
     assert int(first_byte) == sum(int(codes[0, i, 0]) << (bits * i) for i in range(8 // bits))
 
 
+@pytest.mark.parametrize("bits, length, chunk", [(4, 64, 16), (2, 64, 16), (2, 32, 8), (4, 96, 16), (2, 96, 8)])
+def test_pack_lays_the_last_axis_in_planes_of_chunks(bits, length, chunk):
+    """Along the last axis byte j of a group of C bytes holds codes j, j + C, j + 2C, … of the group's C·8/b
+    codes, the first in the lowest bits: C consecutive values are C consecutive bytes under one shift."""
+    per_byte = 8 // bits
+    codes = torch.randint(0, 2**bits, (5, length), generator=torch.Generator().manual_seed(length)).to(torch.uint8)
+    packed = pack(codes, bits)
+    assert plane_bytes(length, bits) == chunk and packed.shape == (5, length // per_byte)
+    for group in range(length // (chunk * per_byte)):
+        for j in range(chunk):
+            byte = int(packed[2, group * chunk + j])
+            first = group * chunk * per_byte + j
+            assert byte == sum(int(codes[2, first + i * chunk]) << (bits * i) for i in range(per_byte))
+    assert torch.equal(unpack(packed, bits), codes)
+    assert torch.equal(unpack_expr(packed, bits), codes)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
-def test_unpack_into_floats_agrees_on_the_spreading_and_the_row_copy_paths(bits):
-    """Along the last axis of contiguous bytes unpack_into spreads codes over a wider integer; elsewhere it copies
-    rows. Both must give the codes, converted into whatever `out` is (here a strided float32 view)."""
+def test_unpack_into_floats_agrees_on_the_plane_and_the_row_paths(bits):
+    """Along the last axis unpack_into copies planes of chunks; elsewhere it copies rows. Both must give the
+    codes, converted into whatever `out` is (here a strided float32 view)."""
     codes = torch.randint(0, 2**bits, (2, 3, 32, 16), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
     for dim in (-1, -2):
         packed = pack(codes, bits, dim=dim)
