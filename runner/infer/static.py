@@ -6,7 +6,7 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
     kivi4 kivi3 kivi2  kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
-                       of g columns, values per column) and a ring of R = 2r full-precision columns (column c in
+                       of g columns at bk bits, values per column at bv bits; k4v3: bk = 4, bv = 3) and a ring of R = 2r full-precision columns (column c in
                        slot c mod R) holding the residual: columns [Q, T), Q = floor(T / r)·r. S is a multiple of R.
                        A write appends to the ring and quantizes the block of r columns it completes (a fixed-shape
                        `where`, no shape ever changes); attention reads the region dequantized below Q and the ring
@@ -39,6 +39,7 @@ from runner.infer.quant import (
 )
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
+KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits")  # parse_kind's options served here
 
 
 class StaticPlainLayer(StaticLayer):
@@ -121,8 +122,10 @@ class StaticKiviLayer(StaticPlainLayer):
 
     TENSORS = (*KiviLayer.GROUPS, "ring_keys", "ring_values")
 
-    def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, **kwargs):
-        self.bits, self.group_size, self.residual_len = bits, group_size, residual_len
+    def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, key_bits: int | None = None,
+                 value_bits: int | None = None, **kwargs):
+        self.key_bits, self.value_bits = key_bits or bits, value_bits or bits  # k4v3: keys and values apart
+        self.group_size, self.residual_len = group_size, residual_len
         self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
         super().__init__(*args, **kwargs)
 
@@ -141,12 +144,12 @@ class StaticKiviLayer(StaticPlainLayer):
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[B,H,r,D] K/V of one block → its six quantized tensors (kvcache.KiviLayer's arithmetic)."""
-        return (*quantize_groups(keys, self.bits, self.group_size, dim=-2),
-                *quantize_groups(values, self.bits, BLOCK, dim=-1))
+        return (*quantize_groups(keys, self.key_bits, self.group_size, dim=-2),
+                *quantize_groups(values, self.value_bits, BLOCK, dim=-1))
 
     def _rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
         """[n] rows (dim -2) of tensor `name` that hold the block of r columns from column `start` (0-d)."""
-        per_block = {"key_codes": self.residual_len * self.bits // 8,
+        per_block = {"key_codes": self.residual_len * self.key_bits // 8,
                      "key_scales": self.residual_len // self.group_size, "key_mins": self.residual_len // self.group_size}
         n = per_block.get(name, self.residual_len)
         return start // self.residual_len * n + torch.arange(n, device=start.device)
@@ -183,9 +186,9 @@ class StaticKiviLayer(StaticPlainLayer):
         from the ring (column c in slot c mod R; columns not yet written are masked by the caller)."""
         length = self.max_cache_len
         quantized = (torch.arange(length, device=done.device) < done)[:, None]  # [S,1]
-        keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.bits, self.group_size,
-                                      length, dtype, dim=-2)
-        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.bits, BLOCK,
+        keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
+                                      self.group_size, length, dtype, dim=-2)
+        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits, BLOCK,
                                         self.v_head_dim, dtype, dim=-1)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
@@ -264,7 +267,7 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
     problem = static_kind_problem(kind)
     if problem:
         raise ValueError(problem)
-    options = {key: options[key] for key in ("group_size", "residual_len")} if name in KIVI_BITS else options
+    options = {key: options[key] for key in KIVI_LAYOUT_OPTIONS} if name in KIVI_BITS else options
     n_layers, heads, head_dim = _dims(model.config)
     device = next(model.parameters()).device
     common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,

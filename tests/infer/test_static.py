@@ -14,7 +14,7 @@ from runner.infer.quant import (
     quantize,
     quantize_groups,
 )
-from runner.infer.static import StaticKiviLayer, make_static_cache, static_length
+from runner.infer.static import KIVI_LAYOUT_OPTIONS, StaticKiviLayer, make_static_cache, static_length
 
 B, H, D = 3, 2, 40  # head_dim 40: value blocks of 32 padded
 
@@ -25,7 +25,7 @@ def _pair(kind: str, columns: int, dtype=torch.float32):
     eager = CACHE_KINDS[name](**options)
     static = StaticKiviLayer(batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
                              dtype=dtype, device=torch.device("cpu"), bits=eager.bits,
-                             group_size=options["group_size"], residual_len=options["residual_len"])
+                             **{key: options[key] for key in KIVI_LAYOUT_OPTIONS})
     return eager, static
 
 
@@ -45,7 +45,8 @@ def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0
     return eager_k, eager_v, static_k[..., :written + n, :], static_v[..., :written + n, :]
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8", "kivi3", "kivi3:g8:r24"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8", "kivi3", "kivi3:g8:r24",
+                                  "kivi3:k4v3:g32:r32", "kivi3:k2v4:g8:r16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kind, dtype):
     """Single columns, pieces shorter and longer than r, a piece completing two blocks: equal after every write."""
@@ -70,7 +71,7 @@ def test_static_kivi_ignores_the_padding_after_end(kind):
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
-@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16"])
+@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16", "kivi3:k4v3:g8:r16"])
 @pytest.mark.parametrize("crop", [1, 5, 24, 30])
 def test_static_kivi_rollback_equals_the_eager_crop(kind, crop):
     """A crop inside the residual or across quantized blocks, then more writes: still equal (kept quantized
@@ -102,7 +103,7 @@ def test_static_kivi_rows_follow_their_beams():
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16", "kivi3:k4v3:g32:r32"])
 def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
     """Bytes = estimate_cache_bytes at all S columns (a multiple of r: no residual) + the ring of 2r columns in the
     model's dtype: codes, scales and minimums, never the float K/V."""
@@ -137,7 +138,7 @@ def test_fused_block_dequantizer_equals_dequantize(kind, head_dim):
 
 
 @pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
-                                         ("kivi3:k4v2", "k4v2"), ("kivi2:b64:s4", "s, b")])
+                                         ("kivi3:k4v2:o1", "o"), ("kivi2:b64:s4", "s, b")])
 def test_static_kivi_refuses_the_options_it_has_no_layout_for(tiny_lm, kind, named):
     with pytest.raises(ValueError, match=f"no static layout for the KIVI option\\(s\\) {named} of cache kind"):
         make_static_cache(kind, tiny_lm.model, 1, 64)
