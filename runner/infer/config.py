@@ -270,14 +270,13 @@ ENGINE_DESCRIPTION = (
 
 
 def static_kind_problem(kind: str | None) -> str | None:
-    """Why the compiled engine cannot serve cache kind `kind` (its static KIVI layout has groups, a residual and
-    split bits, none of the options sinks, outliers, rotation, nuq, value blocks), or None."""
+    """Why the compiled engine cannot serve cache kind `kind` (its static KIVI layout has groups, a residual, split
+    bits and value blocks, none of the options sinks, outliers, rotation, nuq), or None."""
     if not kind or kind == "auto":
         return None
     name, options = parse_kind(kind)
-    letters = {"sinks": "s", "outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq",
-               "value_block": "b"}
-    used = [letters[key] for key, off in KIVI_DEFAULTS.items() if options.get(key, off) != off]
+    letters = {"sinks": "s", "outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq"}
+    used = [letters[key] for key, off in KIVI_DEFAULTS.items() if key in letters and options.get(key, off) != off]
     if used:
         return (f"engine: compiled has no static layout for the KIVI option(s) {', '.join(used)} of cache kind "
                 f"{kind!r}: use {name} without them, or engine: eager")

@@ -6,7 +6,8 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
     kivi4 kivi3 kivi2  kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
-                       of g columns at bk bits, values per column at bv bits; k4v3: bk = 4, bv = 3) and a ring of R = 2r full-precision columns (column c in
+                       of g columns at bk bits, values per column at bv bits in blocks of bs channels; k4v3: bk = 4,
+                       bv = 3; b64: bs = 64, else 32) and a ring of R = 2r full-precision columns (column c in
                        slot c mod R) holding the residual: columns [Q, T), Q = floor(T / r)·r. S is a multiple of R.
                        A write appends to the ring and quantizes the block of r columns it completes (a fixed-shape
                        `where`, no shape ever changes); attention reads the region dequantized below Q and the ring
@@ -39,7 +40,7 @@ from runner.infer.quant import (
 )
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
-KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits")  # parse_kind's options served here
+KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block")  # parse_kind's options served here
 
 
 class StaticPlainLayer(StaticLayer):
@@ -123,8 +124,9 @@ class StaticKiviLayer(StaticPlainLayer):
     TENSORS = (*KiviLayer.GROUPS, "ring_keys", "ring_values")
 
     def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, key_bits: int | None = None,
-                 value_bits: int | None = None, **kwargs):
+                 value_bits: int | None = None, value_block: int = BLOCK, **kwargs):
         self.key_bits, self.value_bits = key_bits or bits, value_bits or bits  # k4v3: keys and values apart
+        self.value_block = value_block  # b64: values in blocks of 64 channels
         self.group_size, self.residual_len = group_size, residual_len
         self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
         super().__init__(*args, **kwargs)
@@ -145,7 +147,7 @@ class StaticKiviLayer(StaticPlainLayer):
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[B,H,r,D] K/V of one block → its six quantized tensors (kvcache.KiviLayer's arithmetic)."""
         return (*quantize_groups(keys, self.key_bits, self.group_size, dim=-2),
-                *quantize_groups(values, self.value_bits, BLOCK, dim=-1))
+                *quantize_groups(values, self.value_bits, self.value_block, dim=-1))
 
     def _rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
         """[n] rows (dim -2) of tensor `name` that hold the block of r columns from column `start` (0-d)."""
@@ -188,8 +190,8 @@ class StaticKiviLayer(StaticPlainLayer):
         quantized = (torch.arange(length, device=done.device) < done)[:, None]  # [S,1]
         keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
                                       self.group_size, length, dtype, dim=-2)
-        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits, BLOCK,
-                                        self.v_head_dim, dtype, dim=-1)
+        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits,
+                                        self.value_block, self.v_head_dim, dtype, dim=-1)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
 

@@ -18,7 +18,7 @@ from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.static import STATIC_KINDS
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
-KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16"]  # blocks complete often within 20 new tokens
+KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8"]  # blocks complete often
 
 
 @pytest.fixture

@@ -46,7 +46,8 @@ def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0
 
 
 @pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8", "kivi3", "kivi3:g8:r24",
-                                  "kivi3:k4v3:g32:r32", "kivi3:k2v4:g8:r16"])
+                                  "kivi3:k4v3:g32:r32", "kivi3:k2v4:g8:r16", "kivi2:g32:r32:b64", "kivi4:g8:r16:b16",
+                                  "kivi3:k4v2:g8:r16:b8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kind, dtype):
     """Single columns, pieces shorter and longer than r, a piece completing two blocks: equal after every write."""
@@ -71,7 +72,7 @@ def test_static_kivi_ignores_the_padding_after_end(kind):
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
-@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16", "kivi3:k4v3:g8:r16"])
+@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16", "kivi3:k4v3:g8:r16", "kivi2:g4:r8:b64"])
 @pytest.mark.parametrize("crop", [1, 5, 24, 30])
 def test_static_kivi_rollback_equals_the_eager_crop(kind, crop):
     """A crop inside the residual or across quantized blocks, then more writes: still equal (kept quantized
@@ -103,7 +104,8 @@ def test_static_kivi_rows_follow_their_beams():
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16", "kivi3:k4v3:g32:r32"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16", "kivi3:k4v3:g32:r32", "kivi2:g32:r32:b64",
+                                  "kivi3:k4v2:b16"])
 def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
     """Bytes = estimate_cache_bytes at all S columns (a multiple of r: no residual) + the ring of 2r columns in the
     model's dtype: codes, scales and minimums, never the float K/V."""
@@ -118,7 +120,7 @@ def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("dim, group, length", [(-1, 32, 40), (-2, 8, 24), (-2, 32, 64)])
+@pytest.mark.parametrize("dim, group, length", [(-1, 32, 40), (-1, 8, 64), (-2, 8, 24), (-2, 32, 64)])
 def test_fused_dequantizer_equals_dequantize_groups(bits, dim, group, length):
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(bits)) * 3 + 1
     quantized = quantize_groups(x.narrow(dim, 0, length), bits, group, dim=dim)
@@ -138,7 +140,7 @@ def test_fused_block_dequantizer_equals_dequantize(kind, head_dim):
 
 
 @pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
-                                         ("kivi3:k4v2:o1", "o"), ("kivi2:b64:s4", "s, b")])
+                                         ("kivi3:k4v2:o1", "o"), ("kivi2:b64:s4", "s")])
 def test_static_kivi_refuses_the_options_it_has_no_layout_for(tiny_lm, kind, named):
     with pytest.raises(ValueError, match=f"no static layout for the KIVI option\\(s\\) {named} of cache kind"):
         make_static_cache(kind, tiny_lm.model, 1, 64)
