@@ -271,11 +271,11 @@ ENGINE_DESCRIPTION = (
 
 def static_kind_problem(kind: str | None) -> str | None:
     """Why the compiled engine cannot serve cache kind `kind` (its static KIVI layout has groups, a residual, split
-    bits and value blocks, none of the options sinks, outliers, rotation, nuq), or None."""
+    bits, value blocks and sinks, none of the options outliers, rotation, nuq), or None."""
     if not kind or kind == "auto":
         return None
     name, options = parse_kind(kind)
-    letters = {"sinks": "s", "outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq"}
+    letters = {"outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq"}
     used = [letters[key] for key, off in KIVI_DEFAULTS.items() if key in letters and options.get(key, off) != off]
     if used:
         return (f"engine: compiled has no static layout for the KIVI option(s) {', '.join(used)} of cache kind "

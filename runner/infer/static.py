@@ -5,13 +5,15 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     fp32, fp16, bf16   keys / values [B,H,S,D] in that dtype; attention reads them cast to the compute dtype.
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
-    kivi4 kivi3 kivi2  kvcache.KiviLayer's six quantized tensors over all S columns (keys per channel over groups
-                       of g columns at bk bits, values per column at bv bits in blocks of bs channels; k4v3: bk = 4,
-                       bv = 3; b64: bs = 64, else 32) and a ring of R = 2r full-precision columns (column c in
-                       slot c mod R) holding the residual: columns [Q, T), Q = floor(T / r)·r. S is a multiple of R.
-                       A write appends to the ring and quantizes the block of r columns it completes (a fixed-shape
-                       `where`, no shape ever changes); attention reads the region dequantized below Q and the ring
-                       above, so it sees what the eager layer sees at every step (StaticKiviLayer).
+    kivi4 kivi3 kivi2  s sinks (option s, default 0): columns [0, s) as they came, never quantized. Then
+                       kvcache.KiviLayer's six quantized tensors over the S − s columns after them (keys per channel
+                       over groups of g columns at bk bits, values per column at bv bits in blocks of bs channels;
+                       k4v3: bk = 4, bv = 3; b64: bs = 64, else 32) and a ring of R = 2r full-precision columns
+                       (column s + c in slot c mod R) holding the residual: columns [s + Q, T), Q = floor((T − s) /
+                       r)·r. S − s is a multiple of R. A write fills the sinks, appends to the ring and quantizes the
+                       block of r columns it completes (fixed-shape `where`s, no shape ever changes); attention
+                       reads the sinks, the region dequantized below s + Q and the ring above, so it sees what the
+                       eager layer sees at every step (StaticKiviLayer).
 A column is a slot of the cache, not a token position: rows of a left-padded batch share columns, the mask says
 which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
 `StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
@@ -40,7 +42,7 @@ from runner.infer.quant import (
 )
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
-KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block")  # parse_kind's options served here
+KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block", "sinks")  # parse_kind's options served here
 
 
 class StaticPlainLayer(StaticLayer):
@@ -116,32 +118,39 @@ class StaticQuantLayer(StaticPlainLayer):
 
 
 class StaticKiviLayer(StaticPlainLayer):
-    """KIVI over fixed shapes (see the module docstring): the quantized region of all S columns and the ring.
+    """KIVI over fixed shapes (see the module docstring): the sinks, then the quantized region and the ring.
 
-    Invariant between writes, T columns written: the region holds columns [0, Q) quantized, Q = floor(T / r)·r,
-    exactly what kvcache.KiviLayer holds after the same columns; the ring holds columns [Q, T) as they came."""
+    Invariant between writes, T columns written, s sinks: the sinks hold columns [0, min(T, s)) as they came; the
+    region holds columns [s, s + Q) quantized, Q = floor((T − s) / r)·r (0 while T ≤ s), exactly what
+    kvcache.KiviLayer holds after the same columns; the ring holds columns [s + Q, T) as they came. Region and
+    ring count columns from s (their column c − s)."""
 
-    TENSORS = (*KiviLayer.GROUPS, "ring_keys", "ring_values")
+    TENSORS = ("sink_keys", "sink_values", *KiviLayer.GROUPS, "ring_keys", "ring_values")
 
     def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, key_bits: int | None = None,
-                 value_bits: int | None = None, value_block: int = BLOCK, **kwargs):
+                 value_bits: int | None = None, value_block: int = BLOCK, sinks: int = 0, **kwargs):
         self.key_bits, self.value_bits = key_bits or bits, value_bits or bits  # k4v3: keys and values apart
         self.value_block = value_block  # b64: values in blocks of 64 channels
+        self.sinks = sinks  # s4: columns 0..3 kept exact, never quantized
         self.group_size, self.residual_len = group_size, residual_len
         self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
         super().__init__(*args, **kwargs)
 
     def allocate(self) -> None:
-        if self.max_cache_len % self.ring_len:
-            raise ValueError(f"a static KIVI cache holds a multiple of {self.ring_len} columns "
-                             f"(got {self.max_cache_len})")
-        block, ring = (self.batch_size, self.num_heads, self.residual_len), (self.batch_size, self.num_heads, self.ring_len)
-        empty = self._quantize(torch.zeros(*block, self.k_head_dim, device=self.device),
-                               torch.zeros(*block, self.v_head_dim, device=self.device))
+        span = self.max_cache_len - self.sinks  # columns of the region (and of the ring tiled)
+        if span <= 0 or span % self.ring_len:
+            raise ValueError(f"a static KIVI cache holds its {self.sinks} sinks and a positive multiple of "
+                             f"{self.ring_len} columns more (got {self.max_cache_len})")
+        b, h = self.batch_size, self.num_heads
+        empty = self._quantize(torch.zeros(b, h, self.residual_len, self.k_head_dim, device=self.device),
+                               torch.zeros(b, h, self.residual_len, self.v_head_dim, device=self.device))
         for name, tensor in zip(KiviLayer.GROUPS, empty):  # one block's tensors, repeated along the sequence
-            setattr(self, name, tensor.repeat(1, 1, self.max_cache_len // self.residual_len, 1))
-        self.ring_keys = torch.zeros((*ring, self.k_head_dim), dtype=self.storage, device=self.device)
-        self.ring_values = torch.zeros((*ring, self.v_head_dim), dtype=self.storage, device=self.device)
+            setattr(self, name, tensor.repeat(1, 1, span // self.residual_len, 1))
+        for part, length in (("sink", self.sinks), ("ring", self.ring_len)):  # [B,H,s,D], [B,H,R,D]
+            setattr(self, f"{part}_keys", torch.zeros(b, h, length, self.k_head_dim, dtype=self.storage,
+                                                      device=self.device))
+            setattr(self, f"{part}_values", torch.zeros(b, h, length, self.v_head_dim, dtype=self.storage,
+                                                        device=self.device))
         self.keys = self.values = None
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -150,11 +159,16 @@ class StaticKiviLayer(StaticPlainLayer):
                 *quantize_groups(values, self.value_bits, self.value_block, dim=-1))
 
     def _rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
-        """[n] rows (dim -2) of tensor `name` that hold the block of r columns from column `start` (0-d)."""
+        """[n] rows (dim -2) of tensor `name` that hold the block of r region columns from `start` (0-d)."""
         per_block = {"key_codes": self.residual_len * self.key_bits // 8,
                      "key_scales": self.residual_len // self.group_size, "key_mins": self.residual_len // self.group_size}
         n = per_block.get(name, self.residual_len)
         return start // self.residual_len * n + torch.arange(n, device=start.device)
+
+    def _quantized(self, written: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """0-d Q once the columns below `written` (0-d) are written, those from `end` on being padding."""
+        r = self.residual_len
+        return (torch.minimum(written, end) - self.sinks).clamp(min=0) // r * r
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """[B,H,T,D] new K/V into `columns` [T] (consecutive) → all [B,H,S,D] K/V as attention reads them. In pieces
@@ -164,51 +178,77 @@ class StaticKiviLayer(StaticPlainLayer):
         for start in range(0, keys.shape[-2], r):
             piece = slice(start, start + r)
             self._append(keys[..., piece, :], values[..., piece, :], columns[piece], end)
-        return self._view(torch.minimum(columns[-1] + 1, end) // r * r, keys.dtype)
+        return self._view(self._quantized(columns[-1] + 1, end), keys.dtype)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
-        """[B,H,t,D] K/V (t ≤ r) into the ring; the block of r columns they complete, if any, quantized into the
-        region. Every shape is fixed: the block ending at the new Q is quantized whether or not it is new, and
-        written over itself when it is not (`where`)."""
+        """[B,H,t,D] K/V (t ≤ r) into the sinks and the ring; the block of r columns they complete, if any,
+        quantized into the region. Every shape is fixed: the block ending at the new Q is quantized whether or not
+        it is new, and written over itself when it is not (`where`)."""
+        self._keep_sinks(keys, values, columns, end)
         r = self.residual_len
-        slots, real = columns % self.ring_len, (columns < end)[:, None]  # [t], [t,1]
+        slots = (columns - self.sinks) % self.ring_len  # [t] (a sink column's slot is left as it is)
+        real = ((columns >= self.sinks) & (columns < end))[:, None]  # [t,1]
         for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
             ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
-        done = torch.minimum(columns[-1] + 1, end) // r * r  # 0-d: Q after these columns
-        flush = done > columns[0] // r * r  # 0-d bool: a block was completed
-        start = (done - r).clamp(min=0)  # its first column (0 and no flush while Q is 0)
+        done = self._quantized(columns[-1] + 1, end)  # 0-d: Q after these columns
+        flush = done > self._quantized(columns[0], end)  # 0-d bool: a block was completed
+        start = (done - r).clamp(min=0)  # its first region column (0 and no flush while Q is 0)
         block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
         new = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
         for name, value in zip(KiviLayer.GROUPS, new):
             tensor, rows = getattr(self, name), self._rows(name, start)
             tensor.index_copy_(2, rows, torch.where(flush, value, tensor.index_select(2, rows)))
 
+    def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
+        """Columns of [B,H,t,D] K/V below s (and below `end`) into their sink slots; the other slots unchanged.
+        Fixed shapes: each of the s slots picks its column of the piece, or itself (`where`)."""
+        if not self.sinks:
+            return
+        sink = torch.arange(self.sinks, device=columns.device)  # [s] the sink columns
+        offset = sink - columns[0]  # [s] where each lies in the piece (columns are consecutive)
+        taken = ((offset >= 0) & (offset < columns.shape[0]) & (sink < end))[:, None]  # [s,1]
+        index = offset.clamp(0, columns.shape[0] - 1)
+        for held, new in ((self.sink_keys, keys), (self.sink_values, values)):
+            held.copy_(torch.where(taken, new.index_select(2, index).to(self.storage), held))
+
     def _view(self, done: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B,H,S,D] K and V in `dtype`: columns below `done` (0-d) dequantized from the region, the others read
-        from the ring (column c in slot c mod R; columns not yet written are masked by the caller)."""
-        length = self.max_cache_len
-        quantized = (torch.arange(length, device=done.device) < done)[:, None]  # [S,1]
+        """[B,H,S,D] K and V in `dtype`: the sinks, then the region and ring (`_region`)."""
+        keys, values = self._region(done, dtype)
+        if not self.sinks:
+            return keys, values
+        return (torch.cat([self.sink_keys.to(dtype), keys], dim=-2),
+                torch.cat([self.sink_values.to(dtype), values], dim=-2))
+
+    def _region(self, done: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,H,S−s,D] K and V in `dtype` of the columns past the sinks: below `done` (0-d) dequantized from the
+        region, the others read from the ring (column c in slot c mod R; columns not yet written are masked by the
+        caller)."""
+        span = self.max_cache_len - self.sinks
+        quantized = (torch.arange(span, device=done.device) < done)[:, None]  # [S−s,1]
         keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
-                                      self.group_size, length, dtype, dim=-2)
+                                      self.group_size, span, dtype, dim=-2)
         values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits,
                                         self.value_block, self.v_head_dim, dtype, dim=-1)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
 
     def _tiled(self, ring: torch.Tensor) -> torch.Tensor:
-        """[B,H,R,D] → [B,H,S,D], column c = slot c mod R (a broadcast the compiled graph folds into its kernel)."""
+        """[B,H,R,D] → [B,H,S−s,D], column c = slot c mod R (a broadcast the compiled graph folds into its kernel)."""
         b, h, _, d = ring.shape
-        return ring[:, :, None].expand(b, h, self.max_cache_len // self.ring_len, self.ring_len, d).reshape(b, h, -1, d)
+        tiles = (self.max_cache_len - self.sinks) // self.ring_len
+        return ring[:, :, None].expand(b, h, tiles, self.ring_len, d).reshape(b, h, -1, d)
 
     def rollback(self, kept: int, held: int) -> None:
         """After the write position moved back from `held` to `kept` columns: quantized columns past
-        floor(kept / r)·r return to the ring dequantized, as kvcache.KiviLayer.crop returns them to its residual,
-        and the next completed block quantizes them again."""
+        s + floor((kept − s) / r)·r return to the ring dequantized, as kvcache.KiviLayer.crop returns them to its
+        residual, and the next completed block quantizes them again. Sink columns past `kept` are simply written
+        again."""
         r = self.residual_len
+        kept, held = max(kept - self.sinks, 0), max(held - self.sinks, 0)  # region columns
         start = kept // r * r
         if kept == start or start >= held // r * r:  # nothing kept past Q, or Q did not move
             return
-        keys, values = self._view(torch.tensor(held // r * r, device=self.device), self.storage)
+        keys, values = self._region(torch.tensor(held // r * r, device=self.device), self.storage)
         slots = torch.arange(start, kept, device=self.device)
         self.ring_keys.index_copy_(2, slots % self.ring_len, keys.index_select(2, slots))
         self.ring_values.index_copy_(2, slots % self.ring_len, values.index_select(2, slots))
@@ -252,10 +292,12 @@ class StaticKVCache(Cache):
 
 
 def static_length(kind: str | None, length: int) -> int:
-    """Columns a static cache of `kind` holds for `length` wanted: KIVI rounds up to whole rings (2r)."""
+    """Columns a static cache of `kind` holds for `length` wanted: KIVI's sinks and whole rings (2r) after them."""
     name, options = parse_kind(kind)
-    ring = 2 * options["residual_len"] if name in KIVI_BITS else 1
-    return -(-length // ring) * ring
+    if name not in KIVI_BITS:
+        return length
+    ring, sinks = 2 * options["residual_len"], options["sinks"]
+    return sinks + -(-max(length - sinks, 1) // ring) * ring
 
 
 def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:

@@ -208,7 +208,7 @@ def static_engine(tiny_lm, monkeypatch):
 
 
 def test_the_speed_pick_times_on_the_engine_the_run_decodes_with(tiny_lm, tmp_path, static_engine):
-    config = _config(tmp_path, cache_candidates=["fp32", "q8_0", "kivi4:g8:r16:s4"], cache_quality_max_mean_kl=10,
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0", "kivi4:g8:r16:o1"], cache_quality_max_mean_kl=10,
                      cache_quality_max_delta_nll=10, cache_quality_max_ppl_ratio=10, engine="compiled")
     selection = _select(tiny_lm, config)
     rows = {row["kind"]: row for row in selection.rows}
@@ -216,8 +216,8 @@ def test_the_speed_pick_times_on_the_engine_the_run_decodes_with(tiny_lm, tmp_pa
     for kind in ("fp32", "q8_0"):  # timed on static states of the engine, each shape prepared before the timing
         assert rows[kind]["timed_on"] == "compiled" and rows[kind]["compile_s"] >= 0 and rows[kind]["tokens_per_s"] > 0
         assert any(key[0] == kind for key in static_engine.warm)
-    assert not rows["kivi4:g8:r16:s4"]["passed"] and "no static layout" in rows["kivi4:g8:r16:s4"]["verdict"]
-    assert "tokens_per_s" not in rows["kivi4:g8:r16:s4"] and selection.kind in ("fp32", "q8_0")
+    assert not rows["kivi4:g8:r16:o1"]["passed"] and "no static layout" in rows["kivi4:g8:r16:o1"]["verdict"]
+    assert "tokens_per_s" not in rows["kivi4:g8:r16:o1"] and selection.kind in ("fp32", "q8_0")
     assert static_engine.stats.recompiles == 0
     eager = _select(tiny_lm, config.model_copy(update={"engine": "eager"}))
     assert eager.key != selection.key and not eager.reused  # the engine is part of the plan's key

@@ -18,7 +18,8 @@ from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.static import STATIC_KINDS
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
-KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8"]  # blocks complete often
+KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8", "kivi4:g8:r16:s4",
+                 "kivi3:k4v3:g8:r16:s3:b8"]  # blocks complete often within 20 new tokens
 
 
 @pytest.fixture
@@ -65,9 +66,11 @@ LONG_PROMPTS = ["one two three four five six seven eight nine ten eleven twelve 
                 "The quick brown fox jumps over the lazy dog and runs far away"]
 
 
-@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8", "kivi3:g8:r16"])
+@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8", "kivi3:g8:r16", "kivi2:g4:r8:s8:b8"])
 @pytest.mark.parametrize("prompts", [LONG_PROMPTS[:1], LONG_PROMPTS], ids=["batch1", "padded"])
 def test_compiled_prefill_in_padded_pieces_gives_the_eager_greedy_tokens(static_lm, small_pieces, kind, prompts):
+    """KIVI: every piece ends on a block (s + a multiple of r), so a piece's queries see its columns as the one
+    eager forward's do; a piece ending inside a block (e.g. s5 here) shows them its last columns unquantized."""
     eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
     ours, gen = _generate(static_lm, prompts, "compiled", cache_kind=kind, max_new_tokens=20, temperature=0,
                           prefill="compiled")
@@ -145,14 +148,15 @@ def test_speculative_verification_on_static_states_gives_the_target_greedy_token
     assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("held, kept", [(21, 13), (21, 17), (30, 9)])
-def test_a_static_kivi_state_cropped_across_blocks_gives_the_eager_caches_logits(static_lm, held, kept):
+@pytest.mark.parametrize("kind", ["kivi2:g4:r8", "kivi2:g4:r8:s3"])
+@pytest.mark.parametrize("held, kept", [(21, 13), (21, 17), (30, 9), (30, 2)])
+def test_a_static_kivi_state_cropped_across_blocks_gives_the_eager_caches_logits(static_lm, kind, held, kept):
     """A crop into quantized blocks returns their kept columns to full precision dequantized (as the eager
     KiviLayer does); the logits after it then agree to float rounding (without the rollback: 4e-4 to 0.1)."""
     from runner.infer.kvcache import make_cache
     from runner.infer.speculative import crop_to, feed
 
-    model, kind = static_lm.model, "kivi2:g4:r8"
+    model = static_lm.model
     tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
     logits = []
     with torch.inference_mode():

@@ -47,7 +47,8 @@ def _write_both(eager, static, written: int, n: int, seed: int, padding: int = 0
 
 @pytest.mark.parametrize("kind", ["kivi4", "kivi2", "kivi4:g8:r24", "kivi2:g4:r8", "kivi3", "kivi3:g8:r24",
                                   "kivi3:k4v3:g32:r32", "kivi3:k2v4:g8:r16", "kivi2:g32:r32:b64", "kivi4:g8:r16:b16",
-                                  "kivi3:k4v2:g8:r16:b8"])
+                                  "kivi3:k4v2:g8:r16:b8", "kivi4:g32:r32:s4", "kivi2:g4:r8:s1", "kivi4:g8:r24:s7",
+                                  "kivi3:k4v3:g32:r32:s4:b64", "kivi3:k4v2:g8:r16:s40:b16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kind, dtype):
     """Single columns, pieces shorter and longer than r, a piece completing two blocks: equal after every write."""
@@ -60,7 +61,7 @@ def test_static_kivi_hands_attention_the_eager_layers_kv_for_any_write_sizes(kin
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
-@pytest.mark.parametrize("kind", ["kivi4", "kivi4:g8:r24", "kivi2:g4:r8"])
+@pytest.mark.parametrize("kind", ["kivi4", "kivi4:g8:r24", "kivi2:g4:r8", "kivi4:g8:r16:s4", "kivi2:g4:r8:s9:b8"])
 def test_static_kivi_ignores_the_padding_after_end(kind):
     """A compiled prefill pads its last piece on the right: the padding never enters the ring nor completes a
     block, so the next writes see the eager layer's K/V."""
@@ -72,7 +73,8 @@ def test_static_kivi_ignores_the_padding_after_end(kind):
         assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3]), (step, written)
 
 
-@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16", "kivi3:k4v3:g8:r16", "kivi2:g4:r8:b64"])
+@pytest.mark.parametrize("kind", ["kivi4:g8:r24", "kivi2:g4:r8", "kivi3:g8:r16", "kivi3:k4v3:g8:r16", "kivi2:g4:r8:b64",
+                                  "kivi4:g8:r24:s4", "kivi2:g4:r8:s3", "kivi3:k4v3:g8:r16:s4:b64", "kivi4:g8:r16:s50"])
 @pytest.mark.parametrize("crop", [1, 5, 24, 30])
 def test_static_kivi_rollback_equals_the_eager_crop(kind, crop):
     """A crop inside the residual or across quantized blocks, then more writes: still equal (kept quantized
@@ -105,15 +107,16 @@ def test_static_kivi_rows_follow_their_beams():
 
 
 @pytest.mark.parametrize("kind", ["kivi4", "kivi2:g16:r64", "kivi3:g8:r16", "kivi3:k4v3:g32:r32", "kivi2:g32:r32:b64",
-                                  "kivi3:k4v2:b16"])
+                                  "kivi3:k4v2:b16", "kivi4:g32:r32:s4", "kivi3:k4v3:g32:r32:s4:b64"])
 def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind):
-    """Bytes = estimate_cache_bytes at all S columns (a multiple of r: no residual) + the ring of 2r columns in the
-    model's dtype: codes, scales and minimums, never the float K/V."""
+    """Bytes = estimate_cache_bytes at all S columns (s sinks, then a multiple of r: no residual) + the ring of 2r
+    columns in the model's dtype: sinks, codes, scales and minimums, never the float K/V."""
     model = tiny_lm.model
     cache = make_static_cache(kind, model, 2, 300)
     _, options = parse_kind(kind)
     ring = 2 * options["residual_len"]
-    assert cache.length == static_length(kind, 300) and cache.length % ring == 0 and cache.length >= 300
+    assert cache.length == static_length(kind, 300) and (cache.length - options["sinks"]) % ring == 0
+    assert cache.length >= 300
     layers, heads, head_dim = _dims(model.config)
     ring_bytes = 2 * layers * heads * 2 * head_dim * ring * model.dtype.itemsize  # rows × layers × heads × K,V
     assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, cache.length, model.dtype) + ring_bytes
@@ -139,8 +142,9 @@ def test_fused_block_dequantizer_equals_dequantize(kind, head_dim):
                            dequantize(codes, scales, kind, head_dim, dtype))
 
 
-@pytest.mark.parametrize("kind, named", [("kivi3:s4", "s"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
-                                         ("kivi3:k4v2:o1", "o"), ("kivi2:b64:s4", "s")])
+@pytest.mark.parametrize("kind, named", [("kivi3:s4:o1", "o"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
+                                         ("kivi3:k4v2:b64:s4:rot", "rot"), ("kivi2:nuq", "nuq")])
 def test_static_kivi_refuses_the_options_it_has_no_layout_for(tiny_lm, kind, named):
+    """Served: g, r, k<bits>v<bits>, b, s; refused: outliers, rotation, nuq."""
     with pytest.raises(ValueError, match=f"no static layout for the KIVI option\\(s\\) {named} of cache kind"):
         make_static_cache(kind, tiny_lm.model, 1, 64)
