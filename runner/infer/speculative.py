@@ -127,17 +127,23 @@ def feed(model, cache, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
 def tokens_before_flush(cache, cached: int) -> int:
     """Most draft tokens a verify chunk may hold so that no token in it completes a KIVI residual.
 
-    A KIVI layer quantizes its residual when it fills (cache index i with (i+1) % residual_len == 0). Fed one by
-    one, that index is quantized by its own forward; fed inside a chunk, earlier chunk tokens would see it (and its
-    group) quantized, and a crop across it would leave dequantized values behind: the greedy output would depend
-    on the chunking. So a chunk [pending, x_1..x_k] (indices cached..cached+k) stops before the index that flushes,
-    and that index enters alone as the pending token of a target-only step. Other kinds: no limit.
+    A KIVI layer quantizes its residual when it fills (cache index i ≥ s with (i + 1 − s) % residual_len == 0, s its
+    sinks). Fed one by one, that index is quantized by its own forward; fed inside a chunk, earlier chunk tokens
+    would see it (and its group) quantized, and a crop across it would leave dequantized values behind: the greedy
+    output would depend on the chunking. So a chunk [pending, x_1..x_k] (indices cached..cached+k) stops before the
+    index that flushes first in any layer, and that index enters alone as the pending token of a target-only step.
+    Other kinds: no limit.
     """
-    period = min((getattr(layer, "residual_len", 0) or 0 for layer in getattr(cache, "layers", [])), default=0)
-    if not period:
-        return 1 << 30
-    to_flush = period - 1 - cached % period  # the index cached + to_flush completes the residual
-    return max(to_flush - 1, 0)
+    to_flush = [_to_flush(layer, cached) for layer in getattr(cache, "layers", [])
+                if getattr(layer, "residual_len", 0)]
+    return max(min(to_flush) - 1, 0) if to_flush else 1 << 30
+
+
+def _to_flush(layer, cached: int) -> int:
+    """n such that index cached + n is the next to complete the KIVI `layer`'s residual (none among its sinks)."""
+    period, sinks = layer.residual_len, getattr(layer, "sinks", 0)
+    first = max(cached, sinks)  # the first index that can enter the residual
+    return first - cached + period - 1 - (first - sinks) % period
 
 
 def crop_to(cache, length: int) -> None:

@@ -41,7 +41,7 @@ def test_greedy_matches_our_decode_on_a_padded_batch(tiny_lm, draft_lm, which):
     assert gen.stats.drafted > 0 and gen.stats.new_tokens == [30, 30]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "q8_0", "kivi4", "kivi4:g8:r8", "kivi2:g8:r16"])
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "kivi4", "kivi4:g8:r8", "kivi2:g8:r16", "kivi4:g8:r8:s3", "kivi2:g8:r16:s5"])
 @pytest.mark.parametrize("which", ["random", "self", "lookup"])
 def test_greedy_matches_our_decode_through_cache_rollback(tiny_lm, draft_lm, kind, which):
     ids = tiny_lm.tokenizer(["The quick brown fox jumps"], return_tensors="pt").input_ids
