@@ -135,7 +135,7 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
 
 def unserved(row: dict, config: GenerateConfig) -> bool:
     """True, and the row failed with the reason, when the run's engine cannot decode with the row's kind (the
-    compiled engine's static KIVI layout has no sinks, outliers, rotation or nuq): it is neither timed nor chosen."""
+    compiled engine's static KIVI layout has no outliers, rotation or nuq): it is neither timed nor chosen."""
     problem = static_kind_problem(row["kind"]) if config.engine == "compiled" else None
     if problem:
         row.update(passed=False, verdict=problem)
