@@ -40,7 +40,8 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     b, heads, _, dim = query.shape
     kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     scaling = dim**-0.5 if scaling is None else scaling
-    grouped = _chunked(query.reshape(b, kv_heads, heads // kv_heads, 1, dim).float())  # [B,Hkv,G,1,D/C,C]
+    rows = _materialized(query.reshape(b * heads, dim).float())  # [B·Hq,D]
+    grouped = _chunked(rows.reshape(b, kv_heads, heads // kv_heads, 1, dim))  # [B,Hkv,G,1,D/C,C]
     scores = (grouped * _chunked(key[:, :, None].float())).sum((-2, -1)) * scaling  # [B,Hkv,G,S]
     if attention_mask is not None:
         mask = attention_mask[:, :, -1, -columns:].reshape(attention_mask.shape[0], 1, 1, columns)  # [B|1,1,1,S]
@@ -50,6 +51,14 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     chunks = _chunked(value[:, :, None].float())  # [B,Hkv,1,S,Dv/C,C]
     out = (probs[..., None, None] * chunks).sum(-3)  # [B,Hkv,G,Dv/C,C]
     return out.reshape(b, 1, heads, value_dim).to(query.dtype), None
+
+
+def _materialized(rows: torch.Tensor) -> torch.Tensor:
+    """rows [N,D] as a buffer of their own: their product with the identity, an extern matmul (exact in float32).
+    Left as an expression, the query's rotary embedding (cos and sin of position × frequency) is inlined by inductor
+    into the scores loop and computed again for each of the S columns (measured on 4 SmolLM2-sized layers at 4112
+    columns: q8_0 step 18.6 → 14.9 ms, fp16 14.0 unchanged)."""
+    return rows @ torch.eye(rows.shape[-1], dtype=rows.dtype, device=rows.device)
 
 
 def _chunked(x: torch.Tensor) -> torch.Tensor:
