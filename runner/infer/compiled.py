@@ -245,8 +245,8 @@ class CompiledEngine:
         if made:
             self.stats.compiles += made
             self.stats.recompiles += made
-            log.warning("the compiled decode step recompiled (%d graphs) for %d rows × %d columns × %d new", made,
-                        cache.batch, cache.length, ids.shape[1])
+            log.warning("the compiled decode step recompiled (%d graphs) for %s × %d rows × %d columns × %d new",
+                        made, cache.kind, cache.batch, cache.length, ids.shape[1])
         return logits
 
 

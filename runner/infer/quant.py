@@ -274,7 +274,8 @@ def dequantize_expr(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_d
         values = codes.float().unflatten(-1, (-1, BLOCK)) * scales.float().unsqueeze(-1)  # [..., NB, 32]
         return values.flatten(-2)[..., :head_dim].to(dtype)
     planes = unpack_planes_expr(codes, 4)  # [..., NG, 2, C]
-    values = planes.float() - 8 if kind == "q4_0" else _on(codes.device, "levels", NF4_LEVELS)[planes.long()]
+    # NF4_LEVELS moved inside the graph, not through `_on`: a compiled step that fills that dict recompiles
+    values = planes.float() - 8 if kind == "q4_0" else NF4_LEVELS.to(codes.device)[planes.long()]
     return (values * _per_chunk(scales, BLOCK, planes)).flatten(-3)[..., :head_dim].to(dtype)
 
 

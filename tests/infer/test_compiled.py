@@ -194,15 +194,16 @@ def test_what_the_compiled_engine_cannot_serve_is_a_config_error_naming_the_key(
 
 @pytest.mark.slow
 def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
-    """Compiles five shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32, q4_0 and KIVI (blocks
-    completed every 16 columns) padded, and the last one's compiled prefill piece (20 prompt columns → 32)."""
+    """Compiles five shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32, nf4 and KIVI (blocks
+    completed every 16 columns) padded, and the last one's compiled prefill piece (20 prompt columns → 32). nf4
+    once recompiled at its first real step (its level table was cached in a dict while tracing)."""
     from tests.conftest import TINY_LLAMA
 
     from runner.infer.models import load_model
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=1)  # its own model object: its own compiled engine
     for kind, prompts, prefill in (("fp32", PROMPTS[:1], "eager"), ("fp32", PROMPTS, "eager"),
-                                   ("q4_0", PROMPTS, "eager"), ("kivi4:g8:r16", PROMPTS, "compiled")):
+                                   ("nf4", PROMPTS, "eager"), ("kivi4:g8:r16", PROMPTS, "compiled")):
         eager, _ = _generate(lm, prompts, "eager", cache_kind=kind, max_new_tokens=24, temperature=0)
         ours, _ = _generate(lm, prompts, "compiled", cache_kind=kind, max_new_tokens=24, temperature=0,
                             prefill=prefill)
