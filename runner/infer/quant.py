@@ -13,8 +13,9 @@ Groups (`quantize_groups`, used by q4_1 and by the KIVI cache): asymmetric b ∈
 Packing (`pack`). Along the last axis (head_dim) 2- and 4-bit codes are packed in planes, as llama.cpp packs q4_0:
 the codes are cut into chunks of C = 16 (`PLANE`; fewer for rows too short), and the 8/b chunks of a group of C
 bytes share them, chunk i in bits [b·i, b·(i+1)). So C consecutive values are C consecutive bytes under one shift,
-and a compiled kernel that reads values in chunks of C loads bytes contiguously (`unpack_planes_expr`); the
-interleaved order (neighbours in one byte) made inductor gather byte by byte, 9-21× slower at 4k columns. Along any
+and a compiled kernel that reads values in chunks of C loads bytes contiguously (`unpack_planes_expr`); with the
+interleaved order (neighbours in one byte) inductor gathered byte by byte (one layer's q4_0 attention at 4096
+columns: 3.6 ms, 1.2 ms in planes). A block of 32 values (block kinds) is one group of 16 bytes. Along any
 other axis (KIVI's keys, packed along the sequence) code n is slot n mod 8/b of byte n // (8/b), first code in the
 lowest bits: there a whole row of head_dim values shares one byte row and one shift.
 Owns only the arithmetic; knows nothing of caches, layers, models or transformers.
