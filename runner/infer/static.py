@@ -42,7 +42,8 @@ from runner.infer.quant import (
 )
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
-KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block", "sinks")  # parse_kind's options served here
+# parse_kind's KIVI options that StaticKiviLayer serves (the others: config.static_kind_problem)
+KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block", "sinks")
 
 
 class StaticPlainLayer(StaticLayer):
@@ -127,9 +128,9 @@ class StaticKiviLayer(StaticPlainLayer):
 
     TENSORS = ("sink_keys", "sink_values", *KiviLayer.GROUPS, "ring_keys", "ring_values")
 
-    def __init__(self, *args, bits: int = 4, group_size: int = 32, residual_len: int = 32, key_bits: int | None = None,
-                 value_bits: int | None = None, value_block: int = BLOCK, sinks: int = 0, **kwargs):
-        self.key_bits, self.value_bits = key_bits or bits, value_bits or bits  # k4v3: keys and values apart
+    def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
+                 value_block: int = BLOCK, sinks: int = 0, **kwargs):
+        self.key_bits, self.value_bits = key_bits, value_bits  # parse_kind's: kivi3 → 3 and 3, k4v3 → 4 and 3
         self.value_block = value_block  # b64: values in blocks of 64 channels
         self.sinks = sinks  # s4: columns 0..3 kept exact, never quantized
         self.group_size, self.residual_len = group_size, residual_len
@@ -318,7 +319,7 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
                   device=device)
     if name in KIVI_BITS:
         common["length"] = static_length(kind, length)
-        layers = [StaticKiviLayer(**common, bits=KIVI_BITS[name], **options) for _ in range(n_layers)]
+        layers = [StaticKiviLayer(**common, **options) for _ in range(n_layers)]
     elif name in CODE_BITS:
         layers = [StaticQuantLayer(**common, kind=name) for _ in range(n_layers)]
     else:

@@ -24,7 +24,7 @@ def _pair(kind: str, columns: int, dtype=torch.float32):
     name, options = parse_kind(kind)
     eager = CACHE_KINDS[name](**options)
     static = StaticKiviLayer(batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
-                             dtype=dtype, device=torch.device("cpu"), bits=eager.bits,
+                             dtype=dtype, device=torch.device("cpu"),
                              **{key: options[key] for key in KIVI_LAYOUT_OPTIONS})
     return eager, static
 
