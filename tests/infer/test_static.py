@@ -11,6 +11,7 @@ from runner.infer.quant import (
     dequantize_expr,
     dequantize_groups,
     dequantize_groups_expr,
+    levels_expr,
     quantize,
     quantize_groups,
 )
@@ -140,6 +141,15 @@ def test_fused_block_dequantizer_equals_dequantize(kind, head_dim):
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_expr(codes, scales, kind, head_dim, dtype),
                            dequantize(codes, scales, kind, head_dim, dtype))
+
+
+@pytest.mark.parametrize("count", [2, 4, 8, 16])
+def test_levels_expr_is_the_table_lookup(count):
+    """The tree of selects picks exactly levels[code] for every code, in any shape (nf4's 16 levels, nuq's 2^b)."""
+    levels = torch.randn(count, generator=torch.Generator().manual_seed(count)).sort().values
+    codes = torch.randint(0, count, (3, 5, 7), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    assert torch.equal(levels_expr(codes, levels), levels[codes.long()])
+    assert torch.equal(levels_expr(torch.arange(count), levels), levels)
 
 
 @pytest.mark.parametrize("kind, named", [("kivi3:s4:o1", "o"), ("kivi2:o1:rot", "o, rot"), ("kivi4:rotv:nuq", "rotv, nuq"),
