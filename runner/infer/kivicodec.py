@@ -16,7 +16,7 @@ import torch
 
 from runner.infer.kvcodes import (dequantize_levels, hadamard_rotation, index_dtype, outlier_count, quantize_levels,
                                   restore_outliers, rotate, split_outliers, unrotate)
-from runner.infer.quant import dequantize_groups, quantize_groups
+from runner.infer.quant import dequantize_groups, dequantize_groups_expr, quantize_groups
 
 
 class KiviCodec:
@@ -71,17 +71,19 @@ class KiviCodec:
             return tokens * self.key_bits // 8
         return tokens // self.group_size if name in self.PER_GROUP else tokens
 
-    def _decoded(self, t: dict[str, torch.Tensor], side: str, length: int, groups=dequantize_groups) -> torch.Tensor:
+    def _decoded(self, t: dict[str, torch.Tensor], side: str, length: int, fused: bool = False) -> torch.Tensor:
         """float32 K (`side` "key") or V of the quantized tensors `t`, `length` tokens (keys) or channels (values)
         long along their quantized axis: codes, then the outliers written back, then the inverse rotation.
-        `groups`: the uniform dequantizer (quant.dequantize_groups, or its expression form for a compiled graph:
-        the same floats)."""
+        `fused`: codes decoded by expressions a compiled graph fuses (quant.dequantize_groups_expr,
+        kvcodes.dequantize_levels(fused=True)); the same floats as eagerly."""
         key = side == "key"
         bits, group, dim = (self.key_bits, self.group_size, -2) if key else (self.value_bits, self.value_block, -1)
         codes, scales, mins = t[f"{side}_codes"], t[f"{side}_scales"], t[f"{side}_mins"]
         if self.levels is not None:
-            x = dequantize_levels(codes, scales, mins, self.levels[0 if key else 1], bits, group, length, dim=dim)
+            x = dequantize_levels(codes, scales, mins, self.levels[0 if key else 1], bits, group, length, dim=dim,
+                                  fused=fused)
         else:
+            groups = dequantize_groups_expr if fused else dequantize_groups
             x = groups(codes, scales, mins, bits, group, length, torch.float32, dim=dim)
         x = restore_outliers(x, t[f"{side}_outliers"], t[f"{side}_outlier_index"], self.group_size)
         rotation = self.key_rotation if key else self.value_rotation

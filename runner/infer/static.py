@@ -244,8 +244,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
                                             self.value_block, self.v_head_dim, dtype, dim=-1)
         else:  # with options: the eager layer's decoding over the whole region (stale chunks past Q are masked)
             held = {name: getattr(self, name) for name in self.QUANTIZED}
-            keys = self._decoded(held, "key", span, dequantize_groups_expr).to(dtype)
-            values = self._decoded(held, "value", self.v_head_dim, dequantize_groups_expr).to(dtype)
+            keys = self._decoded(held, "key", span, fused=True).to(dtype)
+            values = self._decoded(held, "value", self.v_head_dim, fused=True).to(dtype)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
 
