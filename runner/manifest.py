@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from runner.infer.config import (DTYPES, ENGINES, GenerateConfig, SpeculativeConfig, check_quantizations, parse_kind,
-                                 parse_quantization, static_kind_problem)
+                                 parse_quantization)
 from runner.infer.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
@@ -310,13 +310,6 @@ class BenchSpec(Strict):
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
         return values
-
-    @model_validator(mode="after")
-    def _compiled_kinds(self) -> "BenchSpec":
-        problems = [static_kind_problem(kind) for kind in self.cache_kinds or []] if "compiled" in self.engines else []
-        if any(problems):
-            raise ValueError(f"cache_kinds: {next(p for p in problems if p)}")
-        return self
 
     @field_validator("quantizations")
     @classmethod

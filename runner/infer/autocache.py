@@ -23,7 +23,7 @@ import transformers
 
 from runner.errors import InferenceError, RunnerError
 from runner.infer.cache_plans import PlanStore, plan_key
-from runner.infer.config import GenerateConfig, canonical_kind, static_kind_problem
+from runner.infer.config import GenerateConfig, canonical_kind
 from runner.infer.data import EvalText, load_text, token_windows
 from runner.infer.kvcache import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
 from runner.infer.quality import build_probe, compare, run_probe
@@ -128,18 +128,9 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
         failures = gate_failures(metrics, config)
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
-    survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
+    survivors = [row for row in fitting if row["passed"]]
     time_survivors({row["kind"]: (row, model) for row in survivors}, tokenizer, text, config, batch_size)
     return rows
-
-
-def unserved(row: dict, config: GenerateConfig) -> bool:
-    """True, and the row failed with the reason, when the run's engine cannot decode with the row's kind (the
-    compiled engine's static KIVI layout has no outliers, rotation or nuq): it is neither timed nor chosen."""
-    problem = static_kind_problem(row["kind"]) if config.engine == "compiled" else None
-    if problem:
-        row.update(passed=False, verdict=problem)
-    return bool(problem)
 
 
 def time_survivors(survivors: dict[str, tuple[dict, object]], tokenizer, text: EvalText, config: GenerateConfig,

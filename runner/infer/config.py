@@ -269,20 +269,6 @@ ENGINE_DESCRIPTION = (
     "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
 
 
-def static_kind_problem(kind: str | None) -> str | None:
-    """Why the compiled engine cannot serve cache kind `kind` (its static KIVI layout has groups, a residual, split
-    bits, value blocks and sinks, none of the options outliers, rotation, nuq), or None."""
-    if not kind or kind == "auto":
-        return None
-    name, options = parse_kind(kind)
-    letters = {"outlier_percent": "o", "rotate_keys": "rot", "rotate_values": "rotv", "nuq": "nuq"}
-    used = [letters[key] for key, off in KIVI_DEFAULTS.items() if key in letters and options.get(key, off) != off]
-    if used:
-        return (f"engine: compiled has no static layout for the KIVI option(s) {', '.join(used)} of cache kind "
-                f"{kind!r}: use {name} without them, or engine: eager")
-    return None
-
-
 def _engine_conflicts(engine: str, **settings) -> None:
     """What the compiled engine cannot serve, as an error naming the key."""
     if engine != "compiled":
@@ -394,8 +380,6 @@ class GenerateConfig(AutoCacheConfig):
             raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
         _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
-        if self.engine == "compiled" and static_kind_problem(self.cache_kind):
-            raise ValueError(f"cache_kind: {static_kind_problem(self.cache_kind)}")
         return self
 
     @property
@@ -461,12 +445,6 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _checked_kind(value)
-
-    @model_validator(mode="after")
-    def _engine_serves(self) -> "SpeculativeConfig":
-        if self.engine == "compiled" and static_kind_problem(self.cache_kind):
-            raise ValueError(f"cache_kind: {static_kind_problem(self.cache_kind)}")
-        return self
 
     @property
     def greedy(self) -> bool:

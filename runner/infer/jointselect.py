@@ -23,7 +23,7 @@ from pathlib import Path
 from runner.errors import InferenceError
 from runner.infer.autocache import (MIB, Selection, candidates, check_lengths, choose_row, config_probe,
                                     gate_failures, model_identity, plan_fields, planned_selection, reference_kind,
-                                    time_survivors, unserved, within_budget)
+                                    time_survivors, within_budget)
 from runner.infer.config import GenerateConfig, canonical_quantization
 from runner.infer.data import EvalText, load_text
 from runner.infer.quality import compare, run_probe
@@ -105,7 +105,7 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
             models[weights] = candidate  # kept for the speed pick
         del candidate
     bar.close()
-    survivors = [row for row in fitting if row["passed"] and not unserved(row, config)]
+    survivors = [row for row in fitting if row["passed"]]
     time_survivors({label(r): (r, models[r["weights"]]) for r in survivors}, tokenizer, text, config, batch_size)
     return rows
 

@@ -22,8 +22,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_laye
 
 from runner.infer.codebooks import fitted_levels
 from runner.infer.config import DTYPES, KIVI_BITS, kivi_options, parse_kind, torch_dtype
-from runner.infer.kvcodes import (dequantize_levels, index_dtype, outlier_count, quantize_levels, restore_outliers_,
-                                  rotate, split_outliers, unrotate_)
+from runner.infer.kivicodec import KiviCodec
+from runner.infer.kvcodes import index_dtype, outlier_count
 from runner.infer.quant import (BLOCK, CODE_BITS, NF4_LEVELS, dequantize, dequantize_groups, head_bytes,  # noqa: F401
                                 quantize, quantize_groups)
 
@@ -150,11 +150,12 @@ class Q4_1Layer(QuantLayer):
     kind = "q4_1"
 
 
-class KiviLayer(QuantLayer):
+class KiviLayer(KiviCodec, QuantLayer):
     """KIVI: keys per channel over groups of `group_size` tokens, values per token, asymmetric `bits`-bit codes;
     a full-precision residual of the newest tokens, quantized all at once when it reaches `residual_len`.
 
-    Options (kvcodes.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
+    Options (kivicodec.KiviCodec codes and decodes with them, shared with the compiled engine's static layer;
+    kvcodes.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
     `outlier_percent` % of each chunk of g tokens × D values kept exact (fp16 + index); keys and/or values rotated
     by a fixed randomized Hadamard matrix before quantizing (`rotate_keys`, `rotate_values`); `levels` = (key
     levels, value levels), fitted non-uniform codes (nuq) instead of uniform steps; `key_bits` / `value_bits` (k4v2)
@@ -172,11 +173,7 @@ class KiviLayer(QuantLayer):
     """
 
     bits: int = 4
-    GROUPS = ("key_codes", "key_scales", "key_mins", "value_codes", "value_scales", "value_mins")  # plain KIVI's
-    QUANTIZED = (*GROUPS, "key_outliers", "key_outlier_index", "value_outliers", "value_outlier_index")
-    PER_GROUP = ("key_scales", "key_mins", "key_outliers", "key_outlier_index", "value_outliers",
-                 "value_outlier_index")
-    TENSORS = ("sink_keys", "sink_values", *QUANTIZED, "residual_keys", "residual_values")
+    TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "residual_keys", "residual_values")
 
     def __init__(self, group_size: int = 32, residual_len: int | None = None, sinks: int = 0,
                  outlier_percent: float = 0.0, rotate_keys: bool = False, rotate_values: bool = False,
@@ -196,39 +193,12 @@ class KiviLayer(QuantLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
+        self._make_rotations(self.key_dim, self.value_dim, self.device, self.rotate_keys, self.rotate_values)
         for name, empty in zip(self.QUANTIZED, self._quantize(key_states[..., :0, :], value_states[..., :0, :])):
             setattr(self, name, empty)
         self.sink_keys, self.sink_values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
         self.residual_keys, self.residual_values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
         self.is_initialized = True
-
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[B,H,n,D] K/V, n a multiple of group_size → the QUANTIZED tensors of those n tokens."""
-        keys = rotate(keys) if self.rotate_keys else keys
-        values = rotate(values) if self.rotate_values else values
-        keys, key_outliers = self._outliers(keys, per_channel=True)
-        values, value_outliers = self._outliers(values, per_channel=False)
-        kb, vb, g, block = self.key_bits, self.value_bits, self.group_size, self.value_block
-        if self.levels is not None:
-            return (*quantize_levels(keys, self.levels[0], kb, g, dim=-2),
-                    *quantize_levels(values, self.levels[1], vb, block, dim=-1), *key_outliers, *value_outliers)
-        return (*quantize_groups(keys, kb, g, dim=-2), *quantize_groups(values, vb, block, dim=-1),
-                *key_outliers, *value_outliers)
-
-    def _outliers(self, x: torch.Tensor, per_channel: bool):
-        """x [B,H,n,D] → (x with its outliers replaced, (values, indices) [B,H,n/g,k]); k = 0: x as it is."""
-        count, g = outlier_count(self.outlier_percent, self.group_size, x.shape[-1]), self.group_size
-        if count and x.shape[-2]:
-            filled, values, index = split_outliers(x.float(), count, g, self.value_block, per_channel)
-            return filled, (values, index)
-        shape = (*x.shape[:-2], x.shape[-2] // g, count)
-        return x, (x.new_empty(shape, dtype=torch.float16), x.new_empty(shape, dtype=index_dtype(g, x.shape[-1])))
-
-    def _rows(self, name: str, tokens: int) -> int:
-        """Rows (dim -2) of tensor `name` that `tokens` quantized tokens take (tokens a multiple of group_size)."""
-        if name == "key_codes":
-            return tokens * self.key_bits // 8
-        return tokens // self.group_size if name in self.PER_GROUP else tokens
 
     def quantized_len(self) -> int:
         return self.value_codes.shape[-2] if self.is_initialized else 0
@@ -265,25 +235,16 @@ class KiviLayer(QuantLayer):
         return whole_keys, whole_values
 
     def _dequantize_into(self, t: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The quantized tensors `t` dequantized into views `keys` / `values`: codes, then outliers, then the
-        inverse rotation (in float32)."""
-        quantized, g = keys.shape[-2], self.group_size
-        if self.levels is None and not (self.outlier_percent or self.rotate_keys or self.rotate_values):
-            dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.key_bits, g, quantized,
-                              keys.dtype, dim=-2, out=keys)
-            dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.value_bits, self.value_block,
-                              self.value_dim, values.dtype, dim=-1, out=values)
+        """The quantized tensors `t` dequantized into views `keys` / `values` (with options: KiviCodec._decoded's
+        float32, cast on the copy)."""
+        if not self.plain:
+            keys.copy_(self._decoded(t, "key", keys.shape[-2]))
+            values.copy_(self._decoded(t, "value", self.value_dim))
             return
-        for side, out, bits, group, dim, length, rotated, levels in (
-                ("key", keys, self.key_bits, g, -2, quantized, self.rotate_keys, 0),
-                ("value", values, self.value_bits, self.value_block, -1, self.value_dim, self.rotate_values, 1)):
-            codes, scales, mins = t[f"{side}_codes"], t[f"{side}_scales"], t[f"{side}_mins"]
-            if self.levels is not None:
-                x = dequantize_levels(codes, scales, mins, self.levels[levels], bits, group, length, dim=dim)
-            else:
-                x = dequantize_groups(codes, scales, mins, bits, group, length, torch.float32, dim=dim)
-            restore_outliers_(x, t[f"{side}_outliers"], t[f"{side}_outlier_index"], g)
-            out.copy_(unrotate_(x) if rotated else x)
+        dequantize_groups(t["key_codes"], t["key_scales"], t["key_mins"], self.key_bits, self.group_size,
+                          keys.shape[-2], keys.dtype, dim=-2, out=keys)
+        dequantize_groups(t["value_codes"], t["value_scales"], t["value_mins"], self.value_bits, self.value_block,
+                          self.value_dim, values.dtype, dim=-1, out=values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Sinks first; then append [B,H,t,D] K/V to the residual, quantize whole multiples of residual_len of it;

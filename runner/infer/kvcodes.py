@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runner.infer.quant import FP16_MAX, pack, unpack
+from runner.infer.quant import FP16_MAX, levels_expr, pack, unpack, unpack_expr
 
 ROTATION_SEED = 0
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -41,14 +41,15 @@ def hadamard_rotation(dim: int, device: torch.device | str = "cpu") -> torch.Ten
     return _ROTATIONS[dim, device]
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] → x·R in float32."""
-    return x.float() @ hadamard_rotation(x.shape[-1], x.device)
+def rotate(x: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., D] → x·R in float32. `matrix`: R made beforehand (a layer holds it, so a compiled graph never looks
+    it up in the module's table while tracing), else `hadamard_rotation`'s."""
+    return x.float() @ (hadamard_rotation(x.shape[-1], x.device) if matrix is None else matrix)
 
 
-def unrotate_(x: torch.Tensor) -> torch.Tensor:
-    """x̂·Rᵀ written back into x (a view of what attention reads); float32 arithmetic."""
-    return x.copy_(x.float() @ hadamard_rotation(x.shape[-1], x.device).T)
+def unrotate(x: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """x̂ → x̂·Rᵀ in float32 (a new tensor); `matrix` as in `rotate`."""
+    return x.float() @ (hadamard_rotation(x.shape[-1], x.device) if matrix is None else matrix).T
 
 
 # --- outliers kept exact ----------------------------------------------------------------------------------------
@@ -99,12 +100,14 @@ def _robust_stats(chunks: torch.Tensor, block: int, per_channel: bool) -> tuple[
     return (center.expand_as(blocks).flatten(-2)[..., :dim], spread.expand_as(blocks).flatten(-2)[..., :dim])
 
 
-def restore_outliers_(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
-    """Write kept outliers back into dequantized x [B,H,n,D] (a view whose last two dims are contiguous)."""
-    if values.shape[-1]:
-        chunks = x.unflatten(-2, (-1, group)).flatten(-2)  # [B,H,NG,g·D], a view of x
-        chunks.scatter_(-1, index.long(), values.to(x.dtype))
-    return x
+def restore_outliers(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+    """Dequantized x [B,H,n,D] with its kept outliers written back: a new tensor (x itself when k = 0). Out of
+    place, so it holds for any x (a cropped, padded one too: scattering into a reshaped copy would be lost) and
+    is one expression of a compiled graph."""
+    if not values.shape[-1]:
+        return x
+    chunks = x.unflatten(-2, (-1, group)).flatten(-2)  # [B,H,NG,g·D]
+    return chunks.scatter(-1, index.long(), values.to(x.dtype)).unflatten(-1, (group, -1)).flatten(-3, -2)
 
 
 # --- non-uniform codes ------------------------------------------------------------------------------------------
@@ -146,9 +149,15 @@ def quantize_levels(x: torch.Tensor, levels: torch.Tensor, bits: int, group: int
 
 
 def dequantize_levels(codes: torch.Tensor, ranges: torch.Tensor, mins: torch.Tensor, levels: torch.Tensor,
-                      bits: int, group: int, length: int, dim: int = -1) -> torch.Tensor:
-    """Inverse of `quantize_levels`: float32 with `length` values along `dim`: min + range·level."""
-    values = levels.float().to(codes.device)[unpack(codes, bits, dim=dim).long()]  # padded length along dim
+                      bits: int, group: int, length: int, dim: int = -1, fused: bool = False) -> torch.Tensor:
+    """Inverse of `quantize_levels`: float32 with `length` values along `dim`: min + range·level. `fused`: the
+    codes unpacked as one expression (quant.unpack_expr) and the levels picked by quant.levels_expr, so a compiled
+    graph computes it all where it is read (eagerly 20–30 % slower than quant.unpack's copies and a lookup); the same floats either way (level·range is exact in
+    float32, two fp16 significands, so only the add rounds). `levels` on the codes' device already saves a copy
+    (a layer keeps them there)."""
+    codes = (unpack_expr if fused else unpack)(codes, bits, dim=dim)
+    table = levels.float().to(codes.device)
+    values = levels_expr(codes, table) if fused else table[codes.long()]  # padded length along dim
     dim = dim % values.dim()
     grouped = values.unflatten(dim, (-1, group))
     out = torch.addcmul(mins.unsqueeze(dim + 1).float(), grouped, ranges.unsqueeze(dim + 1).float())

@@ -13,14 +13,18 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
                        r)·r. S − s is a multiple of R. A write fills the sinks, appends to the ring and quantizes the
                        block of r columns it completes (fixed-shape `where`s, no shape ever changes); attention
                        reads the sinks, the region dequantized below s + Q and the ring above, so it sees what the
-                       eager layer sees at every step (StaticKiviLayer).
+                       eager layer sees at every step (StaticKiviLayer). Every KIVI option: blocks are coded and the
+                       region decoded by kivicodec.KiviCodec, the eager layer's own code; outliers (o) in the
+                       eager layer's [B,H,(S−s)/g,k] values and indices, nuq's levels (fitted as make_cache fits
+                       them) and the rotation matrices (rot, rotv) held by the layer on its device.
 A column is a slot of the cache, not a token position: rows of a left-padded batch share columns, the mask says
 which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
 `StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
 engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
 dequantization of a quantized kind is one elementwise expression over fixed shapes (quant.dequantize_expr,
 dequantize_groups_expr: unpacking, scale and minimum); the compiled engine's one-column attention sums products over
-it (attention.attend_reduced), so inductor computes it inside those sums and no full-size float K/V is written.
+it (attention.attend_reduced), so inductor computes it inside those sums and no full-size float K/V is written
+(except with KIVI's outliers or rotation: a scatter and a matrix product, not elementwise).
 Owns: the layers, `make_static_cache` and `STATIC_KINDS`; kvcache.cache_bytes measures them (`nbytes`). Does not know about
 compilation, masks, decoding or selection.
 """
@@ -30,20 +34,19 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from runner.infer.config import KIVI_BITS, parse_kind, static_kind_problem
-from runner.infer.kvcache import STORAGE_DTYPES, KiviLayer, _dims
+from runner.infer.codebooks import fitted_levels
+from runner.infer.config import KIVI_BITS, parse_kind
+from runner.infer.kivicodec import KiviCodec
+from runner.infer.kvcache import STORAGE_DTYPES, _dims
 from runner.infer.quant import (
     BLOCK,
     CODE_BITS,
     dequantize_expr,
     dequantize_groups_expr,
     quantize,
-    quantize_groups,
 )
 
-STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind
-# parse_kind's KIVI options that StaticKiviLayer serves (the others: config.static_kind_problem)
-KIVI_LAYOUT_OPTIONS = ("group_size", "residual_len", "key_bits", "value_bits", "value_block", "sinks")
+STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind, every KIVI option
 
 
 class StaticPlainLayer(StaticLayer):
@@ -118,7 +121,7 @@ class StaticQuantLayer(StaticPlainLayer):
                 dequantize_expr(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))
 
 
-class StaticKiviLayer(StaticPlainLayer):
+class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     """KIVI over fixed shapes (see the module docstring): the sinks, then the quantized region and the ring.
 
     Invariant between writes, T columns written, s sinks: the sinks hold columns [0, min(T, s)) as they came; the
@@ -126,15 +129,21 @@ class StaticKiviLayer(StaticPlainLayer):
     kvcache.KiviLayer holds after the same columns; the ring holds columns [s + Q, T) as they came. Region and
     ring count columns from s (their column c − s)."""
 
-    TENSORS = ("sink_keys", "sink_values", *KiviLayer.GROUPS, "ring_keys", "ring_values")
+    TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "ring_keys", "ring_values")
 
     def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
-                 value_block: int = BLOCK, sinks: int = 0, **kwargs):
+                 value_block: int = BLOCK, sinks: int = 0, outlier_percent: float = 0.0, rotate_keys: bool = False,
+                 rotate_values: bool = False, nuq: bool = False,
+                 levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         self.key_bits, self.value_bits = key_bits, value_bits  # parse_kind's: kivi3 → 3 and 3, k4v3 → 4 and 3
         self.value_block = value_block  # b64: values in blocks of 64 channels
         self.sinks = sinks  # s4: columns 0..3 kept exact, never quantized
         self.group_size, self.residual_len = group_size, residual_len
         self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
+        self.outlier_percent, self.rotate_keys, self.rotate_values = outlier_percent, rotate_keys, rotate_values
+        if nuq and levels is None:
+            raise ValueError("nuq codes need levels fitted to the model: build the cache with make_static_cache")
+        self.levels = levels if nuq else None  # moved to the cache's device in allocate: graph inputs, no lookups
         super().__init__(*args, **kwargs)
 
     def allocate(self) -> None:
@@ -143,9 +152,12 @@ class StaticKiviLayer(StaticPlainLayer):
             raise ValueError(f"a static KIVI cache holds its {self.sinks} sinks and a positive multiple of "
                              f"{self.ring_len} columns more (got {self.max_cache_len})")
         b, h = self.batch_size, self.num_heads
+        self._make_rotations(self.k_head_dim, self.v_head_dim, self.device, self.rotate_keys, self.rotate_values)
+        if self.levels is not None:
+            self.levels = tuple(levels.to(self.device) for levels in self.levels)
         empty = self._quantize(torch.zeros(b, h, self.residual_len, self.k_head_dim, device=self.device),
                                torch.zeros(b, h, self.residual_len, self.v_head_dim, device=self.device))
-        for name, tensor in zip(KiviLayer.GROUPS, empty):  # one block's tensors, repeated along the sequence
+        for name, tensor in zip(self.QUANTIZED, empty):  # one block's tensors, repeated along the sequence
             setattr(self, name, tensor.repeat(1, 1, span // self.residual_len, 1))
         for part, length in (("sink", self.sinks), ("ring", self.ring_len)):  # [B,H,s,D], [B,H,R,D]
             setattr(self, f"{part}_keys", torch.zeros(b, h, length, self.k_head_dim, dtype=self.storage,
@@ -154,17 +166,14 @@ class StaticKiviLayer(StaticPlainLayer):
                                                         device=self.device))
         self.keys = self.values = None
 
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """[B,H,r,D] K/V of one block → its six quantized tensors (kvcache.KiviLayer's arithmetic)."""
-        return (*quantize_groups(keys, self.key_bits, self.group_size, dim=-2),
-                *quantize_groups(values, self.value_bits, self.value_block, dim=-1))
-
-    def _rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
+    def _block_rows(self, name: str, start: torch.Tensor) -> torch.Tensor:
         """[n] rows (dim -2) of tensor `name` that hold the block of r region columns from `start` (0-d)."""
-        per_block = {"key_codes": self.residual_len * self.key_bits // 8,
-                     "key_scales": self.residual_len // self.group_size, "key_mins": self.residual_len // self.group_size}
-        n = per_block.get(name, self.residual_len)
+        n = self._rows(name, self.residual_len)
         return start // self.residual_len * n + torch.arange(n, device=start.device)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors in TENSORS and of the codebooks (nuq), as kvcache.KiviLayer counts them."""
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in self.levels or ())
 
     def _quantized(self, written: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """0-d Q once the columns below `written` (0-d) are written, those from `end` on being padding."""
@@ -196,8 +205,10 @@ class StaticKiviLayer(StaticPlainLayer):
         start = (done - r).clamp(min=0)  # its first region column (0 and no flush while Q is 0)
         block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
         new = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
-        for name, value in zip(KiviLayer.GROUPS, new):
-            tensor, rows = getattr(self, name), self._rows(name, start)
+        for name, value in zip(self.QUANTIZED, new):
+            tensor, rows = getattr(self, name), self._block_rows(name, start)
+            if not tensor.shape[-1]:  # no outliers (k = 0)
+                continue
             tensor.index_copy_(2, rows, torch.where(flush, value, tensor.index_select(2, rows)))
 
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
@@ -226,10 +237,15 @@ class StaticKiviLayer(StaticPlainLayer):
         caller)."""
         span = self.max_cache_len - self.sinks
         quantized = (torch.arange(span, device=done.device) < done)[:, None]  # [S−s,1]
-        keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
-                                      self.group_size, span, dtype, dim=-2)
-        values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits,
-                                        self.value_block, self.v_head_dim, dtype, dim=-1)
+        if self.plain:
+            keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
+                                          self.group_size, span, dtype, dim=-2)
+            values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits,
+                                            self.value_block, self.v_head_dim, dtype, dim=-1)
+        else:  # with options: the eager layer's decoding over the whole region (stale chunks past Q are masked)
+            held = {name: getattr(self, name) for name in self.QUANTIZED}
+            keys = self._decoded(held, "key", span, fused=True).to(dtype)
+            values = self._decoded(held, "value", self.v_head_dim, fused=True).to(dtype)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
 
@@ -309,17 +325,14 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
     if name not in STATIC_KINDS:
         raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
                          f"use one of {', '.join(STATIC_KINDS)}")
-    problem = static_kind_problem(kind)
-    if problem:
-        raise ValueError(problem)
-    options = {key: options[key] for key in KIVI_LAYOUT_OPTIONS} if name in KIVI_BITS else options
     n_layers, heads, head_dim = _dims(model.config)
     device = next(model.parameters()).device
     common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,
                   device=device)
     if name in KIVI_BITS:
         common["length"] = static_length(kind, length)
-        layers = [StaticKiviLayer(**common, **options) for _ in range(n_layers)]
+        levels = fitted_levels(model, options) if options["nuq"] else [None] * n_layers  # as kvcache.make_cache
+        layers = [StaticKiviLayer(**common, **options, levels=levels[i]) for i in range(n_layers)]
     elif name in CODE_BITS:
         layers = [StaticQuantLayer(**common, kind=name) for _ in range(n_layers)]
     else:

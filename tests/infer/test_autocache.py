@@ -213,11 +213,10 @@ def test_the_speed_pick_times_on_the_engine_the_run_decodes_with(tiny_lm, tmp_pa
     selection = _select(tiny_lm, config)
     rows = {row["kind"]: row for row in selection.rows}
     assert selection.fields["settings"]["engine"] == "compiled"
-    for kind in ("fp32", "q8_0"):  # timed on static states of the engine, each shape prepared before the timing
-        assert rows[kind]["timed_on"] == "compiled" and rows[kind]["compile_s"] >= 0 and rows[kind]["tokens_per_s"] > 0
+    for kind in ("fp32", "q8_0", "kivi4:g8:r16:o1"):  # timed on static states of the engine (KIVI options too),
+        row = rows[kind]  # each shape prepared before the timing
+        assert row["timed_on"] == "compiled" and row["compile_s"] >= 0 and row["tokens_per_s"] > 0, row
         assert any(key[0] == kind for key in static_engine.warm)
-    assert not rows["kivi4:g8:r16:o1"]["passed"] and "no static layout" in rows["kivi4:g8:r16:o1"]["verdict"]
-    assert "tokens_per_s" not in rows["kivi4:g8:r16:o1"] and selection.kind in ("fp32", "q8_0")
     assert static_engine.stats.recompiles == 0
     eager = _select(tiny_lm, config.model_copy(update={"engine": "eager"}))
     assert eager.key != selection.key and not eager.reused  # the engine is part of the plan's key

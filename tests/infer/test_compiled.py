@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from runner.infer import compiled
+from runner.infer import codebooks, compiled
 from runner.infer.compiled import CompiledEngine, batch_bucket, input_major_weights, length_bucket, prefill_pieces
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.generator import Generator
@@ -19,12 +19,15 @@ from runner.infer.static import STATIC_KINDS
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
 KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8", "kivi4:g8:r16:s4",
-                 "kivi3:k4v3:g8:r16:s3:b8"]  # blocks complete often within 20 new tokens
+                 "kivi3:k4v3:g8:r16:s3:b8", "kivi4:g8:r16:o2", "kivi3:g8:r16:rotv:nuq",
+                 "kivi2:g4:r8:s4:o2:b8:nuq:rot"]  # blocks complete often within 20 new tokens
 
 
 @pytest.fixture
-def static_lm(tiny_lm, monkeypatch):
-    """tiny_lm whose compiled engine runs its static step uncompiled."""
+def static_lm(tiny_lm, monkeypatch, tmp_path):
+    """tiny_lm whose compiled engine runs its static step uncompiled (nuq codes fitted into a fresh directory)."""
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    monkeypatch.setattr(codebooks, "_FITTED", {})
     monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
     return tiny_lm
 
@@ -66,7 +69,8 @@ LONG_PROMPTS = ["one two three four five six seven eight nine ten eleven twelve 
                 "The quick brown fox jumps over the lazy dog and runs far away"]
 
 
-@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8", "kivi3:g8:r16", "kivi2:g4:r8:s8:b8"])
+@pytest.mark.parametrize("kind", [None, "q4_0", "kivi4:g8:r16", "kivi2:g4:r8", "kivi3:g8:r16", "kivi2:g4:r8:s8:b8",
+                                  "kivi2:g4:r8:s8:o2:b8:nuq:rot"])
 @pytest.mark.parametrize("prompts", [LONG_PROMPTS[:1], LONG_PROMPTS], ids=["batch1", "padded"])
 def test_compiled_prefill_in_padded_pieces_gives_the_eager_greedy_tokens(static_lm, small_pieces, kind, prompts):
     """KIVI: every piece ends on a block (s + a multiple of r), so a piece's queries see its columns as the one
@@ -148,7 +152,7 @@ def test_speculative_verification_on_static_states_gives_the_target_greedy_token
     assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("kind", ["kivi2:g4:r8", "kivi2:g4:r8:s3"])
+@pytest.mark.parametrize("kind", ["kivi2:g4:r8", "kivi2:g4:r8:s3", "kivi2:g4:r8:s3:o2:nuq:rot"])
 @pytest.mark.parametrize("held, kept", [(21, 13), (21, 17), (30, 9), (30, 2)])
 def test_a_static_kivi_state_cropped_across_blocks_gives_the_eager_caches_logits(static_lm, kind, held, kept):
     """A crop into quantized blocks returns their kept columns to full precision dequantized (as the eager

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runner.infer.kvcodes import (dequantize_levels, fit_levels, hadamard_rotation, index_dtype, normalized,
-                                  outlier_count, quantize_levels, restore_outliers_, rotate, split_outliers, unrotate_)
+                                  outlier_count, quantize_levels, restore_outliers, rotate, split_outliers, unrotate)
 from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack
 
 
@@ -41,7 +41,8 @@ def test_rotation_is_orthogonal_and_a_round_trip_without_quantization_is_exact(d
     assert torch.all((rotation == 0) | (rotation.abs() == block**-0.5))  # ±1/√block: Hadamard blocks
     assert torch.equal((rotation != 0).sum(-1), torch.full((dim,), block))
     x = _x(2, 3, 10, dim)
-    assert torch.allclose(unrotate_(rotate(x)), x, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(unrotate(rotate(x)), x, atol=1e-5, rtol=1e-5)
+    assert torch.equal(rotate(x, rotation), rotate(x)) and torch.equal(unrotate(x, rotation), unrotate(x))
     assert hadamard_rotation(dim) is rotation  # fixed: made once
 
 
@@ -61,10 +62,20 @@ def test_outliers_are_the_farthest_values_kept_exactly_and_replaced_inside_their
     assert values.dtype == torch.float16 and 3 * 64 + 7 in index[0, 1, 0].tolist()
     assert (40 - 32) * 64 + 60 in index[1, 0, 1].tolist()
     assert filled.abs().max() < 5  # the replacements are inside the rest of their group
-    restored = restore_outliers_(filled.clone(), values, index, 32)
+    restored = restore_outliers(filled, values, index, 32)
     assert restored[0, 1, 3, 7] == 50 and restored[1, 0, 40, 60] == -80
     changed = restored != x
     assert torch.equal(restored[changed], x.half().float()[changed])  # only fp16 rounding of kept values
+
+
+def test_outliers_come_back_into_a_cropped_padded_tensor():
+    """Values dequantized from padded blocks (head_dim 40 in blocks of 32) are a narrowed view: the outliers still
+    come back (an in-place scatter into its reshaped copy lost them, and the eager layer with it)."""
+    x = _x(1, 2, 32, 40, seed=3) * 0.1
+    x[0, 1, 5, 33] = 40.0
+    filled, values, index = split_outliers(x, outlier_count(1, 32, 40), 32, 32, per_channel=False)
+    padded = torch.nn.functional.pad(filled, (0, 24)).narrow(-1, 0, 40)
+    assert restore_outliers(padded, values, index, 32)[0, 1, 5, 33] == 40
 
 
 def test_outliers_remove_most_of_the_quantization_error_they_cause():
@@ -73,7 +84,7 @@ def test_outliers_remove_most_of_the_quantization_error_they_cause():
     plain = dequantize_groups(*quantize_groups(x, 3, 32, dim=-2), 3, 32, 64, torch.float32, dim=-2)
     filled, values, index = split_outliers(x, outlier_count(1, 32, 64), 32, 32, per_channel=True)
     sparse = dequantize_groups(*quantize_groups(filled, 3, 32, dim=-2), 3, 32, 64, torch.float32, dim=-2)
-    restore_outliers_(sparse, values, index, 32)
+    sparse = restore_outliers(sparse, values, index, 32)
     spiky = (sparse - x)[..., 9].pow(2).mean()
     assert spiky < (plain - x)[..., 9].pow(2).mean() / 10  # 26 spikes in 2 × 32 tokens: 20 kept per chunk
     assert (sparse - x).pow(2).mean() < (plain - x).pow(2).mean()
@@ -110,6 +121,17 @@ def test_non_uniform_codes_round_trip_to_the_nearest_level(dim, group):
     assert (got - nearest).abs().le(1e-2).float().mean() > 0.99  # the nearest level (fp16 range: ties may move)
     half_gap = float((levels[1:] - levels[:-1]).max()) / 2  # never farther than half the widest gap
     assert torch.all((out - x).abs() <= half_gap * span_of(x, group, dim) * 1.01 + 1e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dim, group, length", [(-2, 32, 64), (-1, 32, 40), (-1, 16, 64)])
+def test_fused_non_uniform_decoding_gives_the_same_floats(bits, dim, group, length):
+    """The expression form the compiled engine's graph uses equals the eager one bit for bit."""
+    x = _x(2, 2, 64, 64, seed=bits).narrow(dim, 0, length)
+    levels = (torch.linspace(0, 1, 2**bits) ** 2).half()
+    quantized = quantize_levels(x, levels, bits, group, dim=dim)
+    assert torch.equal(dequantize_levels(*quantized, levels, bits, group, length, dim=dim, fused=True),
+                       dequantize_levels(*quantized, levels, bits, group, length, dim=dim))
 
 
 def _groups(x, group, dim):
