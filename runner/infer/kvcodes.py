@@ -152,9 +152,9 @@ def dequantize_levels(codes: torch.Tensor, ranges: torch.Tensor, mins: torch.Ten
                       bits: int, group: int, length: int, dim: int = -1, fused: bool = False) -> torch.Tensor:
     """Inverse of `quantize_levels`: float32 with `length` values along `dim`: min + range·level. `fused`: the
     codes unpacked as one expression (quant.unpack_expr) and the levels picked by quant.levels_expr, so a compiled
-    graph computes it all where it is read (eagerly 20–30 % slower than quant.unpack's copies and a lookup); the same floats either way (level·range is exact in
-    float32, two fp16 significands, so only the add rounds). `levels` on the codes' device already saves a copy
-    (a layer keeps them there)."""
+    graph computes it all where it is read (eagerly 20–30 % slower than quant.unpack's copies and a lookup); the
+    same floats either way (level·range is exact in float32, two fp16 significands, so only the add rounds).
+    `levels` on the codes' device already saves a copy (a layer keeps them there)."""
     codes = (unpack_expr if fused else unpack)(codes, bits, dim=dim)
     table = levels.float().to(codes.device)
     values = levels_expr(codes, table) if fused else table[codes.long()]  # padded length along dim
