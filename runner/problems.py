@@ -10,8 +10,9 @@ import typing
 
 from pydantic import BaseModel, ValidationError
 
+from runner.blocks import StrategyError
 from runner.errors import Problem, format_loc
-from runner.manifest import Manifest, StrategyError
+from runner.manifest import Manifest
 from runner.sources import Sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")

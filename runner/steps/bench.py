@@ -26,7 +26,7 @@ from runner.infer.models import LoadedModel, load_spec
 from runner.infer.weights import weight_bytes
 from runner.infer.config import DTYPES
 from runner.infer.timing import copy_bandwidth
-from runner.manifest import BenchSpec
+from runner.blocks import BenchSpec
 from runner.paths import model_source, text_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show

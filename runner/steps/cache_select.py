@@ -17,7 +17,7 @@ from runner.infer.config import GenerateConfig
 from runner.infer.data import load_text
 from runner.infer.jointselect import select_weights_and_cache
 from runner.infer.models import LoadedModel
-from runner.manifest import GenerateSpec, library_config
+from runner.blocks import GenerateSpec, library_config
 from runner.paths import text_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show

@@ -19,7 +19,7 @@ from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel
-from runner.manifest import GenerateSpec, PromptSource, library_config
+from runner.blocks import GenerateSpec, PromptSource, library_config
 from runner.paths import read_text
 from runner.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream

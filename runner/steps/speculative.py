@@ -18,7 +18,7 @@ from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.spec_text import same_tokenizer
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
-from runner.manifest import SpeculativeSpec, library_config
+from runner.blocks import SpeculativeSpec, library_config
 from runner.infer.speed import time_decode_kinds
 from runner.infer.timing import time_once
 from runner.paths import model_source

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from runner.manifest import BenchSpec
+from runner.blocks import BenchSpec
 from runner.steps.bench import markdown, matrix, metric_name, metrics, with_spec_speedup
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
