@@ -89,13 +89,12 @@ def _check(page, base, out, parent, points, steps, key, value, this_sweep, tag_f
     close = page.get_by_role("button", name="Close")
     if close.count():
         close.first.click()  # the assistant's side panel
-    for _ in range(1 + len(points)):  # expand every collapsed parent: the sweep, then its points
-        collapsed = [b for b in page.locator(EXPAND).all() if PLUS in b.inner_html()]
-        if not collapsed:
+    for _ in range(2 * (1 + len(points))):  # expand every collapsed parent (the sweep, its points), one per pass:
+        collapsed = [b for b in page.locator(EXPAND).all() if PLUS in b.inner_html()]  # rows move as others open,
+        if not collapsed:  # so a button found before a click may be gone after it (CI once timed out on one)
             break
-        for button in collapsed:
-            button.click()
-        page.wait_for_timeout(500)
+        collapsed[0].click()
+        page.wait_for_timeout(300)
     for run in [parent, *points]:
         page.get_by_text(run.info.run_name, exact=True).first.wait_for()
     step_names = sorted({r.info.run_name for r in steps})
