@@ -39,9 +39,13 @@ class KiviCodec:
 
     @property
     def plain(self) -> bool:
-        """No outliers, rotation or fitted levels: plain KIVI, whose decoding fuses into one expression."""
+        """No outliers, rotation or fitted levels: plain KIVI, which the eager layer dequantizes in place."""
         return (self.levels is None and not self.outlier_percent and self.key_rotation is None
                 and self.value_rotation is None)
+
+    def _codebook_bytes(self) -> int:
+        """Bytes of the fitted levels (nuq), 0 without them."""
+        return sum(t.numel() * t.element_size() for t in self.levels or ())
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[B,H,n,D] K/V, n a multiple of group_size → the QUANTIZED tensors of those n tokens."""

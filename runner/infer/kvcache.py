@@ -210,8 +210,7 @@ class KiviLayer(KiviCodec, QuantLayer):
 
     def nbytes(self) -> int:
         """Bytes of the tensors in TENSORS, and of the codebooks while the layer holds tokens."""
-        codebooks = sum(t.numel() * t.element_size() for t in self.levels) if self.levels is not None else 0
-        return super().nbytes() + (codebooks if self.get_seq_length() else 0)
+        return super().nbytes() + (self._codebook_bytes() if self.get_seq_length() else 0)
 
     def _dequantized(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K [B,H,Q-start,Dk], V [B,H,Q-start,Dv] of quantized tokens start.. in `dtype` (no sinks)."""

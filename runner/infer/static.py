@@ -42,7 +42,6 @@ from runner.infer.quant import (
     BLOCK,
     CODE_BITS,
     dequantize_expr,
-    dequantize_groups_expr,
     quantize,
 )
 
@@ -173,7 +172,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
 
     def nbytes(self) -> int:
         """Bytes of the tensors in TENSORS and of the codebooks (nuq), as kvcache.KiviLayer counts them."""
-        return super().nbytes() + sum(t.numel() * t.element_size() for t in self.levels or ())
+        return super().nbytes() + self._codebook_bytes()
 
     def _quantized(self, written: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """0-d Q once the columns below `written` (0-d) are written, those from `end` on being padding."""
@@ -237,15 +236,9 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         caller)."""
         span = self.max_cache_len - self.sinks
         quantized = (torch.arange(span, device=done.device) < done)[:, None]  # [S−s,1]
-        if self.plain:
-            keys = dequantize_groups_expr(self.key_codes, self.key_scales, self.key_mins, self.key_bits,
-                                          self.group_size, span, dtype, dim=-2)
-            values = dequantize_groups_expr(self.value_codes, self.value_scales, self.value_mins, self.value_bits,
-                                            self.value_block, self.v_head_dim, dtype, dim=-1)
-        else:  # with options: the eager layer's decoding over the whole region (stale chunks past Q are masked)
-            held = {name: getattr(self, name) for name in self.QUANTIZED}
-            keys = self._decoded(held, "key", span, fused=True).to(dtype)
-            values = self._decoded(held, "value", self.v_head_dim, fused=True).to(dtype)
+        held = {name: getattr(self, name) for name in self.QUANTIZED}  # the whole region (chunks past Q: masked)
+        keys = self._decoded(held, "key", span, fused=True).to(dtype)
+        values = self._decoded(held, "value", self.v_head_dim, fused=True).to(dtype)
         return (torch.where(quantized, keys, self._tiled(self.ring_keys).to(dtype)),
                 torch.where(quantized, values, self._tiled(self.ring_values).to(dtype)))
 
