@@ -24,9 +24,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from runner.infer import cpu_attention
 from runner.infer.quant import PLANE
 
 REDUCED_ATTENTION = "runner_reduced"
+STATIC_CACHE = "runner_static_cache"  # the keyword the compiled step hands its cache to attention by
 
 
 def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,8 +40,12 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if query.shape[2] != 1:
         return attend_packed(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     b, heads, _, dim = query.shape
-    kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     scaling = dim**-0.5 if scaling is None else scaling
+    layer = _static_layer(module, kwargs.get(STATIC_CACHE), query)
+    if layer is not None and attention_mask is not None and attention_mask.dtype == torch.bool:
+        return layer.attend(query, attention_mask[:, 0, -1], scaling, kwargs[STATIC_CACHE].columns,
+                            kwargs[STATIC_CACHE].end), None
+    kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     rows = _materialized(query.reshape(b * heads, dim).float())  # [B·Hq,D]
     grouped = _chunked(rows.reshape(b, kv_heads, heads // kv_heads, 1, dim))  # [B,Hkv,G,1,D/C,C]
     scores = (grouped * _chunked(key[:, :, None].float())).sum((-2, -1)) * scaling  # [B,Hkv,G,S]
@@ -51,6 +57,15 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     chunks = _chunked(value[:, :, None].float())  # [B,Hkv,1,S,Dv/C,C]
     out = (probs[..., None, None] * chunks).sum(-3)  # [B,Hkv,G,Dv/C,C]
     return out.reshape(b, 1, heads, value_dim).to(query.dtype), None
+
+
+def _static_layer(module, cache, query: torch.Tensor):
+    """The static cache layer `module` reads, when cpu_attention's kernel can read it in its stored format (on
+    CPU, the kernel built, the layer offering `attend`); else None."""
+    if cache is None or query.device.type != "cpu" or not cpu_attention.ready():
+        return None
+    layer = cache.layers[module.layer_idx]
+    return layer if hasattr(layer, "attend") else None
 
 
 def _materialized(rows: torch.Tensor) -> torch.Tensor:

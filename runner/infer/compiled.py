@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.attention import reduced_attention
+from runner.infer.attention import STATIC_CACHE, reduced_attention
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import StaticKVCache, make_static_cache
 from runner.infer.timing import time_interleaved, time_once
@@ -96,7 +96,7 @@ def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch
     eager = model.config._attn_implementation == "eager"
     attention = static_mask(mask2d, columns, eager, model.dtype)
     inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                  use_cache=True, logits_to_keep=ids.shape[1])
+                  use_cache=True, logits_to_keep=ids.shape[1], **{STATIC_CACHE: cache})
     out = model(**inputs) if weights is None else torch.func.functional_call(model, weights, (), inputs)
     return out.logits
 

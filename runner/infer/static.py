@@ -34,16 +34,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from runner.infer import cpu_attention
 from runner.infer.codebooks import fitted_levels
 from runner.infer.config import KIVI_BITS, parse_kind
 from runner.infer.kivicodec import KiviCodec
 from runner.infer.kvcache import STORAGE_DTYPES, _dims
-from runner.infer.quant import (
-    BLOCK,
-    CODE_BITS,
-    dequantize_expr,
-    quantize,
-)
+from runner.infer.quant import BLOCK, CODE_BITS, NF4_LEVELS, dequantize_expr, plane_bytes, quantize
 
 STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind, every KIVI option
 
@@ -80,6 +76,19 @@ class StaticPlainLayer(StaticLayer):
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.TENSORS]
 
+    def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
+        """K and V as cpu_attention's kernel reads them."""
+        storage = cpu_attention.STORAGE_FORMATS[self.storage]
+        return (cpu_attention.Side(self.keys, storage, self.k_head_dim),
+                cpu_attention.Side(self.values, storage, self.v_head_dim))
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
+               end: torch.Tensor) -> torch.Tensor:
+        """One query column [B,Hq,1,D] over the columns written so far (after this step's write), [B,S] bool mask
+        → [B,1,Hq,Dv]: cpu_attention's kernel reading the stored K/V (no dequantized copy)."""
+        keys, values = self.sides()
+        return cpu_attention.attend(query, keys, values, mask, scaling, columns[-1] + 1)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -109,6 +118,12 @@ class StaticQuantLayer(StaticPlainLayer):
             setattr(self, f"{side}_codes", codes)
             setattr(self, f"{side}_scales", scales)
         self.keys = self.values = None
+
+    def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
+        levels = NF4_LEVELS.to(self.device) if self.kind == "nf4" else None
+        return tuple(cpu_attention.Side(getattr(self, f"{side}_codes"), self.kind, dim,
+                                        scales=getattr(self, f"{side}_scales"), levels=levels)
+                     for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)))
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """Quantize the new [B,H,T,D] K/V into `columns` [T] → all [B,H,S,D] K/V dequantized."""
@@ -222,6 +237,51 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         for held, new in ((self.sink_keys, keys), (self.sink_values, values)):
             held.copy_(torch.where(taken, new.index_select(2, index).to(self.storage), held))
 
+    def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
+        """The region's K and V as cpu_attention's kernel reads them (sinks and ring are attend's)."""
+        sides = []
+        for side, bits, dim in (("key", self.key_bits, self.k_head_dim), ("value", self.value_bits, self.v_head_dim)):
+            levels = (self.levels[side == "value"].float() if self.levels is not None
+                      else torch.arange(2**bits, dtype=torch.float32, device=self.device))
+            padded = -(-dim // self.value_block) * self.value_block
+            layout = (dict(group=self.group_size) if side == "key" else
+                      dict(group=self.value_block, padded=padded, plane=plane_bytes(padded, bits) if bits != 3 else 0))
+            sides.append(cpu_attention.Side(
+                getattr(self, f"{side}_codes"), f"kivi_{side}", dim, scales=getattr(self, f"{side}_scales"),
+                mins=getattr(self, f"{side}_mins"), bits=bits, chunk=self.group_size, levels=levels,
+                outliers=getattr(self, f"{side}_outliers"), index=getattr(self, f"{side}_outlier_index"), **layout))
+        return tuple(sides)
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
+               end: torch.Tensor) -> torch.Tensor:
+        """One query column [B,Hq,1,D], [B,S] bool mask → [B,1,Hq,Dv] over what `_view` hands attention: the
+        kernel reads the region in its codes (a rotated side: the query rotated before, the output after), the
+        sinks and the ring are read as they are; one softmax over all S columns."""
+        b, heads, _, dim = query.shape
+        h, s, ring_len = self.num_heads, self.sinks, self.ring_len
+        span = self.max_cache_len - s
+        done = self._quantized(columns[-1] + 1, end)  # 0-d: region columns below it are quantized
+        rows = query.reshape(b, h, heads // h, dim).float()  # [B,H,G,D]
+        keys, values = self.sides()
+        rotated = rows if self.key_rotation is None else rows @ self.key_rotation
+        region = cpu_attention.scores(rotated, keys, None, span, done, scaling)  # [B,H,G,S−s], -inf from done
+        column = torch.arange(span, device=query.device)  # [S−s]
+        quantized = column < done
+        ring = (rows @ self.ring_keys.float().transpose(-1, -2)) * scaling  # [B,H,G,R]
+        parts = [torch.where(quantized, region, ring[..., column % ring_len])]
+        if s:
+            parts.insert(0, (rows @ self.sink_keys.float().transpose(-1, -2)) * scaling)  # [B,H,G,s]
+        probs = torch.cat(parts, -1).masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)  # [B,H,G,S]
+        sink_probs, span_probs = probs.split([s, span], -1)
+        out = cpu_attention.weighted(torch.where(quantized, span_probs, 0.0), values, done)  # [B,H,G,Dv]
+        if self.value_rotation is not None:
+            out = out @ self.value_rotation.T
+        ring_probs = torch.where(quantized, 0.0, span_probs).unflatten(-1, (-1, ring_len)).sum(-2)  # [B,H,G,R]
+        out = out + ring_probs @ self.ring_values.float()
+        if s:
+            out = out + sink_probs @ self.sink_values.float()
+        return out.reshape(b, 1, heads, self.v_head_dim).to(query.dtype)
+
     def _view(self, done: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[B,H,S,D] K and V in `dtype`: the sinks, then the region and ring (`_region`)."""
         keys, values = self._region(done, dtype)
@@ -320,6 +380,8 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
                          f"use one of {', '.join(STATIC_KINDS)}")
     n_layers, heads, head_dim = _dims(model.config)
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        cpu_attention.load()  # attention then reads the cache through the kernel (attention.attend_reduced)
     common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,
                   device=device)
     if name in KIVI_BITS:

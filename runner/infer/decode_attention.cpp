@@ -1,0 +1,380 @@
+// One-query attention over a KV cache read in its stored format (runner/infer/cpu_attention.py builds and calls it).
+//
+// Two passes over the columns of each (row, KV head): `runner_scores` decodes a key column once into a float row
+// and takes its dot product with the G query heads of that KV head; `runner_weighted` decodes a value column once
+// and adds it, times each query head's probability, to that head's output. The softmax between them is the
+// caller's. Decoding gives the floats the Python dequantizers give (code x scale is exact in float32; the one
+// add rounds once, fused or not); the sums run in another order than torch's.
+// Layouts are runner/infer/quant.py's and static.py's; `Store` says which one a tensor has.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RUNNER_AVX2 1
+#endif
+
+enum Format { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4, NF4 = 5, Q4_1 = 6, KIVI_VALUE = 7, KIVI_KEY = 8 };
+
+struct Store {          // mirrored by cpu_attention.Store
+  int64_t format;
+  int64_t dim;          // values a column holds (head_dim)
+  int64_t bits;         // KIVI: 2, 3 or 4
+  int64_t group;        // KIVI values: channels per block; KIVI keys: columns per group
+  int64_t plane;        // KIVI values at 2 and 4 bits: bytes of a plane group (quant.plane_bytes)
+  int64_t padded;       // KIVI values: channels coded, whole blocks
+  int64_t chunk;        // KIVI outliers: columns per chunk (g)
+  int64_t count;        // KIVI outliers per chunk (k; 0: none)
+  int64_t index_bytes;  // 2 or 4: int16 or int32 outlier indices
+  const uint8_t* codes; int64_t codes_bh;        // bytes from one (row, head) to the next
+  const uint8_t* scales; int64_t scales_bh;      // fp16
+  const uint8_t* mins; int64_t mins_bh;          // fp16, KIVI
+  const uint8_t* outliers; int64_t outliers_bh;  // fp16 [chunks, k], KIVI
+  const uint8_t* index; int64_t index_bh;        // [chunks, k] ascending, into a chunk's columns × dim, KIVI
+  const float* levels;  // nf4's 16 levels; KIVI: 2^bits levels (0, 1, 2, ... when uniform)
+};
+
+static const int MAX_DIM = 1024;
+static const int TILE = 128;  // columns per task
+static const int ROWS = 8;     // columns decoded together (one vector of their 8 scores)
+
+static inline float half_float(const uint8_t* p, int64_t i) {
+  _Float16 h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return (float)h;
+}
+
+#ifdef RUNNER_AVX2
+// levels[codes] for 8 codes < 16 in int32 lanes, the 16 levels held in two vectors (vpermps, no gather).
+static inline __m256 lookup(__m256i codes, __m256 low, __m256 high) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, codes), _mm256_permutevar8x32_ps(high, codes),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+}
+static inline __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
+// Column t of one (row, head) as floats in out[0, dim) (KIVI values: [0, padded)).
+template <int F>
+static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* scales, const uint8_t* mins,
+                          int64_t t, float* out) {
+  const int64_t dim = s.dim;
+  if constexpr (F == F32) {
+    const float* src = (const float*)codes + t * dim;
+    for (int64_t d = 0; d < dim; d++) out[d] = src[d];
+  } else if constexpr (F == F16) {
+    const _Float16* src = (const _Float16*)codes + t * dim;
+    int64_t d = 0;
+#ifdef RUNNER_AVX2
+    for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + d))));
+#endif
+    for (; d < dim; d++) out[d] = (float)src[d];
+  } else if constexpr (F == BF16) {
+    const uint16_t* src = (const uint16_t*)codes + t * dim;
+    for (int64_t d = 0; d < dim; d++) {
+      uint32_t u = (uint32_t)src[d] << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      out[d] = f;
+    }
+  } else if constexpr (F == Q8_0) {
+    const int64_t nb = (dim + 31) / 32;
+    const int8_t* row = (const int8_t*)codes + t * nb * 32;
+    for (int64_t b = 0; b < nb; b++) {
+      const float scale = half_float(scales, t * nb + b);
+      for (int j = 0; j < 32; j++) out[b * 32 + j] = (float)row[b * 32 + j] * scale;
+    }
+  } else if constexpr (F == Q4_0 || F == NF4 || F == Q4_1) {  // a block of 32 = one plane group of 16 bytes
+    const int64_t nb = (dim + 31) / 32;
+    const uint8_t* row = codes + t * nb * 16;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* bytes = row + b * 16;
+      float* o = out + b * 32;
+      if constexpr (F == Q4_0) {
+        const float scale = half_float(scales, t * nb + b);
+        for (int j = 0; j < 16; j++) {
+          o[j] = (float)((int)(bytes[j] & 15) - 8) * scale;
+          o[16 + j] = (float)((int)(bytes[j] >> 4) - 8) * scale;
+        }
+      } else if constexpr (F == NF4) {
+        const float scale = half_float(scales, t * nb + b);
+#ifdef RUNNER_AVX2
+        const __m256 low = _mm256_loadu_ps(s.levels), high = _mm256_loadu_ps(s.levels + 8), sv = _mm256_set1_ps(scale);
+        for (int j = 0; j < 16; j += 8) {
+          const __m256i code = bytes8(bytes + j);
+          _mm256_storeu_ps(o + j, _mm256_mul_ps(lookup(_mm256_and_si256(code, _mm256_set1_epi32(15)), low, high), sv));
+          _mm256_storeu_ps(o + 16 + j, _mm256_mul_ps(lookup(_mm256_srli_epi32(code, 4), low, high), sv));
+        }
+        continue;
+#endif
+        for (int j = 0; j < 16; j++) {
+          o[j] = s.levels[bytes[j] & 15] * scale;
+          o[16 + j] = s.levels[bytes[j] >> 4] * scale;
+        }
+      } else {
+        const float scale = half_float(scales, 2 * (t * nb + b)), low = half_float(scales, 2 * (t * nb + b) + 1);
+        for (int j = 0; j < 16; j++) {
+          o[j] = (float)(bytes[j] & 15) * scale + low;
+          o[16 + j] = (float)(bytes[j] >> 4) * scale + low;
+        }
+      }
+    }
+  } else if constexpr (F == KIVI_VALUE) {  // m + s·level[code], blocks of `group` channels of one column
+    const int64_t bits = s.bits, per = 8 / bits, c = s.plane, mask = (1 << bits) - 1;
+    const int64_t blocks = s.padded / s.group;
+    const uint8_t* row = codes + t * (s.padded * bits / 8);
+    alignas(32) float level[MAX_DIM];
+#ifdef RUNNER_AVX2
+    const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+    const __m256i maskv = _mm256_set1_epi32((int)mask);
+    if (bits == 3) {
+      const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+      for (int64_t w = 0; w < s.padded / 8; w++) {
+        const int32_t word = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
+        _mm256_store_ps(level + 8 * w, lookup(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), maskv), low, high));
+      }
+    } else if (c % 8 == 0) {
+      for (int64_t g = 0; g < s.padded / (per * c); g++)
+        for (int64_t p = 0; p < per; p++)
+          for (int64_t j = 0; j < c; j += 8) {
+            const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(row + g * c + j), (int)(bits * p)), maskv);
+            _mm256_store_ps(level + (g * per + p) * c + j, lookup(code, low, high));
+          }
+    } else
+#endif
+    if (bits == 3) {
+      for (int64_t w = 0; w < s.padded / 8; w++) {
+        const uint32_t word = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
+        for (int k = 0; k < 8; k++) level[w * 8 + k] = s.levels[(word >> (3 * k)) & 7];
+      }
+      (void)per; (void)c; (void)mask;
+    } else {
+      for (int64_t g = 0; g < s.padded / (per * c); g++)
+        for (int64_t p = 0; p < per; p++)
+          for (int64_t j = 0; j < c; j++) level[(g * per + p) * c + j] = s.levels[(row[g * c + j] >> (bits * p)) & mask];
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+      const float scale = half_float(scales, t * blocks + b), low = half_float(mins, t * blocks + b);
+      for (int64_t j = 0; j < s.group; j++) out[b * s.group + j] = level[b * s.group + j] * scale + low;
+    }
+  } else {  // KIVI_KEY: codes packed along the columns, [rows, dim]; scales and mins per group of columns [., dim]
+    const int64_t bits = s.bits, mask = (1 << bits) - 1;
+    const uint8_t* sc = scales + 2 * (t / s.group) * dim;
+    const uint8_t* mn = mins + 2 * (t / s.group) * dim;
+    int64_t d0 = 0;
+#ifdef RUNNER_AVX2
+    const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+    const __m256i maskv = _mm256_set1_epi32((int)mask);
+    if (bits == 3) {
+      const uint8_t* r = codes + 3 * (t / 8) * dim;
+      const int shift = 3 * (t % 8);
+      for (; d0 + 8 <= dim; d0 += 8) {
+        const __m256i word = _mm256_or_si256(bytes8(r + d0), _mm256_or_si256(_mm256_slli_epi32(bytes8(r + dim + d0), 8),
+                                                                            _mm256_slli_epi32(bytes8(r + 2 * dim + d0), 16)));
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(word, shift), maskv);
+        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(lookup(code, low, high), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
+      }
+    } else {
+      const uint8_t* r = codes + (t / (8 / bits)) * dim;
+      const int shift = (int)(bits * (t % (8 / bits)));
+      for (; d0 + 8 <= dim; d0 += 8) {
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(r + d0), shift), maskv);
+        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(lookup(code, low, high), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
+      }
+    }
+#endif
+    if (bits == 3) {
+      const uint8_t* r = codes + 3 * (t / 8) * dim;
+      const int shift = 3 * (t % 8);
+      for (int64_t d = d0; d < dim; d++) {
+        const uint32_t word = r[d] | (r[dim + d] << 8) | (r[2 * dim + d] << 16);
+        out[d] = s.levels[(word >> shift) & 7] * half_float(sc, d) + half_float(mn, d);
+      }
+    } else {
+      const int64_t per = 8 / bits;
+      const uint8_t* r = codes + (t / per) * dim;
+      const int shift = bits * (t % per);
+      for (int64_t d = d0; d < dim; d++) out[d] = s.levels[(r[d] >> shift) & mask] * half_float(sc, d) + half_float(mn, d);
+    }
+  }
+}
+
+// The outliers of column t written over its decoded row (kvcodes.restore_outliers): a chunk's indices ascend, so
+// the column's are found by a binary search for its first value.
+static inline void patch(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t t, float* row) {
+  const int64_t chunk = t / s.chunk, k = s.count, low = (t % s.chunk) * s.dim, high = low + s.dim;
+  const int16_t* short_index = (const int16_t*)index + chunk * k;
+  const int32_t* long_index = (const int32_t*)index + chunk * k;
+  auto at = [&](int64_t j) -> int64_t { return s.index_bytes == 2 ? short_index[j] : long_index[j]; };
+  int64_t first = 0, last = k;
+  while (first < last) {
+    const int64_t middle = (first + last) / 2;
+    if (at(middle) < low) first = middle + 1; else last = middle;
+  }
+  for (int64_t j = first; j < k && at(j) < high; j++) row[at(j) - low] = half_float(outliers, chunk * k + j);
+}
+
+// The scaled dot products of one query row q [dim] with ROWS decoded rows [ROWS, dim] into out[0, ROWS).
+static inline void dots(const float* q, const float* rows, int64_t dim, float scaling, float* out) {
+#ifdef RUNNER_AVX2
+  if (dim % 8 == 0) {  // eight accumulators, then one transposing sum of all eight (no sum per row)
+    __m256 a[ROWS];
+    for (int r = 0; r < ROWS; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int r = 0; r < ROWS; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + r * dim + d), a[r]);
+    }
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scaling)));
+    return;
+  }
+#endif
+  for (int r = 0; r < ROWS; r++) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < dim; d++) acc += q[d] * rows[r * dim + d];
+    out[r] = acc * scaling;
+  }
+}
+
+// scores [BH,G,S] = scaling · q [BH,G,D] · K[column] for columns < limit whose mask [B,S] (stride mask_stride,
+// may be null) is set; -inf for the others. Columns go ROWS at a time: decoded once, taken against the G rows of q.
+template <int F>
+static void scores_impl(const Store& k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
+                        int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {
+  const int64_t tiles = (S + TILE - 1) / TILE, dim = k.dim, width = std::max(k.dim, k.padded);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t task = 0; task < B * H * tiles; task++) {
+    const int64_t bh = task / tiles, b = bh / H, first = (task % tiles) * TILE, last = std::min(S, first + TILE);
+    const uint8_t* codes = k.codes + bh * k.codes_bh;
+    const uint8_t* scales = k.scales + bh * k.scales_bh;
+    const uint8_t* mins = k.mins + bh * k.mins_bh;
+    const uint8_t* outliers = k.outliers + bh * k.outliers_bh;
+    const uint8_t* index = k.index + bh * k.index_bh;
+    const float* qs = q + bh * G * dim;
+    float* out = scores + bh * G * S;
+    alignas(64) float rows[ROWS * MAX_DIM], row[MAX_DIM], sums[ROWS];
+    for (int64_t t0 = first; t0 < last; t0 += ROWS) {
+      bool seen[ROWS], any = false;
+      for (int r = 0; r < ROWS; r++) {
+        const int64_t t = t0 + r;
+        seen[r] = t < last && t < limit && !(mask && !mask[b * mask_stride + t]);
+        any |= seen[r];
+        if (seen[r]) {
+          decode<F>(k, codes, scales, mins, t, width == dim ? rows + r * dim : row);
+          if (width != dim) std::memcpy(rows + r * dim, row, dim * sizeof(float));
+          if (k.count) patch(k, outliers, index, t, rows + r * dim);
+        } else {
+          std::memset(rows + r * dim, 0, dim * sizeof(float));
+        }
+      }
+      for (int64_t g = 0; g < G; g++) {
+        if (any) dots(qs + g * dim, rows, dim, scaling, sums);
+        for (int r = 0; r < ROWS && t0 + r < last; r++) out[g * S + t0 + r] = seen[r] ? sums[r] : -INFINITY;
+      }
+    }
+  }
+}
+
+// acc [dim] += Σ_r w[r] · rows[r] over ROWS decoded rows [ROWS, dim].
+static inline void accumulate(const float* w, const float* rows, int64_t dim, float* acc) {
+#ifdef RUNNER_AVX2
+  if (dim % 8 == 0) {
+    __m256 weight[ROWS];
+    for (int r = 0; r < ROWS; r++) weight[r] = _mm256_set1_ps(w[r]);
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int r = 0; r < ROWS; r++) a = _mm256_fmadd_ps(weight[r], _mm256_loadu_ps(rows + r * dim + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < ROWS; r++)
+#pragma omp simd
+    for (int64_t d = 0; d < dim; d++) acc[d] += w[r] * rows[r * dim + d];
+}
+
+// out [BH,G,Dv] = Σ over columns < limit of probs [BH,G,S] · V[column]; columns whose G probabilities are all 0
+// are not read. Columns go ROWS at a time: decoded once, added to the G outputs.
+template <int F>
+static void weighted_impl(const Store& v, const float* probs, float* out, int64_t B, int64_t H, int64_t G, int64_t S,
+                          int64_t limit, int threads) {
+  const int64_t end = std::min(S, limit), tiles = (end + TILE - 1) / TILE, dim = v.dim, width = G * dim;
+  const int64_t decoded = std::max(v.dim, v.padded);
+  std::vector<float> partial(std::max<int64_t>(B * H * tiles, 1) * width, 0.f);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t task = 0; task < B * H * tiles; task++) {
+    const int64_t bh = task / tiles, first = (task % tiles) * TILE, last = std::min(end, first + TILE);
+    const uint8_t* codes = v.codes + bh * v.codes_bh;
+    const uint8_t* scales = v.scales + bh * v.scales_bh;
+    const uint8_t* mins = v.mins + bh * v.mins_bh;
+    const uint8_t* outliers = v.outliers + bh * v.outliers_bh;
+    const uint8_t* index = v.index + bh * v.index_bh;
+    const float* p = probs + bh * G * S;
+    float* acc = partial.data() + task * width;
+    alignas(64) float rows[ROWS * MAX_DIM], row[MAX_DIM], w[ROWS];
+    for (int64_t t0 = first; t0 < last; t0 += ROWS) {
+      bool any = false;
+      for (int r = 0; r < ROWS; r++) {
+        const int64_t t = t0 + r;
+        bool used = false;
+        for (int64_t g = 0; t < last && g < G; g++) used |= p[g * S + t] != 0.f;
+        any |= used;
+        if (used) {
+          decode<F>(v, codes, scales, mins, t, decoded == dim ? rows + r * dim : row);
+          if (decoded != dim) std::memcpy(rows + r * dim, row, dim * sizeof(float));
+          if (v.count) patch(v, outliers, index, t, rows + r * dim);
+        } else {
+          std::memset(rows + r * dim, 0, dim * sizeof(float));
+        }
+      }
+      if (!any) continue;
+      for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
+        accumulate(w, rows, dim, acc + g * dim);
+      }
+    }
+  }
+  for (int64_t bh = 0; bh < B * H; bh++) {
+    float* o = out + bh * width;
+    std::fill(o, o + width, 0.f);
+    for (int64_t tile = 0; tile < tiles; tile++) {
+      const float* a = partial.data() + (bh * tiles + tile) * width;
+      for (int64_t i = 0; i < width; i++) o[i] += a[i];
+    }
+  }
+}
+
+#define DISPATCH(FN, STORE, ...)                                     \
+  switch ((STORE).format) {                                          \
+    case F32: FN<F32>(STORE, __VA_ARGS__); break;                    \
+    case F16: FN<F16>(STORE, __VA_ARGS__); break;                    \
+    case BF16: FN<BF16>(STORE, __VA_ARGS__); break;                  \
+    case Q8_0: FN<Q8_0>(STORE, __VA_ARGS__); break;                  \
+    case Q4_0: FN<Q4_0>(STORE, __VA_ARGS__); break;                  \
+    case NF4: FN<NF4>(STORE, __VA_ARGS__); break;                    \
+    case Q4_1: FN<Q4_1>(STORE, __VA_ARGS__); break;                  \
+    case KIVI_VALUE: FN<KIVI_VALUE>(STORE, __VA_ARGS__); break;      \
+    case KIVI_KEY: FN<KIVI_KEY>(STORE, __VA_ARGS__); break;          \
+  }
+
+extern "C" {
+
+int runner_max_dim() { return MAX_DIM; }
+
+void runner_scores(const Store* k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
+                   int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {
+  DISPATCH(scores_impl, *k, q, mask, mask_stride, scores, B, H, G, S, limit, scaling, threads)
+}
+
+void runner_weighted(const Store* v, const float* probs, float* out, int64_t B, int64_t H, int64_t G, int64_t S,
+                     int64_t limit, int threads) {
+  DISPATCH(weighted_impl, *v, probs, out, B, H, G, S, limit, threads)
+}
+
+}  // extern "C"

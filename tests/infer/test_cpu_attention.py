@@ -1,0 +1,77 @@
+"""The CPU attention kernel reads every static layout as attention over the layout's own dequantized K/V would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.infer import cpu_attention
+from runner.infer.config import parse_kind
+from runner.infer.kvcache import STORAGE_DTYPES
+from runner.infer.quant import CODE_BITS
+from runner.infer.static import StaticKiviLayer, StaticPlainLayer, StaticQuantLayer, static_length
+
+KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4:g8:r16", "kivi2:g8:r16", "kivi3:g8:r16",
+         "kivi3:k4v3:g8:r16:s4:b64", "kivi2:g8:r16:s4:o2:b64:nuq", "kivi3:g8:r16:nuq", "kivi2:g8:r16:rot:rotv",
+         "kivi4:g8:r16:o1:rot"]
+HEADS, GROUPS, ROWS = 2, 3, 2
+
+
+def _layer(kind: str, head_dim: int, length: int):
+    name, options = parse_kind(kind)
+    shape = dict(batch=ROWS, heads=HEADS, key_dim=head_dim, value_dim=head_dim, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    if name in STORAGE_DTYPES:
+        return StaticPlainLayer(length=length, storage=STORAGE_DTYPES[name], **shape)
+    if name in CODE_BITS:
+        return StaticQuantLayer(length=length, kind=name, **shape)
+    bits = 2 ** options["value_bits"]
+    levels = (torch.linspace(0, 1, 2 ** options["key_bits"]).pow(1.3).half(), torch.linspace(0, 1, bits).pow(0.8).half())
+    return StaticKiviLayer(length=static_length(kind, length), **shape, **options, levels=levels)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_dim):
+    """75 columns written one at a time (KIVI: blocks quantized, the rest in its ring, sinks), row 1 left-padded
+    by 5 columns; then one query per row: the kernel's output equals softmax(q·K)·V over the K/V `write` hands
+    attention, to float32 rounding of a different summation order."""
+    assert cpu_attention.load()
+    layer = _layer(kind, head_dim, 96)
+    generator = torch.Generator().manual_seed(0)
+    channels = torch.ones(head_dim)
+    channels[3] = 12.0  # one large key channel, as real keys have
+    written = 75
+    with torch.inference_mode():
+        for column in range(written):
+            keys = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator) * channels
+            values = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator)
+            where = (torch.tensor([column]), torch.tensor(10**6))
+            k, v = layer.write(keys, values, *where)  # [B,H,S,D] as attention reads them
+        query = torch.randn(ROWS, HEADS * GROUPS, 1, head_dim, generator=generator)
+        mask = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
+        mask[:, :written] = True
+        mask[1, :5] = False
+        ours = layer.attend(query, mask, head_dim**-0.5, *where)  # [B,1,Hq,D]
+        rows = query.reshape(ROWS, HEADS, GROUPS, head_dim)
+        scores = (rows @ k.transpose(-1, -2)) * head_dim**-0.5  # [B,H,G,S]
+        probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+        reference = (probs @ v).reshape(ROWS, 1, HEADS * GROUPS, head_dim)
+    assert ours.shape == reference.shape
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_static_step_reads_the_cache_through_the_kernel(tiny_lm, monkeypatch):
+    """The compiled engine's step (run uncompiled here) hands its cache to attention, which calls the kernel once
+    per layer and step for keys and once for values."""
+    from runner.infer.compiled import CompiledEngine
+
+    calls = []
+    real = cpu_attention.cache_scores
+    monkeypatch.setattr(cpu_attention, "cache_scores", lambda *a: calls.append(1) or real(*a))
+    engine = CompiledEngine(tiny_lm.model, compile=False)
+    state = engine.state("q4_0", 1, 32, 64)
+    state.prefill(tiny_lm.model, torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long))
+    calls.clear()
+    state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
+    assert len(calls) == tiny_lm.model.config.num_hidden_layers
