@@ -5,7 +5,10 @@ being compiled; under torch.compile it calls `repeat_kv`, which copies every lay
 at every step. Over a static cache of S columns that copy grows with S, not with the tokens written (measured on one
 layer of SmolLM2, G = 3, one thread: copy + attention 1353 µs against 233 µs packed at 256 bfloat16 columns, 23.0 ms
 against 3.1 ms at 4096). Two forms, neither copying:
-    attend_reduced  one new column: scores and output as sums of products over the K/V the cache hands it (any
+    attend_reduced  one new column. On CPU, when the compiled step hands its static cache over (keyword
+                    STATIC_CACHE) and cpu_attention's kernel is built: the layer's `attend`, which reads the
+                    cache in its stored format (each column decoded once for the G query heads of its KV head).
+                    Else scores and output as sums of products over the K/V the cache hands it (any
                     elementwise expression of its codes), so inductor fuses a quantized cache's dequantization into
                     those reductions instead of building the full float K/V; head_dim is summed in chunks of
                     quant.PLANE values, the width of a packed cache's planes (`_chunked`)
