@@ -225,6 +225,7 @@ class CompiledEngine:
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
         end = torch.tensor(columns, device=self.device)
         before = _graph_count()
+        cache.code_blocks(new != 1)  # as `call` will
         with reduced_attention(self.model):
             self.stats.compile_s[key] = time_once(  # no aliased inputs
                 lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
@@ -236,8 +237,12 @@ class CompiledEngine:
                      key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
     def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
-        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged."""
+        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. The
+        one-column step's graph codes no KIVI block (the caller runs a column that completes one eagerly, one step
+        in r): a fixed-shape step would otherwise code a block at every step and keep it one time in r (the
+        2-bit default at 4096 columns: 0.32× fp16's speed, medians and top-k of its outliers at every step)."""
         before = _graph_count()
+        cache.code_blocks(ids.shape[1] != 1)
         with reduced_attention(self.model):
             logits = self.step(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
         made = _graph_count() - before
@@ -337,9 +342,10 @@ class StaticDecodeState:
         columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
         self.columns[:, self.length:self.length + t] = self._pad(new_mask)
         args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
-        if compiled and t in self.step_lengths:
+        if compiled and t in self.step_lengths and not (t == 1 and self.cache.completes_block(self.length, real)):
             logits = self.engine.call(*args)
-        else:
+        else:  # (a one-column step that completes a KIVI block: eagerly, 1 step in r, see CompiledEngine.call)
+            self.cache.code_blocks(True)
             with reduced_attention(model):
                 logits = decode_step(model, *args)
         self.length += real

@@ -144,6 +144,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     ring count columns from s (their column c − s)."""
 
     TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "ring_keys", "ring_values")
+    code_blocks = True  # False: writes only fill sinks and ring (set by StaticKVCache.code_blocks)
 
     def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
                  value_block: int = BLOCK, sinks: int = 0, outlier_percent: float = 0.0, rotate_keys: bool = False,
@@ -214,6 +215,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         real = ((columns >= self.sinks) & (columns < end))[:, None]  # [t,1]
         for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
             ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
+        if not self.code_blocks:  # the engine knows no block completes here (compiled.StaticDecodeState._forward)
+            return
         done = self._quantized(columns[-1] + 1, end)  # 0-d: Q after these columns
         flush = done > self._quantized(columns[0], end)  # 0-d bool: a block was completed
         start = (done - r).clamp(min=0)  # its first region column (0 and no flush while Q is 0)
@@ -332,6 +335,22 @@ class StaticKVCache(Cache):
         self.kind = kind
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
         self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
+
+    def code_blocks(self, on: bool) -> None:
+        """Whether the next writes code the blocks they complete (KIVI; the default). Off, a write fills only the
+        sinks and the ring, and its graph holds no quantizer: for the compiled one-column step, which the engine
+        runs only when the column completes no block (`completes_block`)."""
+        for layer in self.layers:
+            if isinstance(layer, StaticKiviLayer):
+                layer.code_blocks = on
+
+    def completes_block(self, start: int, count: int) -> bool:
+        """Whether writing `count` columns from column `start` completes a KIVI block (never for other kinds)."""
+        layer = self.layers[0]
+        if not isinstance(layer, StaticKiviLayer):
+            return False
+        blocks = lambda columns: max(columns - layer.sinks, 0) // layer.residual_len  # noqa: E731
+        return blocks(start + count) > blocks(start)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)
