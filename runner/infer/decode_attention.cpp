@@ -127,22 +127,27 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
     const uint8_t* row = codes + t * (s.padded * bits / 8);
     alignas(32) float level[MAX_DIM];
 #ifdef RUNNER_AVX2
-    const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
-    const __m256i maskv = _mm256_set1_epi32((int)mask);
-    if (bits == 3) {
+    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0)) {  // 8 values of one block at a time: looked up, then s·l + m
+      const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+      const __m256i maskv = _mm256_set1_epi32((int)mask);
       const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-      for (int64_t w = 0; w < s.padded / 8; w++) {
-        const int32_t word = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
-        _mm256_store_ps(level + 8 * w, lookup(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), maskv), low, high));
+      const uint8_t* sc = scales + 2 * t * blocks;
+      const uint8_t* mn = mins + 2 * t * blocks;
+      auto put = [&](int64_t first, __m256i code) {  // values [first, first + 8), one block's
+        const int64_t b = first / s.group;
+        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(lookup(_mm256_and_si256(code, maskv), low, high),
+                                                      _mm256_set1_ps(half_float(sc, b)), _mm256_set1_ps(half_float(mn, b))));
+      };
+      if (bits == 3) {
+        for (int64_t w = 0; w < s.padded / 8; w++)
+          put(8 * w, _mm256_srlv_epi32(_mm256_set1_epi32(row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16)), shifts));
+      } else {
+        for (int64_t g = 0; g < s.padded / (per * c); g++)
+          for (int64_t p = 0; p < per; p++)
+            for (int64_t j = 0; j < c; j += 8) put((g * per + p) * c + j, _mm256_srli_epi32(bytes8(row + g * c + j), (int)(bits * p)));
       }
-    } else if (c % 8 == 0) {
-      for (int64_t g = 0; g < s.padded / (per * c); g++)
-        for (int64_t p = 0; p < per; p++)
-          for (int64_t j = 0; j < c; j += 8) {
-            const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(row + g * c + j), (int)(bits * p)), maskv);
-            _mm256_store_ps(level + (g * per + p) * c + j, lookup(code, low, high));
-          }
-    } else
+      return;
+    }
 #endif
     if (bits == 3) {
       for (int64_t w = 0; w < s.padded / 8; w++) {

@@ -1,5 +1,5 @@
 """How a KIVI layer codes a block of K/V with its options, and decodes it: shared by the eager layer
-(kvcache.KiviLayer) and the static one of the compiled engine (static.StaticKiviLayer), so both engines store and
+(kvcache.KiviLayer) and the static one of the compiled engine (static_kivi.StaticKiviLayer), so both engines store and
 hand attention the same values (the arithmetic is kvcodes.py's and quant.py's).
 
 Coding [B,H,n,D] K/V (n a multiple of g): rotate (rot, rotv), take the outliers out (o), then uniform codes

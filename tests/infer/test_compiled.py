@@ -18,7 +18,9 @@ from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.generator import Generator
 from runner.infer.kvcache import bytes_per_token, cache_bytes
 from runner.infer.speculative import SpeculativeGenerator
-from runner.infer.static import STATIC_KINDS, StaticKiviLayer, StaticQuantLayer, static_length
+from runner.infer.static import STATIC_KINDS, static_length
+from runner.infer.static_kivi import StaticKiviLayer
+from runner.infer.static_plain import StaticQuantLayer
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
 KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8", "kivi4:g8:r16:s4",

@@ -9,7 +9,9 @@ from runner.infer import cpu_attention
 from runner.infer.config import parse_kind
 from runner.infer.kvcache import STORAGE_DTYPES
 from runner.infer.quant import CODE_BITS
-from runner.infer.static import StaticKiviLayer, StaticPlainLayer, StaticQuantLayer, static_length
+from runner.infer.static import static_length
+from runner.infer.static_kivi import StaticKiviLayer
+from runner.infer.static_plain import StaticPlainLayer, StaticQuantLayer
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4:g8:r16", "kivi2:g8:r16", "kivi3:g8:r16",
          "kivi3:k4v3:g8:r16:s4:b64", "kivi2:g8:r16:s4:o2:b64:nuq", "kivi3:g8:r16:nuq", "kivi2:g8:r16:rot:rotv",

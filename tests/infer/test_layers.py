@@ -15,7 +15,7 @@ LAYERS = [
     ("config", ["config", "quant", "kvcodes", "cpu_attention"]),
     ("loading", ["pinned", "zoo", "data", "weights", "models"]),
     ("forward", ["forward", "attention"]),
-    ("caches", ["codebooks", "kivicodec", "kvcache", "window", "static", "ragged"]),
+    ("caches", ["codebooks", "kivicodec", "kvcache", "window", "static_plain", "static_kivi", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
     ("measure", ["timing", "compiled", "speed", "quality"]),  # compiled: the engine speed.py times on
     ("select", ["cache_plans", "autocache", "jointselect"]),

@@ -16,7 +16,8 @@ from runner.infer.quant import (
     quantize_groups,
 )
 from runner.infer import codebooks
-from runner.infer.static import StaticKiviLayer, make_static_cache, static_length
+from runner.infer.static import make_static_cache, static_length
+from runner.infer.static_kivi import StaticKiviLayer
 
 B, H, D = 3, 2, 40  # head_dim 40: value blocks of 32 padded
 # the options outliers, rotation and fitted levels (and all at once): static = eager to float tolerance (a rotation
