@@ -238,9 +238,7 @@ class CompiledEngine:
 
     def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
         """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. The
-        one-column step's graph codes no KIVI block (the caller runs a column that completes one eagerly, one step
-        in r): a fixed-shape step would otherwise code a block at every step and keep it one time in r (the
-        2-bit default at 4096 columns: 0.32× fp16's speed, medians and top-k of its outliers at every step)."""
+        one-column graph codes no KIVI block: a column that completes one runs eagerly (StaticDecodeState._forward)."""
         before = _graph_count()
         cache.code_blocks(ids.shape[1] != 1)
         with reduced_attention(self.model):
@@ -255,9 +253,7 @@ class CompiledEngine:
 
 
 def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -269,10 +265,8 @@ def compile_options(mode: str) -> dict:
     its scale or minimum to fp16 and then codes against it coded against the unrounded value: the compiled engine
     stored other KIVI codes than the eager one (one layer, 312 columns written one by one: 12 % of kivi2's scales
     differed), and greedy text parted from eager's after 141 tokens with kivi2:g128:r128:s4:o2:b64:nuq on SmolLM2."""
-    options = {"emulate_precision_casts": True}
-    if mode == "freezing":
-        return {**options, "freezing": True}
-    return {**options, **torch._inductor.list_mode_options(mode)}
+    extra = {"freezing": True} if mode == "freezing" else torch._inductor.list_mode_options(mode)
+    return {"emulate_precision_casts": True, **extra}
 
 
 def engine_for(model) -> CompiledEngine:
