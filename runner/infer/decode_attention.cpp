@@ -246,37 +246,49 @@ static inline void dots(const float* q, const float* rows, int64_t dim, float sc
   }
 }
 
+// ROWS columns from t0 of (row, head) bh decoded into rows [ROWS, dim], outliers written back: column t0 + r where
+// take[r], zeros where not.
+template <int F>
+static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* rows) {
+  const uint8_t* codes = s.codes + bh * s.codes_bh;
+  const uint8_t* scales = s.scales + bh * s.scales_bh;
+  const uint8_t* mins = s.mins + bh * s.mins_bh;
+  const int64_t dim = s.dim;
+  const bool block = s.format == Q8_0 || s.format == Q4_0 || s.format == NF4 || s.format == Q4_1;
+  const bool padded = (block ? (dim + 31) / 32 * 32 : s.padded) > dim;  // decode writes whole blocks
+  alignas(64) float row[MAX_DIM];
+  for (int r = 0; r < ROWS; r++) {
+    float* out = rows + r * dim;
+    if (!take[r]) {
+      std::memset(out, 0, dim * sizeof(float));
+      continue;
+    }
+    decode<F>(s, codes, scales, mins, t0 + r, padded ? row : out);
+    if (padded) std::memcpy(out, row, dim * sizeof(float));
+    if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, t0 + r, out);
+  }
+}
+
 // scores [BH,G,S] = scaling · q [BH,G,D] · K[column] for columns < limit whose mask [B,S] (stride mask_stride,
 // may be null) is set; -inf for the others. Columns go ROWS at a time: decoded once, taken against the G rows of q.
 template <int F>
 static void scores_impl(const Store& k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
                         int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {
-  const int64_t tiles = (S + TILE - 1) / TILE, dim = k.dim, width = std::max(k.dim, k.padded);
+  const int64_t tiles = (S + TILE - 1) / TILE, dim = k.dim;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t task = 0; task < B * H * tiles; task++) {
     const int64_t bh = task / tiles, b = bh / H, first = (task % tiles) * TILE, last = std::min(S, first + TILE);
-    const uint8_t* codes = k.codes + bh * k.codes_bh;
-    const uint8_t* scales = k.scales + bh * k.scales_bh;
-    const uint8_t* mins = k.mins + bh * k.mins_bh;
-    const uint8_t* outliers = k.outliers + bh * k.outliers_bh;
-    const uint8_t* index = k.index + bh * k.index_bh;
     const float* qs = q + bh * G * dim;
     float* out = scores + bh * G * S;
-    alignas(64) float rows[ROWS * MAX_DIM], row[MAX_DIM], sums[ROWS];
+    alignas(64) float rows[ROWS * MAX_DIM], sums[ROWS];
     for (int64_t t0 = first; t0 < last; t0 += ROWS) {
       bool seen[ROWS], any = false;
       for (int r = 0; r < ROWS; r++) {
         const int64_t t = t0 + r;
         seen[r] = t < last && t < limit && !(mask && !mask[b * mask_stride + t]);
         any |= seen[r];
-        if (seen[r]) {
-          decode<F>(k, codes, scales, mins, t, width == dim ? rows + r * dim : row);
-          if (width != dim) std::memcpy(rows + r * dim, row, dim * sizeof(float));
-          if (k.count) patch(k, outliers, index, t, rows + r * dim);
-        } else {
-          std::memset(rows + r * dim, 0, dim * sizeof(float));
-        }
       }
+      if (any) decode_rows<F>(k, bh, t0, seen, rows);
       for (int64_t g = 0; g < G; g++) {
         if (any) dots(qs + g * dim, rows, dim, scaling, sums);
         for (int r = 0; r < ROWS && t0 + r < last; r++) out[g * S + t0 + r] = seen[r] ? sums[r] : -INFINITY;
@@ -310,35 +322,22 @@ template <int F>
 static void weighted_impl(const Store& v, const float* probs, float* out, int64_t B, int64_t H, int64_t G, int64_t S,
                           int64_t limit, int threads) {
   const int64_t end = std::min(S, limit), tiles = (end + TILE - 1) / TILE, dim = v.dim, width = G * dim;
-  const int64_t decoded = std::max(v.dim, v.padded);
   std::vector<float> partial(std::max<int64_t>(B * H * tiles, 1) * width, 0.f);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t task = 0; task < B * H * tiles; task++) {
     const int64_t bh = task / tiles, first = (task % tiles) * TILE, last = std::min(end, first + TILE);
-    const uint8_t* codes = v.codes + bh * v.codes_bh;
-    const uint8_t* scales = v.scales + bh * v.scales_bh;
-    const uint8_t* mins = v.mins + bh * v.mins_bh;
-    const uint8_t* outliers = v.outliers + bh * v.outliers_bh;
-    const uint8_t* index = v.index + bh * v.index_bh;
     const float* p = probs + bh * G * S;
     float* acc = partial.data() + task * width;
-    alignas(64) float rows[ROWS * MAX_DIM], row[MAX_DIM], w[ROWS];
+    alignas(64) float rows[ROWS * MAX_DIM], w[ROWS];
     for (int64_t t0 = first; t0 < last; t0 += ROWS) {
-      bool any = false;
+      bool used[ROWS], any = false;
       for (int r = 0; r < ROWS; r++) {
-        const int64_t t = t0 + r;
-        bool used = false;
-        for (int64_t g = 0; t < last && g < G; g++) used |= p[g * S + t] != 0.f;
-        any |= used;
-        if (used) {
-          decode<F>(v, codes, scales, mins, t, decoded == dim ? rows + r * dim : row);
-          if (decoded != dim) std::memcpy(rows + r * dim, row, dim * sizeof(float));
-          if (v.count) patch(v, outliers, index, t, rows + r * dim);
-        } else {
-          std::memset(rows + r * dim, 0, dim * sizeof(float));
-        }
+        used[r] = false;
+        for (int64_t g = 0; t0 + r < last && g < G; g++) used[r] |= p[g * S + t0 + r] != 0.f;
+        any |= used[r];
       }
       if (!any) continue;
+      decode_rows<F>(v, bh, t0, used, rows);
       for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
         accumulate(w, rows, dim, acc + g * dim);
