@@ -64,11 +64,11 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 def _static_layer(module, cache, query: torch.Tensor):
     """The static cache layer `module` reads, when cpu_attention's kernel can read it in its stored format (on
-    CPU, the kernel built, the layer offering `attend`); else None."""
+    CPU, the kernel built, a layer whose decoded values need no rounding to the query's dtype); else None."""
     if cache is None or query.device.type != "cpu" or not cpu_attention.ready():
         return None
     layer = cache.layers[module.layer_idx]
-    return layer if hasattr(layer, "attend") else None
+    return layer if hasattr(layer, "kernel_reads") and layer.kernel_reads(query.dtype) else None
 
 
 def _materialized(rows: torch.Tensor) -> torch.Tensor:

@@ -188,6 +188,8 @@ def _store(layout: list[int], heads: int, codes, scales, mins, outliers, index, 
     store.mins, store.mins_bh = _per_head(mins, heads, keep)
     store.outliers, store.outliers_bh = _per_head(outliers, heads, keep)
     store.index, store.index_bh = _per_head(index, heads, keep)
+    if levels is not None and levels.numel() < 16:  # the kernel loads 16 levels (two vectors of 8), used or not
+        levels = torch.cat([levels, levels.new_zeros(16 - levels.numel())])
     store.levels = _per_head(levels, 1, keep)[0] if levels is not None else 0
     return store
 
@@ -201,7 +203,7 @@ def cache_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor 
     `limit` (0-d) and where `mask` ([B,S'] bool; its last S columns are these) is False."""
     b, heads, groups, _ = query.shape
     out = query.new_empty(b, heads, groups, columns)
-    keep: list = []
+    keep: list = [query := query.contiguous()]
     store = _store(layout, heads, codes, scales, mins, outliers, index, levels, keep)
     mask_bytes = mask[:, -columns:].to(torch.uint8).contiguous() if mask is not None else None
     _LIBRARY.runner_scores(ctypes.byref(store), query.data_ptr(),
@@ -223,7 +225,7 @@ def cache_weighted(probs: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     """probs [B,H,G,S] float32 → [B,H,G,Dv] Σ probs·V over the columns below `limit` (0-d)."""
     b, heads, groups, columns = probs.shape
     out = probs.new_empty(b, heads, groups, layout[1])
-    keep: list = []
+    keep: list = [probs := probs.contiguous()]
     store = _store(layout, heads, codes, scales, mins, outliers, index, levels, keep)
     _LIBRARY.runner_weighted(ctypes.byref(store), probs.data_ptr(), out.data_ptr(), b, heads, groups, columns,
                                int(limit), torch.get_num_threads())

@@ -36,7 +36,6 @@ struct Store {          // mirrored by cpu_attention.Store
   const float* levels;  // nf4's 16 levels; KIVI: 2^bits levels (0, 1, 2, ... when uniform)
 };
 
-static const int MAX_DIM = 1024;
 static const int TILE = 128;  // columns per task
 static const int ROWS = 8;     // columns decoded together (one vector of their 8 scores)
 
@@ -125,7 +124,7 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
     const int64_t bits = s.bits, per = 8 / bits, c = s.plane, mask = (1 << bits) - 1;
     const int64_t blocks = s.padded / s.group;
     const uint8_t* row = codes + t * (s.padded * bits / 8);
-    alignas(32) float level[MAX_DIM];
+    std::vector<float> level(s.padded);  // (the scalar path only)
 #ifdef RUNNER_AVX2
     if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0)) {  // 8 values of one block at a time: looked up, then s·l + m
       const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
@@ -246,25 +245,29 @@ static inline void dots(const float* q, const float* rows, int64_t dim, float sc
   }
 }
 
+// Floats `decode` writes for one column: head_dim, whole blocks of the block kinds, KIVI values' coded channels.
+static inline int64_t decoded_width(const Store& s) {
+  const bool block = s.format == Q8_0 || s.format == Q4_0 || s.format == NF4 || s.format == Q4_1;
+  return std::max(block ? (s.dim + 31) / 32 * 32 : s.padded, s.dim);
+}
+
 // ROWS columns from t0 of (row, head) bh decoded into rows [ROWS, dim], outliers written back: column t0 + r where
-// take[r], zeros where not.
+// take[r], zeros where not. `spare` holds decoded_width(s) floats.
 template <int F>
-static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* rows) {
+static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* rows, float* spare) {
   const uint8_t* codes = s.codes + bh * s.codes_bh;
   const uint8_t* scales = s.scales + bh * s.scales_bh;
   const uint8_t* mins = s.mins + bh * s.mins_bh;
   const int64_t dim = s.dim;
-  const bool block = s.format == Q8_0 || s.format == Q4_0 || s.format == NF4 || s.format == Q4_1;
-  const bool padded = (block ? (dim + 31) / 32 * 32 : s.padded) > dim;  // decode writes whole blocks
-  alignas(64) float row[MAX_DIM];
+  const bool padded = decoded_width(s) > dim;  // decoded into `spare` [width], then its first dim values copied
   for (int r = 0; r < ROWS; r++) {
     float* out = rows + r * dim;
     if (!take[r]) {
       std::memset(out, 0, dim * sizeof(float));
       continue;
     }
-    decode<F>(s, codes, scales, mins, t0 + r, padded ? row : out);
-    if (padded) std::memcpy(out, row, dim * sizeof(float));
+    decode<F>(s, codes, scales, mins, t0 + r, padded ? spare : out);
+    if (padded) std::memcpy(out, spare, dim * sizeof(float));
     if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, t0 + r, out);
   }
 }
@@ -280,7 +283,8 @@ static void scores_impl(const Store& k, const float* q, const uint8_t* mask, int
     const int64_t bh = task / tiles, b = bh / H, first = (task % tiles) * TILE, last = std::min(S, first + TILE);
     const float* qs = q + bh * G * dim;
     float* out = scores + bh * G * S;
-    alignas(64) float rows[ROWS * MAX_DIM], sums[ROWS];
+    std::vector<float> rows(ROWS * dim), spare(decoded_width(k));
+    alignas(32) float sums[ROWS];
     for (int64_t t0 = first; t0 < last; t0 += ROWS) {
       bool seen[ROWS], any = false;
       for (int r = 0; r < ROWS; r++) {
@@ -288,9 +292,9 @@ static void scores_impl(const Store& k, const float* q, const uint8_t* mask, int
         seen[r] = t < last && t < limit && !(mask && !mask[b * mask_stride + t]);
         any |= seen[r];
       }
-      if (any) decode_rows<F>(k, bh, t0, seen, rows);
+      if (any) decode_rows<F>(k, bh, t0, seen, rows.data(), spare.data());
       for (int64_t g = 0; g < G; g++) {
-        if (any) dots(qs + g * dim, rows, dim, scaling, sums);
+        if (any) dots(qs + g * dim, rows.data(), dim, scaling, sums);
         for (int r = 0; r < ROWS && t0 + r < last; r++) out[g * S + t0 + r] = seen[r] ? sums[r] : -INFINITY;
       }
     }
@@ -328,7 +332,8 @@ static void weighted_impl(const Store& v, const float* probs, float* out, int64_
     const int64_t bh = task / tiles, first = (task % tiles) * TILE, last = std::min(end, first + TILE);
     const float* p = probs + bh * G * S;
     float* acc = partial.data() + task * width;
-    alignas(64) float rows[ROWS * MAX_DIM], w[ROWS];
+    std::vector<float> rows(ROWS * dim), spare(decoded_width(v));
+    float w[ROWS];
     for (int64_t t0 = first; t0 < last; t0 += ROWS) {
       bool used[ROWS], any = false;
       for (int r = 0; r < ROWS; r++) {
@@ -337,10 +342,10 @@ static void weighted_impl(const Store& v, const float* probs, float* out, int64_
         any |= used[r];
       }
       if (!any) continue;
-      decode_rows<F>(v, bh, t0, used, rows);
+      decode_rows<F>(v, bh, t0, used, rows.data(), spare.data());
       for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
-        accumulate(w, rows, dim, acc + g * dim);
+        accumulate(w, rows.data(), dim, acc + g * dim);
       }
     }
   }
@@ -368,8 +373,6 @@ static void weighted_impl(const Store& v, const float* probs, float* out, int64_
   }
 
 extern "C" {
-
-int runner_max_dim() { return MAX_DIM; }
 
 void runner_scores(const Store* k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
                    int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {

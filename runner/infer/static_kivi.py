@@ -118,6 +118,9 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         for held, new in ((self.sink_keys, keys), (self.sink_values, values)):
             held.copy_(torch.where(taken, new.index_select(2, index).to(self.storage), held))
 
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32  # the region is decoded, outliers restored and rotated back in float32
+
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
         """The region's K and V as cpu_attention's kernel reads them (sinks and ring are attend's)."""
         sides = []

@@ -44,6 +44,12 @@ class StaticPlainLayer(StaticLayer):
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.TENSORS]
 
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        """Whether cpu_attention's kernel reads this layer as attention in `dtype` does. The kernel attends over
+        the decoded values in float32, where the torch path hands attention K/V rounded to the model's dtype: so
+        a float32 model, or K/V stored in the model's dtype."""
+        return dtype == torch.float32 or self.storage == dtype
+
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
         """K and V as cpu_attention's kernel reads them."""
         storage = cpu_attention.STORAGE_FORMATS[self.storage]
@@ -86,6 +92,9 @@ class StaticQuantLayer(StaticPlainLayer):
             setattr(self, f"{side}_codes", codes)
             setattr(self, f"{side}_scales", scales)
         self.keys = self.values = None
+
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32  # decoded values, never stored in the model's dtype
 
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
         levels = NF4_LEVELS.to(self.device) if self.kind == "nf4" else None

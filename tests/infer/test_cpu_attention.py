@@ -77,3 +77,23 @@ def test_a_static_step_reads_the_cache_through_the_kernel(tiny_lm, monkeypatch):
     calls.clear()
     state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
     assert len(calls) == tiny_lm.model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kind, storage, read", [("fp32", torch.float32, True), ("bf16", torch.bfloat16, True),
+                                                 ("fp16", torch.bfloat16, False), ("q4_0", torch.float32, True),
+                                                 ("q4_0", torch.bfloat16, False), ("kivi2:g8:r16", torch.float32, True),
+                                                 ("kivi2:g8:r16", torch.bfloat16, False)])
+def test_the_kernel_reads_a_layer_only_where_it_rounds_as_attention_does(kind, storage, read):
+    """The torch path hands attention K/V in the model's dtype; the kernel attends over decoded float32 values,
+    so a bfloat16 model keeps the torch path for every layer whose values are not stored in bfloat16 (and no
+    kernel call happens for it)."""
+    from types import SimpleNamespace
+
+    from runner.infer.attention import _static_layer
+    from runner.infer.static import StaticKVCache
+
+    assert cpu_attention.load()
+    layer = _layer(kind, 64, 96)
+    query = torch.zeros(ROWS, HEADS * GROUPS, 1, 64, dtype=storage)
+    found = _static_layer(SimpleNamespace(layer_idx=0), StaticKVCache([layer], kind), query)
+    assert (found is layer) == read
