@@ -58,7 +58,7 @@ static inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_load
 // Column t of one (row, head) as floats in out[0, dim) (KIVI values: [0, padded)).
 template <int F>
 static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* scales, const uint8_t* mins,
-                          int64_t t, float* out) {
+                          int64_t t, float* __restrict__ out) {
   const int64_t dim = s.dim;
   if constexpr (F == F32) {
     const float* src = (const float*)codes + t * dim;
@@ -254,7 +254,8 @@ static inline int64_t decoded_width(const Store& s) {
 // ROWS columns from t0 of (row, head) bh decoded into rows [ROWS, dim], outliers written back: column t0 + r where
 // take[r], zeros where not. `spare` holds decoded_width(s) floats.
 template <int F>
-static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* rows, float* spare) {
+static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* __restrict__ rows,
+                               float* __restrict__ spare) {
   const uint8_t* codes = s.codes + bh * s.codes_bh;
   const uint8_t* scales = s.scales + bh * s.scales_bh;
   const uint8_t* mins = s.mins + bh * s.mins_bh;
