@@ -15,7 +15,7 @@ from runner.infer.static_plain import StaticPlainLayer, StaticQuantLayer
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4:g8:r16", "kivi2:g8:r16", "kivi3:g8:r16",
          "kivi3:k4v3:g8:r16:s4:b64", "kivi2:g8:r16:s4:o2:b64:nuq", "kivi3:g8:r16:nuq", "kivi2:g8:r16:rot:rotv",
-         "kivi4:g8:r16:o1:rot"]
+         "kivi4:g8:r16:o1:rot", "kivi4:g8:r16:b2048"]  # b2048: a value block wider than any stack row
 HEADS, GROUPS, ROWS = 2, 3, 2
 
 
