@@ -88,6 +88,7 @@ def _build() -> Path:
 
 
 _LIBRARY: ctypes.CDLL | None = None  # set by `load`; read while tracing, so a plain global, not a cached call
+_FAILED: list[str] = []  # why the build failed (tried once per process)
 
 
 def load() -> bool:
@@ -108,9 +109,6 @@ def load() -> bool:
                                             ctypes.c_int]
         _LIBRARY = library
     return _LIBRARY is not None
-
-
-_FAILED: list[str] = []  # why the build failed, once
 
 
 def ready() -> bool:
