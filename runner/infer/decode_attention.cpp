@@ -124,7 +124,6 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
     const int64_t bits = s.bits, per = 8 / bits, c = s.plane, mask = (1 << bits) - 1;
     const int64_t blocks = s.padded / s.group;
     const uint8_t* row = codes + t * (s.padded * bits / 8);
-    std::vector<float> level(s.padded);  // (the scalar path only)
 #ifdef RUNNER_AVX2
     if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0)) {  // 8 values of one block at a time: looked up, then s·l + m
       const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
@@ -148,6 +147,7 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
       return;
     }
 #endif
+    std::vector<float> level(s.padded);  // the scalar path: levels first, then s·l + m per block
     if (bits == 3) {
       for (int64_t w = 0; w < s.padded / 8; w++) {
         const uint32_t word = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
