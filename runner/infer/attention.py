@@ -48,6 +48,9 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     if layer is not None and attention_mask is not None and attention_mask.dtype == torch.bool:
         return layer.attend(query, attention_mask[:, 0, -1], scaling, kwargs[STATIC_CACHE].columns,
                             kwargs[STATIC_CACHE].end), None
+    if key.shape[2] == 0:
+        raise RuntimeError("a static cache handed attention no K/V for the kernel to read, but the kernel cannot "
+                           "read this layer here (StaticKVCache.code_blocks(views=False) without kernel_attends)")
     kv_heads, columns, value_dim = key.shape[1], key.shape[2], value.shape[-1]
     rows = _materialized(query.reshape(b * heads, dim).float())  # [B·Hq,D]
     grouped = _chunked(rows.reshape(b, kv_heads, heads // kv_heads, 1, dim))  # [B,Hkv,G,1,D/C,C]

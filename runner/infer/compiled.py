@@ -339,7 +339,7 @@ class StaticDecodeState:
         if compiled and t in self.step_lengths and not (t == 1 and self.cache.completes_block(self.length, real)):
             logits = self.engine.call(*args)
         else:  # (a one-column step that completes a KIVI block: eagerly, 1 step in r, see CompiledEngine.call)
-            self.cache.code_blocks(True)
+            self.cache.code_blocks(True, views=not (t == 1 and self.cache.kernel_attends(model.dtype)))
             with reduced_attention(model):
                 logits = decode_step(model, *args)
         self.length += real

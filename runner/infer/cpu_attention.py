@@ -6,11 +6,14 @@ query head of its KV head (G = 3 on SmolLM2) and ends every column's product in 
 4-bit cache then decoded at 0.64–0.80× of fp16 at 4096 columns, KIVI at 0.22–0.40× (docs/performance.md). The
 kernel decodes each column once into a float row (a few vector instructions, L1-resident) and takes it against
 all G query heads; it reads fp32 / fp16 / bf16 caches the same way, so every kind is timed through the same code.
-    cache_scores(query, store…)    [B,H,G,D] → [B,H,G,S] scaled scores, -inf past `limit` or where the mask is 0
-    cache_weighted(probs, store…)  [B,H,G,S] → [B,H,G,Dv], columns whose probabilities are all 0 not read
+    cache_scores(queries, segments…)  [Q,B,H,G,D] → [B,H,G,S] scaled scores, -inf where no segment holds a
+                                      column or the mask is 0
+    cache_weighted(probs, segments…)  [B,H,G,S] → [O,B,H,G,Dv], columns whose probabilities are all 0 not read
 A store is the tensors of one side (K or V) of a layer, [B,H,…] contiguous, and its `layout` (format, dim, bits,
-group, plane, padded, outlier chunk): what `Store` tells the kernel. Outliers kept exact (KIVI's o option) are
-written over the decoded values of their column, as kvcodes.restore_outliers writes them back.
+group, plane, padded, outlier chunk): what `Store` tells the kernel. A segment is a store and the columns of the
+call it holds, so KIVI's sinks, quantized region and full-precision ring are read in one call, under one softmax.
+Outliers kept exact (KIVI's o option) are written over the decoded values of their column, as
+kvcodes.restore_outliers writes them back.
 The build goes to ~/.cache/runner/kernels/<hash>.so, the hash covering the source, the flags and this CPU; no
 compiler (or a failed build) → `load()` is False and callers keep their torch expression of attention.
 Owns: building, loading and calling the kernel. Knows nothing of cache classes, models or compilation.
@@ -41,6 +44,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "nf4": 5, "q4_1": 6, "kivi_value": 7,
            "kivi_key": 8}
 STORAGE_FORMATS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+SEGMENT_FIELDS = ("start", "start_plus_limit", "stop", "stop_plus_limit", "base", "modulo", "query", "output")
 
 
 class Store(ctypes.Structure):
@@ -55,6 +59,12 @@ class Store(ctypes.Structure):
         ("index", ctypes.c_void_p), ("index_bh", ctypes.c_int64),
         ("levels", ctypes.c_void_p),
     ]
+
+
+class _Segment(ctypes.Structure):
+    """decode_attention.cpp's `Segment`: a store and the columns of the call it holds."""
+
+    _fields_ = [("store", Store)] + [(name, ctypes.c_int64) for name in SEGMENT_FIELDS]
 
 
 def _machine() -> str:
@@ -103,9 +113,9 @@ def load() -> bool:
             log.warning("CPU attention kernel unavailable, attention stays a torch expression: %s", error)
             return False
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        library.runner_scores.argtypes = [ctypes.POINTER(Store), pointer, pointer, i64, pointer, i64, i64, i64, i64,
-                                          i64, ctypes.c_float, ctypes.c_int]
-        library.runner_weighted.argtypes = [ctypes.POINTER(Store), pointer, pointer, i64, i64, i64, i64, i64,
+        library.runner_scores.argtypes = [pointer, i64, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64,
+                                          ctypes.c_float, ctypes.c_int]
+        library.runner_weighted.argtypes = [pointer, i64, i64, pointer, pointer, i64, i64, i64, i64, i64,
                                             ctypes.c_int]
         _LIBRARY = library
     return _LIBRARY is not None
@@ -135,23 +145,47 @@ class Side:
     levels: torch.Tensor | None = None  # float32: nf4's 16, KIVI's 2^bits (uniform: 0, 1, …)
 
     @property
-    def tensors(self) -> tuple:
-        return self.codes, self.scales, self.mins, self.outliers, self.index, self.levels
+    def tensors(self) -> list:
+        return [self.codes, self.scales, self.mins, self.outliers, self.index, self.levels]
 
     @property
     def layout(self) -> list[int]:
         return [FORMATS[self.format], self.dim, self.bits, self.group, self.plane, self.padded, self.chunk]
 
 
-def scores(query: torch.Tensor, keys: Side, mask: torch.Tensor | None, columns: int, limit: torch.Tensor,
-           scaling: float) -> torch.Tensor:
-    """query [B,H,G,D] → [B,H,G,S] scaled scores over the S = `columns` columns of `keys` (see `cache_scores`)."""
-    return cache_scores(query.float().contiguous(), *keys.tensors, mask, keys.layout, columns, limit, scaling)
+@dataclass
+class Segment:
+    """The columns of a call one side holds: [start, stop), each plus the call's `limit` where said, column t
+    being the side's column t − base (mod `modulo`, a ring, when not 0). A plain cache is one segment, the
+    columns below the limit; KIVI's are the sinks, the region below the limit and the ring after it."""
+
+    side: Side
+    start: int = 0
+    stop: int = 0
+    start_plus_limit: bool = False
+    stop_plus_limit: bool = True
+    base: int = 0
+    modulo: int = 0
+    query: int = 0  # scores: which of the query sets it is taken against (a rotated side's query)
+    output: int = 0  # weighted: which output it adds to (a rotated side's, multiplied by Rᵀ after)
+
+    @property
+    def layout(self) -> list[int]:
+        return self.side.layout + [int(getattr(self, name)) for name in SEGMENT_FIELDS]
 
 
-def weighted(probs: torch.Tensor, values: Side, limit: torch.Tensor) -> torch.Tensor:
-    """probs [B,H,G,S] → [B,H,G,Dv] (see `cache_weighted`)."""
-    return cache_weighted(probs.float().contiguous(), *values.tensors, values.layout, limit)
+def scores(queries: torch.Tensor, segments: list[Segment], mask: torch.Tensor | None, columns: int,
+           limit: torch.Tensor, scaling: float) -> torch.Tensor:
+    """queries [Q,B,H,G,D] → [B,H,G,S] scaled scores over S = `columns` columns held by `segments` (see
+    `cache_scores`)."""
+    return cache_scores(queries.float().contiguous(), [t for s in segments for t in s.side.tensors],
+                        [n for s in segments for n in s.layout], mask, columns, limit, scaling)
+
+
+def weighted(probs: torch.Tensor, segments: list[Segment], limit: torch.Tensor, outputs: int = 1) -> torch.Tensor:
+    """probs [B,H,G,S] → [O,B,H,G,Dv], O = `outputs` (see `cache_weighted`)."""
+    return cache_weighted(probs.float().contiguous(), [t for s in segments for t in s.side.tensors],
+                          [n for s in segments for n in s.layout], outputs, limit)
 
 
 def attend(query: torch.Tensor, keys: Side, values: Side, mask: torch.Tensor, scaling: float,
@@ -160,76 +194,101 @@ def attend(query: torch.Tensor, keys: Side, values: Side, mask: torch.Tensor, sc
     read) → [B,1,H·G,Dv] in the query's dtype, the G query heads of a KV head reading its columns once."""
     b, heads, _, dim = query.shape
     kv_heads, columns = keys.codes.shape[1], mask.shape[-1]
-    rows = query.reshape(b, kv_heads, heads // kv_heads, dim)  # [B,H,G,D]
-    probs = scores(rows, keys, mask, columns, limit, scaling).softmax(-1)  # [B,H,G,S]
-    out = weighted(probs, values, limit)  # [B,H,G,Dv]
+    rows = query.reshape(1, b, kv_heads, heads // kv_heads, dim)  # [1,B,H,G,D]
+    probs = scores(rows, [Segment(keys)], mask, columns, limit, scaling).softmax(-1)  # [B,H,G,S]
+    out = weighted(probs, [Segment(values)], limit)[0]  # [B,H,G,Dv]
     return out.reshape(b, 1, heads, values.dim).to(query.dtype)
 
 
-def _per_head(t: torch.Tensor | None, heads: int, keep: list) -> tuple[int, int]:
-    """(address, bytes from one (row, head) to the next) of [B,H,…] `t` made contiguous (the copy, if any, kept
-    alive in `keep`); (0, 0) for None or an empty tensor."""
+def _per_head(t: torch.Tensor | None, heads: int) -> tuple[int, int]:
+    """(address, bytes from one (row, head) to the next) of contiguous [B,H,…] `t`; (0, 0) for None or an empty
+    tensor."""
     if t is None or t.numel() == 0:
         return 0, 0
-    t = t.contiguous()
-    keep.append(t)
+    if not t.is_contiguous():
+        raise ValueError(f"cpu_attention reads contiguous tensors (got strides {t.stride()} for {list(t.shape)})")
     return t.data_ptr(), t.numel() // (t.shape[0] * heads) * t.element_size()
 
 
-def _store(layout: list[int], heads: int, codes, scales, mins, outliers, index, levels, keep: list) -> Store:
-    fmt, dim, bits, group, plane, padded, chunk = layout
-    store = Store(format=fmt, dim=dim, bits=bits, group=group, plane=plane, padded=padded, chunk=chunk,
-                  count=0 if outliers is None else outliers.shape[-1],
-                  index_bytes=0 if index is None else index.element_size())
-    store.codes, store.codes_bh = _per_head(codes, heads, keep)
-    store.scales, store.scales_bh = _per_head(scales, heads, keep)
-    store.mins, store.mins_bh = _per_head(mins, heads, keep)
-    store.outliers, store.outliers_bh = _per_head(outliers, heads, keep)
-    store.index, store.index_bh = _per_head(index, heads, keep)
-    if levels is not None and levels.numel() < 16:  # the kernel loads 16 levels (two vectors of 8), used or not
-        levels = torch.cat([levels, levels.new_zeros(16 - levels.numel())])
-    store.levels = _per_head(levels, 1, keep)[0] if levels is not None else 0
-    return store
+LAYOUT = 7 + len(SEGMENT_FIELDS)  # ints per segment in an op's `layouts`
+_ARRAYS: dict[tuple, ctypes.Array] = {}  # `_segments`' answers: a static cache's addresses stay, so one per layer
+
+
+def _segments(tensors: list, layouts: list[int], heads: int) -> ctypes.Array:
+    """The ops' flat arguments (6 tensors and LAYOUT ints per segment) as an array of `_Segment`s. Kept by what
+    determines it (addresses, shapes, dtypes, layouts), so a decode step does not build its arrays again."""
+    key = (heads, *layouts, *((t.data_ptr(), t.shape, t.dtype) if t is not None else None for t in tensors))
+    if (array := _ARRAYS.get(key)) is not None:
+        return array
+    count = len(layouts) // LAYOUT
+    array = (_Segment * count)()
+    for i, segment in enumerate(array):
+        layout = layouts[i * LAYOUT:(i + 1) * LAYOUT]
+        codes, scales, mins, outliers, index, levels = tensors[i * 6:(i + 1) * 6]
+        store = segment.store
+        store.format, store.dim, store.bits, store.group, store.plane, store.padded, store.chunk = layout[:7]
+        store.count = 0 if outliers is None else outliers.shape[-1]
+        store.index_bytes = 0 if index is None else index.element_size()
+        store.codes, store.codes_bh = _per_head(codes, heads)
+        store.scales, store.scales_bh = _per_head(scales, heads)
+        store.mins, store.mins_bh = _per_head(mins, heads)
+        store.outliers, store.outliers_bh = _per_head(outliers, heads)
+        store.index, store.index_bh = _per_head(index, heads)
+        if levels is not None and (levels.numel() != 16 or levels.dtype != torch.float32):
+            raise ValueError("the kernel loads 16 float32 levels (two vectors of 8), used or not: see `levels16`")
+        store.levels = _per_head(levels, 1)[0] if levels is not None else 0
+        for name, value in zip(SEGMENT_FIELDS, layout[7:]):
+            setattr(segment, name, value)
+    if len(_ARRAYS) > 1024:  # caches come and go: forget all, the live ones are rebuilt once
+        _ARRAYS.clear()
+    _ARRAYS[key] = array
+    return array
+
+
+def levels16(levels: torch.Tensor) -> torch.Tensor:
+    """A store's levels as the kernel loads them: float32, padded with zeros to 16."""
+    return torch.cat([levels.float(), levels.new_zeros(16 - levels.numel(), dtype=torch.float32)])
 
 
 @torch.library.custom_op("runner::cache_scores", mutates_args=())
-def cache_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-                 outliers: torch.Tensor | None, index: torch.Tensor | None, levels: torch.Tensor | None,
-                 mask: torch.Tensor | None, layout: list[int], columns: int, limit: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
-    """query [B,H,G,D] float32 → [B,H,G,S] scaling·q·K over the store's S = `columns` columns; -inf past
-    `limit` (0-d) and where `mask` ([B,S'] bool; its last S columns are these) is False."""
-    b, heads, groups, _ = query.shape
-    out = query.new_empty(b, heads, groups, columns)
-    keep: list = [query := query.contiguous()]
-    store = _store(layout, heads, codes, scales, mins, outliers, index, levels, keep)
-    mask_bytes = mask[:, -columns:].to(torch.uint8).contiguous() if mask is not None else None
-    _LIBRARY.runner_scores(ctypes.byref(store), query.data_ptr(),
-                             mask_bytes.data_ptr() if mask_bytes is not None else None,
-                             columns, out.data_ptr(), b, heads, groups, columns, int(limit), scaling,
-                             torch.get_num_threads())
+def cache_scores(queries: torch.Tensor, tensors: list[torch.Tensor | None], layouts: list[int],
+                 mask: torch.Tensor | None, columns: int, limit: torch.Tensor, scaling: float) -> torch.Tensor:
+    """queries [Q,B,H,G,D] float32 → [B,H,G,S] scaling·q·K over S = `columns` columns, each read from the segment
+    holding it (`tensors`: codes, scales, mins, outliers, index, levels of each; `layouts`: Segment.layout of
+    each); -inf for columns no segment holds and where `mask` ([B,S'] bool; its last S columns are these) is False.
+    `limit` (0-d) moves the segments' ends that say so."""
+    _, b, heads, groups, _ = queries.shape
+    out = queries.new_empty(b, heads, groups, columns)
+    queries = queries.contiguous()
+    segments = _segments(tensors, layouts, heads)
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    mask = mask[:, -columns:] if mask is not None else None  # bool: one byte, 0 or 1, per column
+    _LIBRARY.runner_scores(segments, len(segments), queries.data_ptr(), mask.data_ptr() if mask is not None else None,
+                             mask.stride(0) if mask is not None else 0, out.data_ptr(), b, heads, groups, columns,
+                             int(limit), scaling, torch.get_num_threads())
     return out
 
 
 @cache_scores.register_fake
-def _(query, codes, scales, mins, outliers, index, levels, mask, layout, columns, limit, scaling):
-    return query.new_empty(*query.shape[:3], columns)
+def _(queries, tensors, layouts, mask, columns, limit, scaling):
+    return queries.new_empty(*queries.shape[1:4], columns)
 
 
 @torch.library.custom_op("runner::cache_weighted", mutates_args=())
-def cache_weighted(probs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None,
-                   outliers: torch.Tensor | None, index: torch.Tensor | None, levels: torch.Tensor | None,
-                   layout: list[int], limit: torch.Tensor) -> torch.Tensor:
-    """probs [B,H,G,S] float32 → [B,H,G,Dv] Σ probs·V over the columns below `limit` (0-d)."""
+def cache_weighted(probs: torch.Tensor, tensors: list[torch.Tensor | None], layouts: list[int], outputs: int,
+                   limit: torch.Tensor) -> torch.Tensor:
+    """probs [B,H,G,S] float32 → [O,B,H,G,Dv]: output o is Σ probs·V over the columns of the segments whose
+    `output` is o (arguments as `cache_scores`'s)."""
     b, heads, groups, columns = probs.shape
-    out = probs.new_empty(b, heads, groups, layout[1])
-    keep: list = [probs := probs.contiguous()]
-    store = _store(layout, heads, codes, scales, mins, outliers, index, levels, keep)
-    _LIBRARY.runner_weighted(ctypes.byref(store), probs.data_ptr(), out.data_ptr(), b, heads, groups, columns,
-                               int(limit), torch.get_num_threads())
+    out = probs.new_empty(outputs, b, heads, groups, layouts[1])
+    probs = probs.contiguous()
+    segments = _segments(tensors, layouts, heads)
+    _LIBRARY.runner_weighted(segments, len(segments), outputs, probs.data_ptr(), out.data_ptr(), b, heads, groups,
+                               columns, int(limit), torch.get_num_threads())
     return out
 
 
 @cache_weighted.register_fake
-def _(probs, codes, scales, mins, outliers, index, levels, layout, limit):
-    return probs.new_empty(*probs.shape[:3], layout[1])
+def _(probs, tensors, layouts, outputs, limit):
+    return probs.new_empty(outputs, *probs.shape[:3], layouts[1])

@@ -5,11 +5,14 @@
 // and adds it, times each query head's probability, to that head's output. The softmax between them is the
 // caller's. Decoding gives the floats the Python dequantizers give (code x scale is exact in float32; the one
 // add rounds once, fused or not); the sums run in another order than torch's.
+// A call reads one or more `Segment`s: stores that each hold a range of the attention's columns (KIVI: the sinks,
+// the quantized region, the full-precision ring), so one softmax covers them with no copy in between.
 // Layouts are runner/infer/quant.py's and static.py's; `Store` says which one a tensor has.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -35,6 +38,23 @@ struct Store {          // mirrored by cpu_attention.Store
   const uint8_t* index; int64_t index_bh;        // [chunks, k] ascending, into a chunk's columns × dim, KIVI
   const float* levels;  // nf4's 16 levels; KIVI: 2^bits levels (0, 1, 2, ... when uniform)
 };
+
+struct Segment {        // mirrored by cpu_attention.Segment
+  Store store;
+  int64_t start, start_plus_limit, stop, stop_plus_limit;  // columns [start (+ limit), stop (+ limit)) of the call
+  int64_t base, modulo;  // column t is the store's column (t − base), mod `modulo` when it is not 0 (a ring)
+  int64_t query, output;  // which query rows it is taken against (scores) / which output it adds to (weighted)
+};
+
+static inline int64_t first_column(const Segment& g, int64_t limit, int64_t S) {
+  return std::clamp<int64_t>(g.start + g.start_plus_limit * limit, 0, S);
+}
+static inline int64_t end_column(const Segment& g, int64_t limit, int64_t S) {
+  return std::clamp<int64_t>(g.stop + g.stop_plus_limit * limit, first_column(g, limit, S), S);
+}
+static inline int64_t stored(const Segment& g, int64_t t) {
+  return g.modulo ? (t - g.base) % g.modulo : t - g.base;
+}
 
 static const int TILE = 128;  // columns per task
 static const int ROWS = 8;     // columns decoded together (one vector of their 8 scores)
@@ -205,19 +225,32 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
   }
 }
 
-// The outliers of column t written over its decoded row (kvcodes.restore_outliers): a chunk's indices ascend, so
-// the column's are found by a binary search for its first value.
-static inline void patch(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t t, float* row) {
-  const int64_t chunk = t / s.chunk, k = s.count, low = (t % s.chunk) * s.dim, high = low + s.dim;
-  const int16_t* short_index = (const int16_t*)index + chunk * k;
-  const int32_t* long_index = (const int32_t*)index + chunk * k;
-  auto at = [&](int64_t j) -> int64_t { return s.index_bytes == 2 ? short_index[j] : long_index[j]; };
-  int64_t first = 0, last = k;
-  while (first < last) {
-    const int64_t middle = (first + last) / 2;
-    if (at(middle) < low) first = middle + 1; else last = middle;
+// The outliers of columns at[r] (where take[r]) written over their decoded rows [ROWS, dim]
+// (kvcodes.restore_outliers). A chunk's indices ascend: a binary search finds the first column's, and the next
+// columns' follow on from there while the columns ascend within the chunk.
+static inline void patch(const Store& s, const uint8_t* outliers, const uint8_t* index, const int64_t* at,
+                         const bool* take, float* rows) {
+  const int64_t k = s.count, dim = s.dim;
+  int64_t chunk = -1, j = 0, previous = 0;
+  for (int r = 0; r < ROWS; r++) {
+    if (!take[r]) continue;
+    const int64_t t = at[r], low = (t % s.chunk) * dim, high = low + dim;
+    const int16_t* short_index = (const int16_t*)index + t / s.chunk * k;
+    const int32_t* long_index = (const int32_t*)index + t / s.chunk * k;
+    auto position = [&](int64_t i) -> int64_t { return s.index_bytes == 2 ? short_index[i] : long_index[i]; };
+    if (t / s.chunk != chunk || low < previous) {  // search from the chunk's start
+      chunk = t / s.chunk;
+      int64_t last = k;
+      j = 0;
+      while (j < last) {
+        const int64_t middle = (j + last) / 2;
+        if (position(middle) < low) j = middle + 1; else last = middle;
+      }
+    }
+    while (j < k && position(j) < low) j++;
+    for (; j < k && position(j) < high; j++) rows[r * dim + position(j) - low] = half_float(outliers, chunk * k + j);
+    previous = high;
   }
-  for (int64_t j = first; j < k && at(j) < high; j++) row[at(j) - low] = half_float(outliers, chunk * k + j);
 }
 
 // The scaled dot products of one query row q [dim] with ROWS decoded rows [ROWS, dim] into out[0, ROWS).
@@ -251,11 +284,11 @@ static inline int64_t decoded_width(const Store& s) {
   return std::max(block ? (s.dim + 31) / 32 * 32 : s.padded, s.dim);
 }
 
-// ROWS columns from t0 of (row, head) bh decoded into rows [ROWS, dim], outliers written back: column t0 + r where
-// take[r], zeros where not. `spare` holds decoded_width(s) floats.
+// ROWS stored columns at[r] of (row, head) bh decoded into rows [ROWS, dim], outliers written back, where take[r];
+// zeros where not. `spare` holds decoded_width(s) floats.
 template <int F>
-static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const bool* take, float* __restrict__ rows,
-                               float* __restrict__ spare) {
+static inline void decode_rows(const Store& s, int64_t bh, const int64_t* at, const bool* take,
+                               float* __restrict__ rows, float* __restrict__ spare) {
   const uint8_t* codes = s.codes + bh * s.codes_bh;
   const uint8_t* scales = s.scales + bh * s.scales_bh;
   const uint8_t* mins = s.mins + bh * s.mins_bh;
@@ -267,33 +300,43 @@ static inline void decode_rows(const Store& s, int64_t bh, int64_t t0, const boo
       std::memset(out, 0, dim * sizeof(float));
       continue;
     }
-    decode<F>(s, codes, scales, mins, t0 + r, padded ? spare : out);
+    decode<F>(s, codes, scales, mins, at[r], padded ? spare : out);
     if (padded) std::memcpy(out, spare, dim * sizeof(float));
-    if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, t0 + r, out);
   }
+  if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, at, take, rows);
 }
 
-// scores [BH,G,S] = scaling · q [BH,G,D] · K[column] for columns < limit whose mask [B,S] (stride mask_stride,
-// may be null) is set; -inf for the others. Columns go ROWS at a time: decoded once, taken against the G rows of q.
+// Tiles of TILE columns a segment's columns [first, end) make, per (row, head).
+static inline int64_t tiles_of(const Segment& g, int64_t limit, int64_t S) {
+  return (end_column(g, limit, S) - first_column(g, limit, S) + TILE - 1) / TILE;
+}
+
+// scores [BH,G,S] = scaling · q [BH,G,D] · K[column] over the segment's columns whose mask [B,S] (stride
+// mask_stride, may be null) is set; -inf for the others. Columns go ROWS at a time: decoded once, taken against the
+// G rows of q. Called by every thread of a parallel region: the tasks (row, head, tile) are shared among them.
 template <int F>
-static void scores_impl(const Store& k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
-                        int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {
-  const int64_t tiles = (S + TILE - 1) / TILE, dim = k.dim;
-#pragma omp parallel for num_threads(threads) schedule(static)
+static void scores_impl(const Segment& segment, const float* q, const uint8_t* mask, int64_t mask_stride,
+                        float* scores, int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling) {
+  const Store& k = segment.store;
+  const int64_t first = first_column(segment, limit, S), end = end_column(segment, limit, S);
+  const int64_t tiles = tiles_of(segment, limit, S), dim = k.dim;
+  std::vector<float> rows(ROWS * dim), spare(decoded_width(k));  // this thread's
+  alignas(32) float sums[ROWS];
+#pragma omp for schedule(static) nowait
   for (int64_t task = 0; task < B * H * tiles; task++) {
-    const int64_t bh = task / tiles, b = bh / H, first = (task % tiles) * TILE, last = std::min(S, first + TILE);
+    const int64_t bh = task / tiles, b = bh / H, from = first + (task % tiles) * TILE, last = std::min(end, from + TILE);
     const float* qs = q + bh * G * dim;
     float* out = scores + bh * G * S;
-    std::vector<float> rows(ROWS * dim), spare(decoded_width(k));
-    alignas(32) float sums[ROWS];
-    for (int64_t t0 = first; t0 < last; t0 += ROWS) {
+    for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool seen[ROWS], any = false;
+      int64_t at[ROWS];
       for (int r = 0; r < ROWS; r++) {
         const int64_t t = t0 + r;
-        seen[r] = t < last && t < limit && !(mask && !mask[b * mask_stride + t]);
+        seen[r] = t < last && !(mask && !mask[b * mask_stride + t]);
+        at[r] = seen[r] ? stored(segment, t) : 0;
         any |= seen[r];
       }
-      if (any) decode_rows<F>(k, bh, t0, seen, rows.data(), spare.data());
+      if (any) decode_rows<F>(k, bh, at, seen, rows.data(), spare.data());
       for (int64_t g = 0; g < G; g++) {
         if (any) dots(qs + g * dim, rows.data(), dim, scaling, sums);
         for (int r = 0; r < ROWS && t0 + r < last; r++) out[g * S + t0 + r] = seen[r] ? sums[r] : -INFINITY;
@@ -321,68 +364,99 @@ static inline void accumulate(const float* w, const float* rows, int64_t dim, fl
     for (int64_t d = 0; d < dim; d++) acc[d] += w[r] * rows[r * dim + d];
 }
 
-// out [BH,G,Dv] = Σ over columns < limit of probs [BH,G,S] · V[column]; columns whose G probabilities are all 0
-// are not read. Columns go ROWS at a time: decoded once, added to the G outputs.
+// partial [BH·tiles, G, Dv]: per task (row, head, tile), Σ over its columns of probs [BH,G,S] · V[column];
+// columns whose G probabilities are all 0 are not read. Columns go ROWS at a time: decoded once, added to the G
+// outputs. Called by every thread of a parallel region, as scores_impl.
 template <int F>
-static void weighted_impl(const Store& v, const float* probs, float* out, int64_t B, int64_t H, int64_t G, int64_t S,
-                          int64_t limit, int threads) {
-  const int64_t end = std::min(S, limit), tiles = (end + TILE - 1) / TILE, dim = v.dim, width = G * dim;
-  std::vector<float> partial(std::max<int64_t>(B * H * tiles, 1) * width, 0.f);
-#pragma omp parallel for num_threads(threads) schedule(static)
+static void weighted_impl(const Segment& segment, const float* probs, float* partial, int64_t B, int64_t H, int64_t G,
+                          int64_t S, int64_t limit) {
+  const Store& v = segment.store;
+  const int64_t first = first_column(segment, limit, S), end = end_column(segment, limit, S);
+  const int64_t tiles = tiles_of(segment, limit, S), dim = v.dim, width = G * dim;
+  std::vector<float> rows(ROWS * dim), spare(decoded_width(v));  // this thread's
+  float w[ROWS];
+#pragma omp for schedule(static) nowait
   for (int64_t task = 0; task < B * H * tiles; task++) {
-    const int64_t bh = task / tiles, first = (task % tiles) * TILE, last = std::min(end, first + TILE);
+    const int64_t bh = task / tiles, from = first + (task % tiles) * TILE, last = std::min(end, from + TILE);
     const float* p = probs + bh * G * S;
-    float* acc = partial.data() + task * width;
-    std::vector<float> rows(ROWS * dim), spare(decoded_width(v));
-    float w[ROWS];
-    for (int64_t t0 = first; t0 < last; t0 += ROWS) {
+    float* acc = partial + task * width;
+    std::fill(acc, acc + width, 0.f);
+    for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool used[ROWS], any = false;
+      int64_t at[ROWS];
       for (int r = 0; r < ROWS; r++) {
         used[r] = false;
         for (int64_t g = 0; t0 + r < last && g < G; g++) used[r] |= p[g * S + t0 + r] != 0.f;
+        at[r] = used[r] ? stored(segment, t0 + r) : 0;
         any |= used[r];
       }
       if (!any) continue;
-      decode_rows<F>(v, bh, t0, used, rows.data(), spare.data());
+      decode_rows<F>(v, bh, at, used, rows.data(), spare.data());
       for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
         accumulate(w, rows.data(), dim, acc + g * dim);
       }
     }
   }
-  for (int64_t bh = 0; bh < B * H; bh++) {
-    float* o = out + bh * width;
-    std::fill(o, o + width, 0.f);
-    for (int64_t tile = 0; tile < tiles; tile++) {
-      const float* a = partial.data() + (bh * tiles + tile) * width;
-      for (int64_t i = 0; i < width; i++) o[i] += a[i];
-    }
-  }
 }
 
-#define DISPATCH(FN, STORE, ...)                                     \
-  switch ((STORE).format) {                                          \
-    case F32: FN<F32>(STORE, __VA_ARGS__); break;                    \
-    case F16: FN<F16>(STORE, __VA_ARGS__); break;                    \
-    case BF16: FN<BF16>(STORE, __VA_ARGS__); break;                  \
-    case Q8_0: FN<Q8_0>(STORE, __VA_ARGS__); break;                  \
-    case Q4_0: FN<Q4_0>(STORE, __VA_ARGS__); break;                  \
-    case NF4: FN<NF4>(STORE, __VA_ARGS__); break;                    \
-    case Q4_1: FN<Q4_1>(STORE, __VA_ARGS__); break;                  \
-    case KIVI_VALUE: FN<KIVI_VALUE>(STORE, __VA_ARGS__); break;      \
-    case KIVI_KEY: FN<KIVI_KEY>(STORE, __VA_ARGS__); break;          \
+#define DISPATCH(FN, SEGMENT, ...)                                   \
+  switch ((SEGMENT).store.format) {                                  \
+    case F32: FN<F32>(SEGMENT, __VA_ARGS__); break;                  \
+    case F16: FN<F16>(SEGMENT, __VA_ARGS__); break;                  \
+    case BF16: FN<BF16>(SEGMENT, __VA_ARGS__); break;                \
+    case Q8_0: FN<Q8_0>(SEGMENT, __VA_ARGS__); break;                \
+    case Q4_0: FN<Q4_0>(SEGMENT, __VA_ARGS__); break;                \
+    case NF4: FN<NF4>(SEGMENT, __VA_ARGS__); break;                  \
+    case Q4_1: FN<Q4_1>(SEGMENT, __VA_ARGS__); break;                \
+    case KIVI_VALUE: FN<KIVI_VALUE>(SEGMENT, __VA_ARGS__); break;    \
+    case KIVI_KEY: FN<KIVI_KEY>(SEGMENT, __VA_ARGS__); break;        \
   }
 
 extern "C" {
 
-void runner_scores(const Store* k, const float* q, const uint8_t* mask, int64_t mask_stride, float* scores,
-                   int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling, int threads) {
-  DISPATCH(scores_impl, *k, q, mask, mask_stride, scores, B, H, G, S, limit, scaling, threads)
+// scores [B·H,G,S]: -inf, then each segment's columns; queries [Q,B·H,G,D], a segment reading set `query`. One
+// parallel region for all of it (segments hold disjoint columns).
+void runner_scores(const Segment* segments, int64_t count, const float* queries, const uint8_t* mask,
+                   int64_t mask_stride, float* scores, int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit,
+                   float scaling, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < B * H * G; row++) std::fill(scores + row * S, scores + (row + 1) * S, -INFINITY);
+    for (int64_t i = 0; i < count; i++) {
+      const float* q = queries + segments[i].query * B * H * G * segments[i].store.dim;
+      DISPATCH(scores_impl, segments[i], q, mask, mask_stride, scores, B, H, G, S, limit, scaling)
+    }
+  }
 }
 
-void runner_weighted(const Store* v, const float* probs, float* out, int64_t B, int64_t H, int64_t G, int64_t S,
-                     int64_t limit, int threads) {
-  DISPATCH(weighted_impl, *v, probs, out, B, H, G, S, limit, threads)
+// out [O,B·H,G,Dv]: each output the sum of its segments' Σ p·V. One parallel region: the segments' tasks into
+// partial sums, then each (row, head) summed by one thread.
+void runner_weighted(const Segment* segments, int64_t count, int64_t outputs, const float* probs, float* out,
+                     int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, int threads) {
+  const int64_t width = G * segments[0].store.dim;
+  std::vector<int64_t> offset(count + 1, 0);  // a segment's first task in `partial`
+  for (int64_t i = 0; i < count; i++) offset[i + 1] = offset[i] + B * H * tiles_of(segments[i], limit, S);
+  std::unique_ptr<float[]> partial(new float[std::max<int64_t>(offset[count], 1) * width]);
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t i = 0; i < count; i++)
+      DISPATCH(weighted_impl, segments[i], probs, partial.get() + offset[i] * width, B, H, G, S, limit)
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+      for (int64_t o = 0; o < outputs; o++) std::fill(out + (o * B * H + bh) * width, out + (o * B * H + bh + 1) * width, 0.f);
+      for (int64_t i = 0; i < count; i++) {
+        const int64_t tiles = (offset[i + 1] - offset[i]) / (B * H);
+        float* o = out + (segments[i].output * B * H + bh) * width;
+        for (int64_t tile = 0; tile < tiles; tile++) {
+          const float* a = partial.get() + (offset[i] + bh * tiles + tile) * width;
+          for (int64_t j = 0; j < width; j++) o[j] += a[j];
+        }
+      }
+    }
+  }
 }
 
 }  // extern "C"

@@ -56,13 +56,21 @@ class StaticKVCache(Cache):
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
         self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
 
-    def code_blocks(self, on: bool) -> None:
+    def code_blocks(self, on: bool, views: bool = True) -> None:
         """Whether the next writes code the blocks they complete (KIVI; the default). Off, a write fills only the
         sinks and the ring, and its graph holds no quantizer: for the compiled one-column step, which the engine
-        runs only when the column completes no block (`completes_block`)."""
+        runs only when the column completes no block (`completes_block`). `views` off, a KIVI write hands attention
+        no K/V (0 columns; decoding the whole region is most of an eager step's time): only when every layer is
+        read by cpu_attention's kernel (`kernel_attends`), which attention then must do."""
         for layer in self.layers:
             if isinstance(layer, StaticKiviLayer):
-                layer.code_blocks = on
+                layer.code_blocks, layer.views = on, views
+
+    def kernel_attends(self, dtype: torch.dtype) -> bool:
+        """Whether one-column attention in `dtype` reads every layer through cpu_attention's kernel
+        (attention.attend_reduced with this cache handed over)."""
+        return (self.layers[0].device.type == "cpu" and cpu_attention.ready()
+                and all(layer.kernel_reads(dtype) for layer in self.layers))
 
     def completes_block(self, start: int, count: int) -> bool:
         """Whether writing `count` columns from column `start` completes a KIVI block (never for other kinds)."""

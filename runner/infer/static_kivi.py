@@ -23,6 +23,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
 
     TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "ring_keys", "ring_values")
     code_blocks = True  # False: writes only fill sinks and ring (set by StaticKVCache.code_blocks)
+    views = True  # False: writes hand attention 0 columns (the kernel reads the layer; StaticKVCache.code_blocks)
 
     def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
                  value_block: int = BLOCK, sinks: int = 0, outlier_percent: float = 0.0, rotate_keys: bool = False,
@@ -48,6 +49,10 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         self._make_rotations(self.k_head_dim, self.v_head_dim, self.device, self.rotate_keys, self.rotate_values)
         if self.levels is not None:
             self.levels = tuple(levels.to(self.device) for levels in self.levels)
+        self.kernel_levels = tuple(  # as cpu_attention's kernel loads them; uniform codes: 0, 1, 2, …
+            cpu_attention.levels16(self.levels[i] if self.levels is not None else
+                                   torch.arange(2**bits, dtype=torch.float32, device=self.device))
+            for i, bits in enumerate((self.key_bits, self.value_bits)))
         empty = self._quantize(torch.zeros(b, h, self.residual_len, self.k_head_dim, device=self.device),
                                torch.zeros(b, h, self.residual_len, self.v_head_dim, device=self.device))
         for name, tensor in zip(self.QUANTIZED, empty):  # one block's tensors, repeated along the sequence
@@ -81,6 +86,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         for start in range(0, keys.shape[-2], r):
             piece = slice(start, start + r)
             self._append(keys[..., piece, :], values[..., piece, :], columns[piece], end)
+        if not self.views:
+            return keys[..., :0, :], values[..., :0, :]
         return self._view(self._quantized(columns[-1] + 1, end), keys.dtype)
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor) -> None:
@@ -122,48 +129,51 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         return dtype == torch.float32  # the region is decoded, outliers restored and rotated back in float32
 
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
-        """The region's K and V as cpu_attention's kernel reads them (sinks and ring are attend's)."""
+        """The region's K and V as cpu_attention's kernel reads them."""
         sides = []
         for side, bits, dim in (("key", self.key_bits, self.k_head_dim), ("value", self.value_bits, self.v_head_dim)):
-            levels = (self.levels[side == "value"].float() if self.levels is not None
-                      else torch.arange(2**bits, dtype=torch.float32, device=self.device))
             padded = -(-dim // self.value_block) * self.value_block
             layout = (dict(group=self.group_size) if side == "key" else
                       dict(group=self.value_block, padded=padded, plane=plane_bytes(padded, bits) if bits != 3 else 0))
             sides.append(cpu_attention.Side(
                 getattr(self, f"{side}_codes"), f"kivi_{side}", dim, scales=getattr(self, f"{side}_scales"),
-                mins=getattr(self, f"{side}_mins"), bits=bits, chunk=self.group_size, levels=levels,
+                mins=getattr(self, f"{side}_mins"), bits=bits, chunk=self.group_size,
+                levels=self.kernel_levels[side == "value"],
                 outliers=getattr(self, f"{side}_outliers"), index=getattr(self, f"{side}_outlier_index"), **layout))
         return tuple(sides)
 
+    def segments(self, side: str) -> list[cpu_attention.Segment]:
+        """K's or V's segments under the kernel's limit Q (`_quantized`): the sinks [0, s), the region [s, s + Q)
+        and the ring [s + Q, S) (column s + c in slot c mod R). A rotated side's region is read against the rotated
+        query (keys) or adds to an output rotated back after (values)."""
+        s, dim = self.sinks, self.k_head_dim if side == "key" else self.v_head_dim
+        rotated = (self.key_rotation if side == "key" else self.value_rotation) is not None
+        storage = cpu_attention.STORAGE_FORMATS[self.storage]
+        plain = dict(query=int(rotated), output=int(rotated))  # the sinks and ring: the unrotated query / output
+        region = self.sides()[side == "value"]
+        segments = [cpu_attention.Segment(region, start=s, stop=s, base=s),
+                    cpu_attention.Segment(cpu_attention.Side(getattr(self, f"ring_{side}s"), storage, dim), start=s,
+                                          stop=self.max_cache_len, start_plus_limit=True, stop_plus_limit=False,
+                                          base=s, modulo=self.ring_len, **plain)]
+        if s:
+            segments.append(cpu_attention.Segment(cpu_attention.Side(getattr(self, f"sink_{side}s"), storage, dim),
+                                                  stop=s, stop_plus_limit=False, **plain))
+        return segments
+
     def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
                end: torch.Tensor) -> torch.Tensor:
-        """One query column [B,Hq,1,D], [B,S] bool mask → [B,1,Hq,Dv] over what `_view` hands attention: the
-        kernel reads the region in its codes (a rotated side: the query rotated before, the output after), the
-        sinks and the ring are read as they are; one softmax over all S columns."""
+        """One query column [B,Hq,1,D], [B,S] bool mask → [B,1,Hq,Dv] over what `_view` hands attention, in one
+        kernel call per side: the region in its codes, the sinks and the ring as they are (`segments`). A rotated
+        side's region takes the query rotated (keys: q·R against the stored R-rotated keys) or its output rotated
+        back (values: (Σ p·v̂)·Rᵀ)."""
         b, heads, _, dim = query.shape
-        h, s, ring_len = self.num_heads, self.sinks, self.ring_len
-        span = self.max_cache_len - s
+        h = self.num_heads
         done = self._quantized(columns[-1] + 1, end)  # 0-d: region columns below it are quantized
         rows = query.reshape(b, h, heads // h, dim).float()  # [B,H,G,D]
-        keys, values = self.sides()
-        rotated = rows if self.key_rotation is None else rows @ self.key_rotation
-        region = cpu_attention.scores(rotated, keys, None, span, done, scaling)  # [B,H,G,S−s], -inf from done
-        column = torch.arange(span, device=query.device)  # [S−s]
-        quantized = column < done
-        ring = (rows @ self.ring_keys.float().transpose(-1, -2)) * scaling  # [B,H,G,R]
-        parts = [torch.where(quantized, region, ring[..., column % ring_len])]
-        if s:
-            parts.insert(0, (rows @ self.sink_keys.float().transpose(-1, -2)) * scaling)  # [B,H,G,s]
-        probs = torch.cat(parts, -1).masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)  # [B,H,G,S]
-        sink_probs, span_probs = probs.split([s, span], -1)
-        out = cpu_attention.weighted(torch.where(quantized, span_probs, 0.0), values, done)  # [B,H,G,Dv]
-        if self.value_rotation is not None:
-            out = out @ self.value_rotation.T
-        ring_probs = torch.where(quantized, 0.0, span_probs).unflatten(-1, (-1, ring_len)).sum(-2)  # [B,H,G,R]
-        out = out + ring_probs @ self.ring_values.float()
-        if s:
-            out = out + sink_probs @ self.sink_values.float()
+        queries = rows[None] if self.key_rotation is None else torch.stack([rows @ self.key_rotation, rows])
+        probs = cpu_attention.scores(queries, self.segments("key"), mask, mask.shape[-1], done, scaling).softmax(-1)
+        out = cpu_attention.weighted(probs, self.segments("value"), done, 1 + (self.value_rotation is not None))
+        out = out[0] if self.value_rotation is None else out[0] @ self.value_rotation.T + out[1]  # [B,H,G,Dv]
         return out.reshape(b, 1, heads, self.v_head_dim).to(query.dtype)
 
     def _view(self, done: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

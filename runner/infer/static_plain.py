@@ -11,6 +11,8 @@ from transformers.cache_utils import StaticLayer
 from runner.infer import cpu_attention
 from runner.infer.quant import NF4_LEVELS, dequantize_expr, quantize
 
+NF4_KERNEL_LEVELS = cpu_attention.levels16(NF4_LEVELS)  # one tensor: cpu_attention keeps its Store by address
+
 
 class StaticPlainLayer(StaticLayer):
     """K/V stored as is, in `storage` dtype, [B,H,S,D]."""
@@ -97,7 +99,7 @@ class StaticQuantLayer(StaticPlainLayer):
         return dtype == torch.float32  # decoded values, never stored in the model's dtype
 
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
-        levels = NF4_LEVELS.to(self.device) if self.kind == "nf4" else None
+        levels = NF4_KERNEL_LEVELS if self.kind == "nf4" else None
         return tuple(cpu_attention.Side(getattr(self, f"{side}_codes"), self.kind, dim,
                                         scales=getattr(self, f"{side}_scales"), levels=levels)
                      for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)))
