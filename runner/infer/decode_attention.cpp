@@ -145,16 +145,17 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
     const int64_t blocks = s.padded / s.group;
     const uint8_t* row = codes + t * (s.padded * bits / 8);
 #ifdef RUNNER_AVX2
-    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0)) {  // 8 values of one block at a time: looked up, then s·l + m
+    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0) && blocks <= 16) {  // 8 values of a block at a time: s·l + m
       const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
       const __m256i maskv = _mm256_set1_epi32((int)mask);
       const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-      const uint8_t* sc = scales + 2 * t * blocks;
-      const uint8_t* mn = mins + 2 * t * blocks;
+      float scale[16], minimum[16];  // the column's blocks
+      for (int64_t b = 0; b < blocks; b++) scale[b] = half_float(scales, t * blocks + b), minimum[b] = half_float(mins, t * blocks + b);
       auto put = [&](int64_t first, __m256i code) {  // values [first, first + 8), one block's
         const int64_t b = first / s.group;
-        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(lookup(_mm256_and_si256(code, maskv), low, high),
-                                                      _mm256_set1_ps(half_float(sc, b)), _mm256_set1_ps(half_float(mn, b))));
+        code = _mm256_and_si256(code, maskv);
+        const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
+        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(level, _mm256_set1_ps(scale[b]), _mm256_set1_ps(minimum[b])));
       };
       if (bits == 3) {
         for (int64_t w = 0; w < s.padded / 8; w++)
@@ -198,14 +199,15 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
         const __m256i word = _mm256_or_si256(bytes8(r + d0), _mm256_or_si256(_mm256_slli_epi32(bytes8(r + dim + d0), 8),
                                                                             _mm256_slli_epi32(bytes8(r + 2 * dim + d0), 16)));
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(word, shift), maskv);
-        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(lookup(code, low, high), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
+        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(low, code), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
       }
     } else {
       const uint8_t* r = codes + (t / (8 / bits)) * dim;
       const int shift = (int)(bits * (t % (8 / bits)));
       for (; d0 + 8 <= dim; d0 += 8) {
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(r + d0), shift), maskv);
-        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(lookup(code, low, high), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
+        const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
+        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(level, halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
       }
     }
 #endif

@@ -97,3 +97,63 @@ def test_the_kernel_reads_a_layer_only_where_it_rounds_as_attention_does(kind, s
     query = torch.zeros(ROWS, HEADS * GROUPS, 1, 64, dtype=storage)
     found = _static_layer(SimpleNamespace(layer_idx=0), StaticKVCache([layer], kind), query)
     assert (found is layer) == read
+
+
+def _reference(layer, query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    rows = query.reshape(ROWS, HEADS, GROUPS, -1)
+    scores = (rows @ keys.transpose(-1, -2)) * keys.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+    return (probs @ values).reshape(ROWS, 1, HEADS * GROUPS, -1)
+
+
+def test_the_kernel_reads_what_each_layer_holds_now():
+    """The kernel's stores are kept by address between calls: two layers of one shape read in turn each give their
+    own attention, and a column written again in place is read with its new values."""
+    assert cpu_attention.load()
+    generator = torch.Generator().manual_seed(1)
+    layers = [_layer("kivi2:g8:r16:s4:o2", 64, 96), _layer("q4_0", 64, 96)]
+    mask = torch.ones(ROWS, 40, dtype=torch.bool)
+    query = torch.randn(ROWS, HEADS * GROUPS, 1, 64, generator=generator)
+    views = {}  # layer index → the K/V its last write handed attention
+    with torch.inference_mode():
+        for rewrite in range(2):
+            for i, layer in enumerate(layers):
+                for column in range(40):
+                    where = (torch.tensor([column]), torch.tensor(10**6))
+                    k, v = layer.write(torch.randn(ROWS, HEADS, 1, 64, generator=generator),
+                                       torch.randn(ROWS, HEADS, 1, 64, generator=generator), *where)
+                views[i] = k, v
+            for i, layer in enumerate(layers):
+                k, v = views[i]
+                full = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
+                full[:, :40] = mask
+                ours = layer.attend(query, full, 64**-0.5, torch.tensor([39]), torch.tensor(10**6))
+                torch.testing.assert_close(ours, _reference(layer, query, full, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kivi_write_without_views_hands_attention_nothing_and_attention_says_so():
+    """views off (the eager block-completing step): the write returns 0 columns, the kernel's attention is the
+    same as with views on, and the torch path, were it reached, refuses instead of attending over nothing."""
+    from types import SimpleNamespace
+
+    from runner.infer.attention import attend_reduced
+
+    assert cpu_attention.load()
+    layer = _layer("kivi3:k4v3:g8:r16:s4:b64", 64, 96)
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(ROWS, HEADS * GROUPS, 1, 64, generator=generator)
+    with torch.inference_mode():
+        for column in range(36):  # column 35 completes a block: s 4 + 2 blocks of r 16
+            where = (torch.tensor([column]), torch.tensor(10**6))
+            layer.views = column < 35
+            k, v = layer.write(torch.randn(ROWS, HEADS, 1, 64, generator=generator),
+                               torch.randn(ROWS, HEADS, 1, 64, generator=generator), *where)
+        assert k.shape[-2] == 0 and v.shape[-2] == 0
+        mask = torch.zeros(ROWS, layer.max_cache_len, dtype=torch.bool)
+        mask[:, :36] = True
+        without = layer.attend(query, mask, 64**-0.5, *where)
+        layer.views = True
+        k, v = layer._view(layer._quantized(torch.tensor(36), torch.tensor(10**6)), torch.float32)
+        torch.testing.assert_close(without, _reference(layer, query, mask, k, v), rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="no K/V"):
+            attend_reduced(SimpleNamespace(layer_idx=0), query, k[..., :0, :], v[..., :0, :], None)
