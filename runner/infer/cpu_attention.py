@@ -58,6 +58,7 @@ class Store(ctypes.Structure):
         ("outliers", ctypes.c_void_p), ("outliers_bh", ctypes.c_int64),
         ("index", ctypes.c_void_p), ("index_bh", ctypes.c_int64),
         ("levels", ctypes.c_void_p),
+        ("blocks", ctypes.c_int64), ("group_shift", ctypes.c_int64), ("chunk_shift", ctypes.c_int64),
     ]
 
 
@@ -226,7 +227,10 @@ def _segments(tensors: list, layouts: list[int], heads: int) -> ctypes.Array:
         layout = layouts[i * LAYOUT:(i + 1) * LAYOUT]
         codes, scales, mins, outliers, index, levels = tensors[i * 6:(i + 1) * 6]
         store = segment.store
+        fmt, dim, bits, group, plane, padded, chunk = layout[:7]
         store.format, store.dim, store.bits, store.group, store.plane, store.padded, store.chunk = layout[:7]
+        store.blocks = padded // group if fmt == FORMATS["kivi_value"] else 0
+        store.group_shift, store.chunk_shift = _shift(group), _shift(chunk)
         store.count = 0 if outliers is None else outliers.shape[-1]
         store.index_bytes = 0 if index is None else index.element_size()
         store.codes, store.codes_bh = _per_head(codes, heads)
@@ -243,6 +247,11 @@ def _segments(tensors: list, layouts: list[int], heads: int) -> ctypes.Array:
         _ARRAYS.clear()
     _ARRAYS[key] = array
     return array
+
+
+def _shift(n: int) -> int:
+    """log2(n) for a power of 2, else -1 (the kernel divides)."""
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
 def levels16(levels: torch.Tensor) -> torch.Tensor:

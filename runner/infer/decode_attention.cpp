@@ -37,7 +37,14 @@ struct Store {          // mirrored by cpu_attention.Store
   const uint8_t* outliers; int64_t outliers_bh;  // fp16 [chunks, k], KIVI
   const uint8_t* index; int64_t index_bh;        // [chunks, k] ascending, into a chunk's columns × dim, KIVI
   const float* levels;  // nf4's 16 levels; KIVI: 2^bits levels (0, 1, 2, ... when uniform)
+  // Derived by cpu_attention._segments, so that no column divides: an integer division costs as much as decoding
+  // a few values (measured: one per 8 values made the KIVI value pass 17 % slower).
+  int64_t blocks;       // KIVI values: blocks per column (padded / group)
+  int64_t group_shift;  // log2(group) when a power of 2, else -1
+  int64_t chunk_shift;  // log2(chunk) when a power of 2, else -1
 };
+
+static inline int64_t divide(int64_t t, int64_t d, int64_t shift) { return shift >= 0 ? t >> shift : t / d; }
 
 struct Segment {        // mirrored by cpu_attention.Segment
   Store store;
@@ -141,27 +148,29 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
       }
     }
   } else if constexpr (F == KIVI_VALUE) {  // m + s·level[code], blocks of `group` channels of one column
-    const int64_t bits = s.bits, per = 8 / bits, c = s.plane, mask = (1 << bits) - 1;
-    const int64_t blocks = s.padded / s.group;
-    const uint8_t* row = codes + t * (s.padded * bits / 8);
+    const int64_t bits = s.bits, per = bits == 2 ? 4 : 2, c = s.plane, mask = (1 << bits) - 1, blocks = s.blocks;
+    const uint8_t* row = codes + t * (s.padded * bits >> 3);
 #ifdef RUNNER_AVX2
-    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0) && blocks <= 16) {  // 8 values of a block at a time: s·l + m
+    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0) && s.padded <= 2048) {  // 8 values of a block at a time
       const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
       const __m256i maskv = _mm256_set1_epi32((int)mask);
       const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-      float scale[16], minimum[16];  // the column's blocks
-      for (int64_t b = 0; b < blocks; b++) scale[b] = half_float(scales, t * blocks + b), minimum[b] = half_float(mins, t * blocks + b);
+      float scale[256], minimum[256];  // per 8 values: their block's
+      for (int64_t b = 0, k = 0; b < blocks; b++) {
+        const float sb = half_float(scales, t * blocks + b), mb = half_float(mins, t * blocks + b);
+        for (int64_t j = 0; j < s.group; j += 8, k++) scale[k] = sb, minimum[k] = mb;
+      }
       auto put = [&](int64_t first, __m256i code) {  // values [first, first + 8), one block's
-        const int64_t b = first / s.group;
         code = _mm256_and_si256(code, maskv);
         const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
-        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(level, _mm256_set1_ps(scale[b]), _mm256_set1_ps(minimum[b])));
+        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(level, _mm256_set1_ps(scale[first >> 3]),
+                                                      _mm256_set1_ps(minimum[first >> 3])));
       };
       if (bits == 3) {
-        for (int64_t w = 0; w < s.padded / 8; w++)
+        for (int64_t w = 0; w < s.padded >> 3; w++)
           put(8 * w, _mm256_srlv_epi32(_mm256_set1_epi32(row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16)), shifts));
       } else {
-        for (int64_t g = 0; g < s.padded / (per * c); g++)
+        for (int64_t g = 0; g * per * c < s.padded; g++)
           for (int64_t p = 0; p < per; p++)
             for (int64_t j = 0; j < c; j += 8) put((g * per + p) * c + j, _mm256_srli_epi32(bytes8(row + g * c + j), (int)(bits * p)));
       }
@@ -186,8 +195,9 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
     }
   } else {  // KIVI_KEY: codes packed along the columns, [rows, dim]; scales and mins per group of columns [., dim]
     const int64_t bits = s.bits, mask = (1 << bits) - 1;
-    const uint8_t* sc = scales + 2 * (t / s.group) * dim;
-    const uint8_t* mn = mins + 2 * (t / s.group) * dim;
+    const int64_t group = divide(t, s.group, s.group_shift);
+    const uint8_t* sc = scales + 2 * group * dim;
+    const uint8_t* mn = mins + 2 * group * dim;
     int64_t d0 = 0;
 #ifdef RUNNER_AVX2
     const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
@@ -202,8 +212,9 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
         _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(low, code), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
       }
     } else {
-      const uint8_t* r = codes + (t / (8 / bits)) * dim;
-      const int shift = (int)(bits * (t % (8 / bits)));
+      const int per_shift = bits == 2 ? 2 : 1;  // columns per byte: 4 or 2
+      const uint8_t* r = codes + (t >> per_shift) * dim;
+      const int shift = (int)(bits * (t & ((1 << per_shift) - 1)));
       for (; d0 + 8 <= dim; d0 += 8) {
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(r + d0), shift), maskv);
         const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
@@ -227,31 +238,52 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
   }
 }
 
+// Where the outliers read last ended: a task reads its columns in ascending order, so the next columns' outliers
+// are found by stepping on from there (a binary search only at a task's first columns, a new chunk, or columns
+// that do not ascend).
+struct Cursor {
+  int64_t chunk = -1, next = 0, end = 0;  // the chunk, its first outlier not yet passed, the span's end read last
+};
+
+// Outliers of `chunk` whose positions (into its columns × dim, ascending) lie in [low, high) written to
+// out[position − low].
+static inline void write_outliers(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t chunk,
+                                  int64_t low, int64_t high, float* out, Cursor& cursor) {
+  const int64_t k = s.count;
+  const int16_t* short_index = (const int16_t*)index + chunk * k;
+  const int32_t* long_index = (const int32_t*)index + chunk * k;
+  auto position = [&](int64_t i) -> int64_t { return s.index_bytes == 2 ? short_index[i] : long_index[i]; };
+  int64_t j = cursor.next;
+  if (chunk != cursor.chunk || low < cursor.end) {
+    int64_t last = k;
+    j = 0;
+    while (j < last) {
+      const int64_t middle = (j + last) / 2;
+      if (position(middle) < low) j = middle + 1; else last = middle;
+    }
+  }
+  while (j < k && position(j) < low) j++;
+  for (; j < k && position(j) < high; j++) out[position(j) - low] = half_float(outliers, chunk * k + j);
+  cursor = Cursor{chunk, j, high};
+}
+
 // The outliers of columns at[r] (where take[r]) written over their decoded rows [ROWS, dim]
-// (kvcodes.restore_outliers). A chunk's indices ascend: a binary search finds the first column's, and the next
-// columns' follow on from there while the columns ascend within the chunk.
+// (kvcodes.restore_outliers). ROWS consecutive columns of one chunk (the usual case) are one span of positions,
+// so one loop, whose exit is the one branch a column-by-column loop mispredicts per column (that cost 10× more).
 static inline void patch(const Store& s, const uint8_t* outliers, const uint8_t* index, const int64_t* at,
-                         const bool* take, float* rows) {
-  const int64_t k = s.count, dim = s.dim;
-  int64_t chunk = -1, j = 0, previous = 0;
+                         const bool* take, float* rows, Cursor& cursor) {
+  const int64_t dim = s.dim, first = divide(at[0], s.chunk, s.chunk_shift);
+  bool run = take[0] && divide(at[ROWS - 1], s.chunk, s.chunk_shift) == first;
+  for (int r = 1; r < ROWS; r++) run &= take[r] && at[r] == at[0] + r;
+  if (run) {
+    const int64_t low = (at[0] - first * s.chunk) * dim;
+    write_outliers(s, outliers, index, first, low, low + ROWS * dim, rows, cursor);
+    return;
+  }
   for (int r = 0; r < ROWS; r++) {
     if (!take[r]) continue;
-    const int64_t t = at[r], low = (t % s.chunk) * dim, high = low + dim;
-    const int16_t* short_index = (const int16_t*)index + t / s.chunk * k;
-    const int32_t* long_index = (const int32_t*)index + t / s.chunk * k;
-    auto position = [&](int64_t i) -> int64_t { return s.index_bytes == 2 ? short_index[i] : long_index[i]; };
-    if (t / s.chunk != chunk || low < previous) {  // search from the chunk's start
-      chunk = t / s.chunk;
-      int64_t last = k;
-      j = 0;
-      while (j < last) {
-        const int64_t middle = (j + last) / 2;
-        if (position(middle) < low) j = middle + 1; else last = middle;
-      }
-    }
-    while (j < k && position(j) < low) j++;
-    for (; j < k && position(j) < high; j++) rows[r * dim + position(j) - low] = half_float(outliers, chunk * k + j);
-    previous = high;
+    const int64_t chunk = divide(at[r], s.chunk, s.chunk_shift), low = (at[r] - chunk * s.chunk) * dim;
+    write_outliers(s, outliers, index, chunk, low, low + dim, rows + r * dim, cursor);
   }
 }
 
@@ -290,7 +322,7 @@ static inline int64_t decoded_width(const Store& s) {
 // zeros where not. `spare` holds decoded_width(s) floats.
 template <int F>
 static inline void decode_rows(const Store& s, int64_t bh, const int64_t* at, const bool* take,
-                               float* __restrict__ rows, float* __restrict__ spare) {
+                               float* __restrict__ rows, float* __restrict__ spare, Cursor& cursor) {
   const uint8_t* codes = s.codes + bh * s.codes_bh;
   const uint8_t* scales = s.scales + bh * s.scales_bh;
   const uint8_t* mins = s.mins + bh * s.mins_bh;
@@ -305,7 +337,7 @@ static inline void decode_rows(const Store& s, int64_t bh, const int64_t* at, co
     decode<F>(s, codes, scales, mins, at[r], padded ? spare : out);
     if (padded) std::memcpy(out, spare, dim * sizeof(float));
   }
-  if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, at, take, rows);
+  if (s.count) patch(s, s.outliers + bh * s.outliers_bh, s.index + bh * s.index_bh, at, take, rows, cursor);
 }
 
 // Tiles of TILE columns a segment's columns [first, end) make, per (row, head).
@@ -329,6 +361,7 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
     const int64_t bh = task / tiles, b = bh / H, from = first + (task % tiles) * TILE, last = std::min(end, from + TILE);
     const float* qs = q + bh * G * dim;
     float* out = scores + bh * G * S;
+    Cursor cursor;
     for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool seen[ROWS], any = false;
       int64_t at[ROWS];
@@ -338,7 +371,7 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
         at[r] = seen[r] ? stored(segment, t) : 0;
         any |= seen[r];
       }
-      if (any) decode_rows<F>(k, bh, at, seen, rows.data(), spare.data());
+      if (any) decode_rows<F>(k, bh, at, seen, rows.data(), spare.data(), cursor);
       for (int64_t g = 0; g < G; g++) {
         if (any) dots(qs + g * dim, rows.data(), dim, scaling, sums);
         for (int r = 0; r < ROWS && t0 + r < last; r++) out[g * S + t0 + r] = seen[r] ? sums[r] : -INFINITY;
@@ -382,6 +415,7 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
     const int64_t bh = task / tiles, from = first + (task % tiles) * TILE, last = std::min(end, from + TILE);
     const float* p = probs + bh * G * S;
     float* acc = partial + task * width;
+    Cursor cursor;
     std::fill(acc, acc + width, 0.f);
     for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool used[ROWS], any = false;
@@ -393,7 +427,7 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
         any |= used[r];
       }
       if (!any) continue;
-      decode_rows<F>(v, bh, at, used, rows.data(), spare.data());
+      decode_rows<F>(v, bh, at, used, rows.data(), spare.data(), cursor);
       for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
         accumulate(w, rows.data(), dim, acc + g * dim);
