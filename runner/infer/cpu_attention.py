@@ -212,16 +212,19 @@ def _per_head(t: torch.Tensor | None, heads: int) -> tuple[int, int]:
 
 
 LAYOUT = 7 + len(SEGMENT_FIELDS)  # ints per segment in an op's `layouts`
-_ARRAYS: dict[tuple, ctypes.Array] = {}  # `_segments`' answers: a static cache's addresses stay, so one per layer
+_ARRAYS: dict[tuple, ctypes.Array] = {}  # `_segments`' answers: a static cache's addresses stay, so one per side
 
 
 def _segments(tensors: list, layouts: list[int], heads: int) -> ctypes.Array:
     """The ops' flat arguments (6 tensors and LAYOUT ints per segment) as an array of `_Segment`s. Kept by what
     determines it (addresses, shapes, dtypes, layouts), so a decode step does not build its arrays again."""
-    key = (heads, *layouts, *((t.data_ptr(), t.shape, t.dtype) if t is not None else None for t in tensors))
+    key = (heads, *layouts, *((t.data_ptr(), t.shape, t.stride(), t.dtype) if t is not None else None
+                              for t in tensors))
     if (array := _ARRAYS.get(key)) is not None:
         return array
     count = len(layouts) // LAYOUT
+    if count < 1 or len(layouts) != count * LAYOUT or len(tensors) != 6 * count:
+        raise ValueError(f"{count} segments: {len(tensors)} tensors and {len(layouts)} layout ints do not match")
     array = (_Segment * count)()
     for i, segment in enumerate(array):
         layout = layouts[i * LAYOUT:(i + 1) * LAYOUT]
@@ -243,6 +246,8 @@ def _segments(tensors: list, layouts: list[int], heads: int) -> ctypes.Array:
         store.levels = _per_head(levels, 1)[0] if levels is not None else 0
         for name, value in zip(SEGMENT_FIELDS, layout[7:]):
             setattr(segment, name, value)
+        if segment.modulo and segment.start < segment.base:  # a ring's columns past its base: (t − base) mod R ≥ 0
+            raise ValueError(f"segment {i} is a ring starting at {segment.start}, before its base {segment.base}")
     if len(_ARRAYS) > 1024:  # caches come and go: forget all, the live ones are rebuilt once
         _ARRAYS.clear()
     _ARRAYS[key] = array
@@ -259,6 +264,13 @@ def levels16(levels: torch.Tensor) -> torch.Tensor:
     return torch.cat([levels.float(), levels.new_zeros(16 - levels.numel(), dtype=torch.float32)])
 
 
+def _check_indices(layouts: list[int], field: str, count: int) -> None:
+    """Every segment's `field` (query or output) below `count`: the kernel trusts them as offsets."""
+    at = 7 + SEGMENT_FIELDS.index(field)
+    if not all(0 <= value < count for value in layouts[at::LAYOUT]):
+        raise ValueError(f"a segment's {field} is not below {count}: {layouts[at::LAYOUT]}")
+
+
 @torch.library.custom_op("runner::cache_scores", mutates_args=())
 def cache_scores(queries: torch.Tensor, tensors: list[torch.Tensor | None], layouts: list[int],
                  mask: torch.Tensor | None, columns: int, limit: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -270,9 +282,12 @@ def cache_scores(queries: torch.Tensor, tensors: list[torch.Tensor | None], layo
     out = queries.new_empty(b, heads, groups, columns)
     queries = queries.contiguous()
     segments = _segments(tensors, layouts, heads)
-    if mask is not None and mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    mask = mask[:, -columns:] if mask is not None else None  # bool: one byte, 0 or 1, per column
+    _check_indices(layouts, "query", queries.shape[0])
+    if mask is not None:
+        if mask.shape[0] != b:
+            raise ValueError(f"the mask has {mask.shape[0]} rows for {b} rows of queries")
+        mask = mask.bool() if mask.stride(-1) == 1 else mask.bool().contiguous()
+        mask = mask[:, -columns:]  # bool: one byte, 0 or 1, per column
     _LIBRARY.runner_scores(segments, len(segments), queries.data_ptr(), mask.data_ptr() if mask is not None else None,
                              mask.stride(0) if mask is not None else 0, out.data_ptr(), b, heads, groups, columns,
                              int(limit), scaling, torch.get_num_threads())
@@ -293,6 +308,7 @@ def cache_weighted(probs: torch.Tensor, tensors: list[torch.Tensor | None], layo
     out = probs.new_empty(outputs, b, heads, groups, layouts[1])
     probs = probs.contiguous()
     segments = _segments(tensors, layouts, heads)
+    _check_indices(layouts, "output", outputs)
     _LIBRARY.runner_weighted(segments, len(segments), outputs, probs.data_ptr(), out.data_ptr(), b, heads, groups,
                                columns, int(limit), torch.get_num_threads())
     return out

@@ -346,7 +346,7 @@ static inline int64_t tiles_of(const Segment& g, int64_t limit, int64_t S) {
 }
 
 // scores [BH,G,S] = scaling · q [BH,G,D] · K[column] over the segment's columns whose mask [B,S] (stride
-// mask_stride, may be null) is set; -inf for the others. Columns go ROWS at a time: decoded once, taken against the
+// mask_stride, may be null) is set; -inf for its masked ones (columns no segment holds: runner_scores' fill). Columns go ROWS at a time: decoded once, taken against the
 // G rows of q. Called by every thread of a parallel region: the tasks (row, head, tile) are shared among them.
 template <int F>
 static void scores_impl(const Segment& segment, const float* q, const uint8_t* mask, int64_t mask_stride,

@@ -162,7 +162,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
                end: torch.Tensor) -> torch.Tensor:
-        """One query column [B,Hq,1,D], [B,S] bool mask → [B,1,Hq,Dv] over what `_view` hands attention, in one
+        """One query column [B,Hq,1,D], [B,S] bool mask → [B,1,Hq,Dv] over the columns `_view` would hand, in one
         kernel call per side: the region in its codes, the sinks and the ring as they are (`segments`). A rotated
         side's region takes the query rotated (keys: q·R against the stored R-rotated keys) or its output rotated
         back (values: (Σ p·v̂)·Rᵀ)."""

@@ -157,3 +157,56 @@ def test_a_kivi_write_without_views_hands_attention_nothing_and_attention_says_s
         torch.testing.assert_close(without, _reference(layer, query, mask, k, v), rtol=1e-5, atol=1e-5)
         with pytest.raises(RuntimeError, match="no K/V"):
             attend_reduced(SimpleNamespace(layer_idx=0), query, k[..., :0, :], v[..., :0, :], None)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "kivi4:g12:r36:s5:o1:rot:rotv"])
+def test_the_kernel_attends_over_many_tiles_on_many_threads(kind):
+    """Over 300 columns (3 tiles of 128 per row and head, partial sums added across tiles and segments) on 4
+    threads; g12: groups and outlier chunks that are not powers of 2 (the kernel divides)."""
+    assert cpu_attention.load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        layer = _layer(kind, 64, 400)
+        generator = torch.Generator().manual_seed(3)
+        query = torch.randn(ROWS, HEADS * GROUPS, 1, 64, generator=generator)
+        with torch.inference_mode():
+            for start in range(0, 330, 30):
+                columns = torch.arange(start, start + 30)
+                where = (columns, torch.tensor(10**6))
+                k, v = layer.write(torch.randn(ROWS, HEADS, 30, 64, generator=generator),
+                                   torch.randn(ROWS, HEADS, 30, 64, generator=generator), *where)
+            mask = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
+            mask[:, :330] = True
+            mask[0, 100:140] = False  # a gap across a tile's edge
+            ours = layer.attend(query, mask, 64**-0.5, *where)
+        torch.testing.assert_close(ours, _reference(layer, query, mask, k, v), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_engine_s_block_completing_step_decodes_no_region_and_gives_the_same_logits(tiny_lm, monkeypatch):
+    """The one step in r that completes a KIVI block runs eagerly with views off (attention reads the kernel):
+    the region is not decoded for attention's signature, and the logits are those of the same step with views
+    on."""
+    from runner.infer.compiled import CompiledEngine
+    from runner.infer.static import StaticKVCache
+
+    model = tiny_lm.model
+    decoded = []
+    real_view = StaticKiviLayer._view
+    monkeypatch.setattr(StaticKiviLayer, "_view", lambda self, *a: decoded.append(1) or real_view(self, *a))
+    logits = []
+    for views in (False, True):
+        if views:
+            monkeypatch.setattr(StaticKVCache, "kernel_attends", lambda self, dtype: False)
+        state = CompiledEngine(model, compile=False).state("kivi4:g8:r16", 1, 64, 64)
+        with torch.inference_mode():
+            state.prefill(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), torch.ones(1, 10, dtype=torch.long))
+            for token in range(11, 16):  # columns 10..14
+                state.feed(model, torch.tensor([token]), torch.tensor([True]))
+            assert state.cache.completes_block(state.length, 1)
+            decoded.clear()
+            logits.append(state.feed(model, torch.tensor([16]), torch.tensor([True])))  # column 15 ends a block
+        assert bool(decoded) == views
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
