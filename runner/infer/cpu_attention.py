@@ -215,11 +215,11 @@ LAYOUT = 7 + len(SEGMENT_FIELDS)  # ints per segment in an op's `layouts`
 _ARRAYS: dict[tuple, ctypes.Array] = {}  # `_segments`' answers: a static cache's addresses stay, so one per side
 
 
-def _segments(tensors: list, layouts: list[int], heads: int, queries: int, outputs: int) -> ctypes.Array:
-    """The ops' flat arguments (6 tensors and LAYOUT ints per segment) as an array of `_Segment`s, checked against
-    the call's numbers of query sets and outputs. Kept by what determines it (addresses, shapes, strides, dtypes,
-    layouts), so a decode step does not build or check its arrays again."""
-    key = (heads, queries, outputs, *layouts,
+def _segments(tensors: list, layouts: list[int], heads: int, field: str, count: int) -> ctypes.Array:
+    """The ops' flat arguments (6 tensors and LAYOUT ints per segment) as an array of `_Segment`s, each one's
+    `field` (query: scores; output: weighted) checked to be below `count`. Kept by what determines it (addresses,
+    shapes, strides, dtypes, layouts), so a decode step does not build or check its arrays again."""
+    key = (heads, field, count, *layouts,
            *((t.data_ptr(), t.shape, t.stride(), t.dtype) if t is not None else None for t in tensors))
     if (array := _ARRAYS.get(key)) is not None:
         return array
@@ -249,8 +249,7 @@ def _segments(tensors: list, layouts: list[int], heads: int, queries: int, outpu
             setattr(segment, name, value)
         if segment.modulo and segment.start < segment.base:  # a ring's columns past its base: (t − base) mod R ≥ 0
             raise ValueError(f"segment {i} is a ring starting at {segment.start}, before its base {segment.base}")
-    _check_indices(layouts, "query", queries)
-    _check_indices(layouts, "output", outputs)
+    _check_indices(layouts, field, count)
     if len(_ARRAYS) > 1024:  # caches come and go: forget all, the live ones are rebuilt once
         _ARRAYS.clear()
     _ARRAYS[key] = array
@@ -284,7 +283,7 @@ def cache_scores(queries: torch.Tensor, tensors: list[torch.Tensor | None], layo
     _, b, heads, groups, _ = queries.shape
     out = queries.new_empty(b, heads, groups, columns)
     queries = queries.contiguous()
-    segments = _segments(tensors, layouts, heads, queries.shape[0], 1)
+    segments = _segments(tensors, layouts, heads, "query", queries.shape[0])
     if mask is not None:
         if mask.shape[0] != b:
             raise ValueError(f"the mask has {mask.shape[0]} rows for {b} rows of queries")
@@ -310,7 +309,7 @@ def cache_weighted(probs: torch.Tensor, tensors: list[torch.Tensor | None], layo
     b, heads, groups, columns = probs.shape
     out = probs.new_empty(outputs, b, heads, groups, layouts[1])
     probs = probs.contiguous()
-    segments = _segments(tensors, layouts, heads, 1, outputs)
+    segments = _segments(tensors, layouts, heads, "output", outputs)
     _LIBRARY.runner_weighted(segments, len(segments), outputs, probs.data_ptr(), out.data_ptr(), b, heads, groups,
                                columns, int(limit), torch.get_num_threads())
     return out
