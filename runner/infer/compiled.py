@@ -341,7 +341,7 @@ class StaticDecodeState:
         else:  # (a one-column step that completes a KIVI block: eagerly, 1 step in r, see CompiledEngine.call)
             self.cache.code_blocks(True, views=not (t == 1 and self.cache.kernel_attends(model.dtype)))
             with reduced_attention(model):
-                logits = decode_step(model, *args)
+                logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)
         self.length += real
         return logits[:self.rows]
 

@@ -188,7 +188,7 @@ def test_the_kernel_attends_over_many_tiles_on_many_threads(kind):
 def test_the_engine_s_block_completing_step_decodes_no_region_and_gives_the_same_logits(tiny_lm, monkeypatch):
     """The one step in r that completes a KIVI block runs eagerly with views off (attention reads the kernel):
     the region is not decoded for attention's signature, and the logits are those of the same step with views
-    on."""
+    on (to float rounding: each engine picks its Linear weights' layout by timing them)."""
     from runner.infer.compiled import CompiledEngine
     from runner.infer.static import StaticKVCache
 
@@ -209,4 +209,4 @@ def test_the_engine_s_block_completing_step_decodes_no_region_and_gives_the_same
             decoded.clear()
             logits.append(state.feed(model, torch.tensor([16]), torch.tensor([True])))  # column 15 ends a block
         assert bool(decoded) == views
-    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-6)  # (each engine times its weights' layout)
