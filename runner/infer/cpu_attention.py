@@ -223,17 +223,17 @@ def _segments(tensors: list, layouts: list[int], heads: int, field: str, count: 
            *((t.data_ptr(), t.shape, t.stride(), t.dtype) if t is not None else None for t in tensors))
     if (array := _ARRAYS.get(key)) is not None:
         return array
-    count = len(layouts) // LAYOUT
-    if count < 1 or len(layouts) != count * LAYOUT or len(tensors) != 6 * count:
-        raise ValueError(f"{count} segments: {len(tensors)} tensors and {len(layouts)} layout ints do not match")
-    array = (_Segment * count)()
+    n = len(layouts) // LAYOUT
+    if n < 1 or len(layouts) != n * LAYOUT or len(tensors) != 6 * n:
+        raise ValueError(f"{n} segments: {len(tensors)} tensors and {len(layouts)} layout ints do not match")
+    array = (_Segment * n)()
     for i, segment in enumerate(array):
         layout = layouts[i * LAYOUT:(i + 1) * LAYOUT]
         codes, scales, mins, outliers, index, levels = tensors[i * 6:(i + 1) * 6]
         store = segment.store
-        fmt, dim, bits, group, plane, padded, chunk = layout[:7]
         store.format, store.dim, store.bits, store.group, store.plane, store.padded, store.chunk = layout[:7]
-        store.blocks = padded // group if fmt == FORMATS["kivi_value"] else 0
+        store.blocks = store.padded // store.group if store.format == FORMATS["kivi_value"] else 0
+        group, chunk = store.group, store.chunk
         store.group_shift, store.chunk_shift = _shift(group), _shift(chunk)
         store.count = 0 if outliers is None else outliers.shape[-1]
         store.index_bytes = 0 if index is None else index.element_size()

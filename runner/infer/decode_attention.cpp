@@ -209,7 +209,8 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
         const __m256i word = _mm256_or_si256(bytes8(r + d0), _mm256_or_si256(_mm256_slli_epi32(bytes8(r + dim + d0), 8),
                                                                             _mm256_slli_epi32(bytes8(r + 2 * dim + d0), 16)));
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(word, shift), maskv);
-        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(low, code), halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
+        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(low, code), halves8(sc + 2 * d0),
+                                                   halves8(mn + 2 * d0)));
       }
     } else {
       const int per_shift = bits == 2 ? 2 : 1;  // columns per byte: 4 or 2
@@ -346,8 +347,9 @@ static inline int64_t tiles_of(const Segment& g, int64_t limit, int64_t S) {
 }
 
 // scores [BH,G,S] = scaling · q [BH,G,D] · K[column] over the segment's columns whose mask [B,S] (stride
-// mask_stride, may be null) is set; -inf for its masked ones (columns no segment holds: runner_scores' fill). Columns go ROWS at a time: decoded once, taken against the
-// G rows of q. Called by every thread of a parallel region: the tasks (row, head, tile) are shared among them.
+// mask_stride, may be null) is set; -inf for its masked ones (columns no segment holds: runner_scores' fill).
+// Columns go ROWS at a time: decoded once, taken against the G rows of q. Called by every thread of a parallel
+// region: the tasks (row, head, tile) are shared among them.
 template <int F>
 static void scores_impl(const Segment& segment, const float* q, const uint8_t* mask, int64_t mask_stride,
                         float* scores, int64_t B, int64_t H, int64_t G, int64_t S, int64_t limit, float scaling) {
@@ -482,7 +484,8 @@ void runner_weighted(const Segment* segments, int64_t count, int64_t outputs, co
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; bh++) {
-      for (int64_t o = 0; o < outputs; o++) std::fill(out + (o * B * H + bh) * width, out + (o * B * H + bh + 1) * width, 0.f);
+      for (int64_t o = 0; o < outputs; o++)
+        std::fill(out + (o * B * H + bh) * width, out + (o * B * H + bh + 1) * width, 0.f);
       for (int64_t i = 0; i < count; i++) {
         const int64_t tiles = (offset[i + 1] - offset[i]) / (B * H);
         float* o = out + (segments[i].output * B * H + bh) * width;

@@ -32,6 +32,14 @@ def _layer(kind: str, head_dim: int, length: int):
     return StaticKiviLayer(length=static_length(kind, length), **shape, **options, levels=levels)
 
 
+def _reference(query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax(q·K)·V over [B,H,S,D] K/V as attention would read them, [B,S] bool mask → [B,1,Hq,Dv]."""
+    rows = query.reshape(ROWS, HEADS, GROUPS, -1)  # [B,H,G,D]
+    scores = (rows @ keys.transpose(-1, -2)) * keys.shape[-1] ** -0.5  # [B,H,G,S]
+    probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+    return (probs @ values).reshape(ROWS, 1, HEADS * GROUPS, -1)
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_dim):
@@ -55,10 +63,7 @@ def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_
         mask[:, :written] = True
         mask[1, :5] = False
         ours = layer.attend(query, mask, head_dim**-0.5, *where)  # [B,1,Hq,D]
-        rows = query.reshape(ROWS, HEADS, GROUPS, head_dim)
-        scores = (rows @ k.transpose(-1, -2)) * head_dim**-0.5  # [B,H,G,S]
-        probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
-        reference = (probs @ v).reshape(ROWS, 1, HEADS * GROUPS, head_dim)
+        reference = _reference(query, mask, k, v)
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
@@ -99,24 +104,16 @@ def test_the_kernel_reads_a_layer_only_where_it_rounds_as_attention_does(kind, s
     assert (found is layer) == read
 
 
-def _reference(layer, query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
-    rows = query.reshape(ROWS, HEADS, GROUPS, -1)
-    scores = (rows @ keys.transpose(-1, -2)) * keys.shape[-1] ** -0.5
-    probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
-    return (probs @ values).reshape(ROWS, 1, HEADS * GROUPS, -1)
-
-
 def test_the_kernel_reads_what_each_layer_holds_now():
     """The kernel's stores are kept by address between calls: two layers of one shape read in turn each give their
     own attention, and a column written again in place is read with its new values."""
     assert cpu_attention.load()
     generator = torch.Generator().manual_seed(1)
     layers = [_layer("kivi2:g8:r16:s4:o2", 64, 96), _layer("q4_0", 64, 96)]
-    mask = torch.ones(ROWS, 40, dtype=torch.bool)
     query = torch.randn(ROWS, HEADS * GROUPS, 1, 64, generator=generator)
     views = {}  # layer index → the K/V its last write handed attention
     with torch.inference_mode():
-        for rewrite in range(2):
+        for _ in range(2):  # the second round writes every column again, in place
             for i, layer in enumerate(layers):
                 for column in range(40):
                     where = (torch.tensor([column]), torch.tensor(10**6))
@@ -125,10 +122,10 @@ def test_the_kernel_reads_what_each_layer_holds_now():
                 views[i] = k, v
             for i, layer in enumerate(layers):
                 k, v = views[i]
-                full = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
-                full[:, :40] = mask
-                ours = layer.attend(query, full, 64**-0.5, torch.tensor([39]), torch.tensor(10**6))
-                torch.testing.assert_close(ours, _reference(layer, query, full, k, v), rtol=1e-5, atol=1e-5)
+                mask = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
+                mask[:, :40] = True
+                ours = layer.attend(query, mask, 64**-0.5, torch.tensor([39]), torch.tensor(10**6))
+                torch.testing.assert_close(ours, _reference(query, mask, k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_a_kivi_write_without_views_hands_attention_nothing_and_attention_says_so():
@@ -154,7 +151,7 @@ def test_a_kivi_write_without_views_hands_attention_nothing_and_attention_says_s
         without = layer.attend(query, mask, 64**-0.5, *where)
         layer.views = True
         k, v = layer._view(layer._quantized(torch.tensor(36), torch.tensor(10**6)), torch.float32)
-        torch.testing.assert_close(without, _reference(layer, query, mask, k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(without, _reference(query, mask, k, v), rtol=1e-5, atol=1e-5)
         with pytest.raises(RuntimeError, match="no K/V"):
             attend_reduced(SimpleNamespace(layer_idx=0), query, k[..., :0, :], v[..., :0, :], None)
 
@@ -180,7 +177,7 @@ def test_the_kernel_attends_over_many_tiles_on_many_threads(kind):
             mask[:, :330] = True
             mask[0, 100:140] = False  # a gap across a tile's edge
             ours = layer.attend(query, mask, 64**-0.5, *where)
-        torch.testing.assert_close(ours, _reference(layer, query, mask, k, v), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, _reference(query, mask, k, v), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
 
@@ -210,3 +207,20 @@ def test_the_engine_s_block_completing_step_decodes_no_region_and_gives_the_same
             logits.append(state.feed(model, torch.tensor([16]), torch.tensor([True])))  # column 15 ends a block
         assert bool(decoded) == views
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-6)  # (each engine times its weights' layout)
+
+
+def test_the_ops_refuse_a_segment_whose_query_set_or_output_does_not_exist():
+    """The kernel trusts a segment's query set and output as offsets: an index past those the call has is an
+    error before any read."""
+    assert cpu_attention.load()
+    layer = _layer("fp16", 64, 96)
+    keys, values = layer.sides()
+    after = dict(start_plus_limit=True, stop=96, stop_plus_limit=False)  # a second segment: the columns past 10
+    queries = torch.zeros(1, ROWS, HEADS, GROUPS, 64)  # one query set
+    with pytest.raises(ValueError, match="query is not below 1"):
+        cpu_attention.scores(queries, [cpu_attention.Segment(keys), cpu_attention.Segment(keys, query=1, **after)],
+                             None, 96, torch.tensor(10), 1.0)
+    probs = torch.zeros(ROWS, HEADS, GROUPS, 96)
+    with pytest.raises(ValueError, match="output is not below 1"):
+        cpu_attention.weighted(probs, [cpu_attention.Segment(values), cpu_attention.Segment(values, output=1, **after)],
+                               torch.tensor(10))
