@@ -59,6 +59,7 @@ class Store(ctypes.Structure):
         ("index", ctypes.c_void_p), ("index_bh", ctypes.c_int64),
         ("levels", ctypes.c_void_p),
         ("blocks", ctypes.c_int64), ("group_shift", ctypes.c_int64), ("chunk_shift", ctypes.c_int64),
+        ("uniform", ctypes.c_int64),
     ]
 
 
@@ -245,6 +246,8 @@ def _segments(tensors: list, layouts: list[int], heads: int, field: str, count: 
         if levels is not None and (levels.numel() != 16 or levels.dtype != torch.float32):
             raise ValueError("the kernel loads 16 float32 levels (two vectors of 8), used or not: see `levels16`")
         store.levels = _per_head(levels, 1)[0] if levels is not None else 0
+        store.uniform = store.bits > 0 and levels is not None and bool(
+            (levels[:2**store.bits] == torch.arange(2**store.bits, device=levels.device)).all())
         for name, value in zip(SEGMENT_FIELDS, layout[7:]):
             setattr(segment, name, value)
         if segment.modulo and segment.start < segment.base:  # a ring's columns past its base: (t − base) mod R ≥ 0

@@ -42,6 +42,7 @@ struct Store {          // mirrored by cpu_attention.Store
   int64_t blocks;       // KIVI values: blocks per column (padded / group)
   int64_t group_shift;  // log2(group) when a power of 2, else -1
   int64_t chunk_shift;  // log2(chunk) when a power of 2, else -1
+  int64_t uniform;      // KIVI: levels are 0, 1, 2, ... (a code converts to its level, no lookup)
 };
 
 static inline int64_t divide(int64_t t, int64_t d, int64_t shift) { return shift >= 0 ? t >> shift : t / d; }
@@ -80,7 +81,34 @@ static inline __m256 lookup(__m256i codes, __m256 low, __m256 high) {
 }
 static inline __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+// The levels of 8 KIVI codes < 2^bits: the codes themselves when uniform (one conversion), else looked up.
+static inline __m256 levels8(__m256i codes, __m256 low, __m256 high, int64_t bits, bool uniform) {
+  if (uniform) return _mm256_cvtepi32_ps(codes);
+  return bits == 4 ? lookup(codes, low, high) : _mm256_permutevar8x32_ps(low, codes);
+}
 #endif
+
+// KIVI keys: the levels of column t's codes in out[0, dim). Codes are packed along the columns ([rows, dim]: a
+// byte holds 8 / bits columns of one channel; 3 bits: 8 columns in 3 bytes, one per 8-column row).
+static inline void key_levels(const Store& s, const uint8_t* codes, int64_t t, float* __restrict__ out) {
+  const int64_t bits = s.bits, mask = (1 << bits) - 1, dim = s.dim;
+  const int per_shift = bits == 2 ? 2 : bits == 4 ? 1 : 3;  // log2 of the columns per byte row: 4, 2 or 8
+  const uint8_t* r = codes + (bits == 3 ? 3 : 1) * (t >> per_shift) * dim;
+  const int shift = (int)(bits * (t & ((1 << per_shift) - 1)));
+  auto word = [&](int64_t d) -> uint32_t { return bits == 3 ? r[d] | (r[dim + d] << 8) | (r[2 * dim + d] << 16) : r[d]; };
+  int64_t d = 0;
+#ifdef RUNNER_AVX2
+  const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+  const __m256i maskv = _mm256_set1_epi32((int)mask);
+  for (; d + 8 <= dim; d += 8) {
+    __m256i w = bytes8(r + d);
+    if (bits == 3)
+      w = _mm256_or_si256(w, _mm256_or_si256(_mm256_slli_epi32(bytes8(r + dim + d), 8), _mm256_slli_epi32(bytes8(r + 2 * dim + d), 16)));
+    _mm256_storeu_ps(out + d, levels8(_mm256_and_si256(_mm256_srli_epi32(w, shift), maskv), low, high, bits, s.uniform));
+  }
+#endif
+  for (; d < dim; d++) out[d] = s.levels[(word(d) >> shift) & mask];
+}
 
 // Column t of one (row, head) as floats in out[0, dim) (KIVI values: [0, padded)).
 template <int F>
@@ -161,8 +189,7 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
         for (int64_t j = 0; j < s.group; j += 8, k++) scale[k] = sb, minimum[k] = mb;
       }
       auto put = [&](int64_t first, __m256i code) {  // values [first, first + 8), one block's
-        code = _mm256_and_si256(code, maskv);
-        const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
+        const __m256 level = levels8(_mm256_and_si256(code, maskv), low, high, bits, s.uniform);
         _mm256_storeu_ps(out + first, _mm256_fmadd_ps(level, _mm256_set1_ps(scale[first >> 3]),
                                                       _mm256_set1_ps(minimum[first >> 3])));
       };
@@ -193,49 +220,17 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
       const float scale = half_float(scales, t * blocks + b), low = half_float(mins, t * blocks + b);
       for (int64_t j = 0; j < s.group; j++) out[b * s.group + j] = level[b * s.group + j] * scale + low;
     }
-  } else {  // KIVI_KEY: codes packed along the columns, [rows, dim]; scales and mins per group of columns [., dim]
-    const int64_t bits = s.bits, mask = (1 << bits) - 1;
+  } else {  // KIVI_KEY: s·level + m, scales and mins per group of columns and channel ([groups, dim] each)
+    key_levels(s, codes, t, out);
     const int64_t group = divide(t, s.group, s.group_shift);
     const uint8_t* sc = scales + 2 * group * dim;
     const uint8_t* mn = mins + 2 * group * dim;
-    int64_t d0 = 0;
+    int64_t d = 0;
 #ifdef RUNNER_AVX2
-    const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
-    const __m256i maskv = _mm256_set1_epi32((int)mask);
-    if (bits == 3) {
-      const uint8_t* r = codes + 3 * (t / 8) * dim;
-      const int shift = 3 * (t % 8);
-      for (; d0 + 8 <= dim; d0 += 8) {
-        const __m256i word = _mm256_or_si256(bytes8(r + d0), _mm256_or_si256(_mm256_slli_epi32(bytes8(r + dim + d0), 8),
-                                                                            _mm256_slli_epi32(bytes8(r + 2 * dim + d0), 16)));
-        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(word, shift), maskv);
-        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(_mm256_permutevar8x32_ps(low, code), halves8(sc + 2 * d0),
-                                                   halves8(mn + 2 * d0)));
-      }
-    } else {
-      const int per_shift = bits == 2 ? 2 : 1;  // columns per byte: 4 or 2
-      const uint8_t* r = codes + (t >> per_shift) * dim;
-      const int shift = (int)(bits * (t & ((1 << per_shift) - 1)));
-      for (; d0 + 8 <= dim; d0 += 8) {
-        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes8(r + d0), shift), maskv);
-        const __m256 level = bits == 4 ? lookup(code, low, high) : _mm256_permutevar8x32_ps(low, code);
-        _mm256_storeu_ps(out + d0, _mm256_fmadd_ps(level, halves8(sc + 2 * d0), halves8(mn + 2 * d0)));
-      }
-    }
+    for (; d + 8 <= dim; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_loadu_ps(out + d), halves8(sc + 2 * d), halves8(mn + 2 * d)));
 #endif
-    if (bits == 3) {
-      const uint8_t* r = codes + 3 * (t / 8) * dim;
-      const int shift = 3 * (t % 8);
-      for (int64_t d = d0; d < dim; d++) {
-        const uint32_t word = r[d] | (r[dim + d] << 8) | (r[2 * dim + d] << 16);
-        out[d] = s.levels[(word >> shift) & 7] * half_float(sc, d) + half_float(mn, d);
-      }
-    } else {
-      const int64_t per = 8 / bits;
-      const uint8_t* r = codes + (t / per) * dim;
-      const int shift = bits * (t % per);
-      for (int64_t d = d0; d < dim; d++) out[d] = s.levels[(r[d] >> shift) & mask] * half_float(sc, d) + half_float(mn, d);
-    }
+    for (; d < dim; d++) out[d] = out[d] * half_float(sc, d) + half_float(mn, d);
   }
 }
 
@@ -246,10 +241,11 @@ struct Cursor {
   int64_t chunk = -1, next = 0, end = 0;  // the chunk, its first outlier not yet passed, the span's end read last
 };
 
-// Outliers of `chunk` whose positions (into its columns × dim, ascending) lie in [low, high) written to
-// out[position − low].
-static inline void write_outliers(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t chunk,
-                                  int64_t low, int64_t high, float* out, Cursor& cursor) {
+// Each outlier of `chunk` whose position (into its columns × dim, ascending) lies in [low, high): put(position −
+// low, value).
+template <typename Put>
+static inline void each_outlier(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t chunk,
+                                int64_t low, int64_t high, Cursor& cursor, Put put) {
   const int64_t k = s.count;
   const int16_t* short_index = (const int16_t*)index + chunk * k;
   const int32_t* long_index = (const int32_t*)index + chunk * k;
@@ -264,8 +260,13 @@ static inline void write_outliers(const Store& s, const uint8_t* outliers, const
     }
   }
   while (j < k && position(j) < low) j++;
-  for (; j < k && position(j) < high; j++) out[position(j) - low] = half_float(outliers, chunk * k + j);
+  for (; j < k && position(j) < high; j++) put(position(j) - low, half_float(outliers, chunk * k + j));
   cursor = Cursor{chunk, j, high};
+}
+
+static inline void write_outliers(const Store& s, const uint8_t* outliers, const uint8_t* index, int64_t chunk,
+                                  int64_t low, int64_t high, float* out, Cursor& cursor) {
+  each_outlier(s, outliers, index, chunk, low, high, cursor, [&](int64_t i, float value) { out[i] = value; });
 }
 
 // The outliers of columns at[r] (where take[r]) written over their decoded rows [ROWS, dim]
@@ -313,6 +314,49 @@ static inline void dots(const float* q, const float* rows, int64_t dim, float sc
   }
 }
 
+// KIVI keys in the level domain: q·(s⊙l + m) = (q⊙s)·l + q·m, s and m being one group's, so a column decodes to
+// its levels only (no scale or minimum per value): q⊙s [G,dim] and q·m [G] once per group (`held` says whose),
+// the ROWS columns from stored column a0 as levels into rows [ROWS, dim], an outlier as the level (exact − m) / s
+// that decodes to it (a channel whose s is 0: a correction q_d·(exact − m) per query row and column). `work`
+// holds [G,dim] q⊙s, [G] q·m, [dim] s, [dim] m and [G,ROWS] corrections.
+static inline void key_scores_in_levels(const Store& k, int64_t bh, int64_t a0, const float* q, int64_t G,
+                                        int64_t& held, std::vector<float>& work, float* rows, Cursor& cursor) {
+  const int64_t dim = k.dim, group = divide(a0, k.group, k.group_shift);
+  float *scaled = work.data(), *bias = scaled + G * dim, *scale = bias + G, *minimum = scale + dim;
+  float* correction = minimum + dim;
+  if (group != held) {
+    const uint8_t* sc = k.scales + bh * k.scales_bh + 2 * group * dim;
+    const uint8_t* mn = k.mins + bh * k.mins_bh + 2 * group * dim;
+    int64_t d0 = 0;
+#ifdef RUNNER_AVX2
+    for (; d0 + 8 <= dim; d0 += 8) _mm256_storeu_ps(scale + d0, halves8(sc + 2 * d0)), _mm256_storeu_ps(minimum + d0, halves8(mn + 2 * d0));
+#endif
+    for (int64_t d = d0; d < dim; d++) scale[d] = half_float(sc, d), minimum[d] = half_float(mn, d);
+    for (int64_t g = 0; g < G; g++) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < dim; d++) scaled[g * dim + d] = q[g * dim + d] * scale[d], sum += q[g * dim + d] * minimum[d];
+      bias[g] = sum;
+    }
+    held = group;
+  }
+  const uint8_t* codes = k.codes + bh * k.codes_bh;
+  for (int r = 0; r < ROWS; r++) key_levels(k, codes, a0 + r, rows + r * dim);
+  std::fill(correction, correction + G * ROWS, 0.f);
+  if (!k.count) return;
+  const int64_t chunk = divide(a0, k.chunk, k.chunk_shift), low = (a0 - chunk * k.chunk) * dim;
+  const int64_t dim_shift = (dim & (dim - 1)) ? -1 : __builtin_ctzll(dim);
+  each_outlier(k, k.outliers + bh * k.outliers_bh, k.index + bh * k.index_bh, chunk, low, low + ROWS * dim, cursor,
+               [&](int64_t i, float exact) {
+                 const int64_t r = divide(i, dim, dim_shift), d = i - r * dim;
+                 if (scale[d] != 0.f) {  // the level that decodes to it
+                   rows[i] = (exact - minimum[d]) / scale[d];
+                   return;
+                 }
+                 for (int64_t g = 0; g < G; g++) correction[g * ROWS + r] += q[g * dim + d] * (exact - minimum[d]);
+               });
+}
+
 // Floats `decode` writes for one column: head_dim, whole blocks of the block kinds, KIVI values' coded channels.
 static inline int64_t decoded_width(const Store& s) {
   const bool block = s.format == Q8_0 || s.format == Q4_0 || s.format == NF4 || s.format == Q4_1;
@@ -357,6 +401,7 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
   const int64_t first = first_column(segment, limit, S), end = end_column(segment, limit, S);
   const int64_t tiles = tiles_of(segment, limit, S), dim = k.dim;
   std::vector<float> rows(ROWS * dim), spare(decoded_width(k));  // this thread's
+  std::vector<float> levels(F == KIVI_KEY ? G * dim + G + 2 * dim + G * ROWS : 0);  // key_scores_in_levels'
   alignas(32) float sums[ROWS];
 #pragma omp for schedule(static) nowait
   for (int64_t task = 0; task < B * H * tiles; task++) {
@@ -364,6 +409,7 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
     const float* qs = q + bh * G * dim;
     float* out = scores + bh * G * S;
     Cursor cursor;
+    int64_t held = -1;  // KIVI keys: the group whose q⊙s and q·m `levels` holds
     for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool seen[ROWS], any = false;
       int64_t at[ROWS];
@@ -372,6 +418,21 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
         seen[r] = t < last && !(mask && !mask[b * mask_stride + t]);
         at[r] = seen[r] ? stored(segment, t) : 0;
         any |= seen[r];
+      }
+      if constexpr (F == KIVI_KEY) {  // ROWS whole columns of one group (and outlier chunk): in levels
+        const int64_t a0 = t0 - segment.base;
+        if (any && !segment.modulo && k.group % ROWS == 0 && (!k.count || k.chunk % ROWS == 0) &&
+            (a0 & (ROWS - 1)) == 0 && t0 + ROWS <= last) {
+          key_scores_in_levels(k, bh, a0, qs, G, held, levels, rows.data(), cursor);
+          const float* bias = levels.data() + G * dim;
+          for (int64_t g = 0; g < G; g++) {
+            dots(levels.data() + g * dim, rows.data(), dim, scaling, sums);
+            const float* correction = bias + G + 2 * dim + g * ROWS;
+            for (int r = 0; r < ROWS; r++)
+              out[g * S + t0 + r] = seen[r] ? sums[r] + (bias[g] + correction[r]) * scaling : -INFINITY;
+          }
+          continue;
+        }
       }
       if (any) decode_rows<F>(k, bh, at, seen, rows.data(), spare.data(), cursor);
       for (int64_t g = 0; g < G; g++) {

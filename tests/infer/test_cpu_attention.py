@@ -40,21 +40,17 @@ def _reference(query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, valu
     return (probs @ values).reshape(ROWS, 1, HEADS * GROUPS, -1)
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_dim):
-    """75 columns written one at a time (KIVI: blocks quantized, the rest in its ring, sinks), row 1 left-padded
-    by 5 columns; then one query per row: the kernel's output equals softmax(q·K)·V over the K/V `write` hands
-    attention, to float32 rounding of a different summation order."""
-    assert cpu_attention.load()
-    layer = _layer(kind, head_dim, 96)
+def _kernel_and_reference(layer, head_dim: int, key_channels: torch.Tensor, constant: dict | None = None):
+    """75 columns written one at a time into `layer` (K channels scaled by `key_channels` [D]; `constant`: channel
+    → value, every column, and 20× it in each 8th column from the 3rd), row 1 left-padded by 5 columns; one query
+    per row → (the kernel's output, softmax(q·K)·V over the K/V `write` hands attention), [B,1,Hq,D] each."""
     generator = torch.Generator().manual_seed(0)
-    channels = torch.ones(head_dim)
-    channels[3] = 12.0  # one large key channel, as real keys have
     written = 75
     with torch.inference_mode():
         for column in range(written):
-            keys = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator) * channels
+            keys = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator) * key_channels
+            for channel, value in (constant or {}).items():
+                keys[..., channel] = value * (20 if column % 8 == 2 else 1)
             values = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator)
             where = (torch.tensor([column]), torch.tensor(10**6))
             k, v = layer.write(keys, values, *where)  # [B,H,S,D] as attention reads them
@@ -62,9 +58,31 @@ def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_
         mask = torch.zeros(ROWS, k.shape[-2], dtype=torch.bool)
         mask[:, :written] = True
         mask[1, :5] = False
-        ours = layer.attend(query, mask, head_dim**-0.5, *where)  # [B,1,Hq,D]
-        reference = _reference(query, mask, k, v)
+        return layer.attend(query, mask, head_dim**-0.5, *where), _reference(query, mask, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_dim):
+    """75 columns written one at a time (KIVI: blocks quantized, the rest in its ring, sinks), row 1 left-padded
+    by 5 columns; then one query per row: the kernel's output equals softmax(q·K)·V over the K/V `write` hands
+    attention, to float32 rounding of a different summation order."""
+    assert cpu_attention.load()
+    channels = torch.ones(head_dim)
+    channels[3] = 12.0  # one large key channel, as real keys have
+    ours, reference = _kernel_and_reference(_layer(kind, head_dim, 96), head_dim, channels)
     assert ours.shape == reference.shape
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["kivi4:g8:r16:o1", "kivi2:g8:r16:o2:nuq"])
+def test_an_outlier_in_a_key_channel_whose_scale_is_zero_is_read_exactly(kind):
+    """A key channel constant but for one spike per group: the spike is kept as an outlier, the channel's scale
+    is 0, so the kernel's level-domain keys (q⊙s)·l cannot hold it and must add q·(exact − m) instead."""
+    assert cpu_attention.load()
+    layer = _layer(kind, 64, 96)
+    ours, reference = _kernel_and_reference(layer, 64, torch.ones(64), constant={5: 0.5})
+    assert (layer.key_scales[..., 5] == 0).all() and (layer.key_outliers.float() == 10.0).any()
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
