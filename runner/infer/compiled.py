@@ -238,7 +238,8 @@ class CompiledEngine:
 
     def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
         """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. The
-        one-column graph codes no KIVI block: a column that completes one runs eagerly (StaticDecodeState._forward)."""
+        one-column graph codes no KIVI block and keeps no sink: a column that completes a block or is a sink runs
+        eagerly (StaticDecodeState._forward)."""
         before = _graph_count()
         cache.code_blocks(ids.shape[1] != 1)
         with reduced_attention(self.model):
@@ -336,9 +337,9 @@ class StaticDecodeState:
         columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
         self.columns[:, self.length:self.length + t] = self._pad(new_mask)
         args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
-        if compiled and t in self.step_lengths and not (t == 1 and self.cache.completes_block(self.length, real)):
+        if compiled and t in self.step_lengths and not (t == 1 and self.cache.needs_coding(self.length, real)):
             logits = self.engine.call(*args)
-        else:  # (a one-column step that completes a KIVI block: eagerly, 1 step in r, see CompiledEngine.call)
+        else:  # (a one-column step that completes a KIVI block or writes a sink: eagerly, see CompiledEngine.call)
             self.cache.code_blocks(True, views=not (t == 1 and self.cache.kernel_attends(model.dtype)))
             with reduced_attention(model):
                 logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)

@@ -110,9 +110,103 @@ static inline void key_levels(const Store& s, const uint8_t* codes, int64_t t, f
   for (; d < dim; d++) out[d] = s.levels[(word(d) >> shift) & mask];
 }
 
+// KIVI values: the levels of column t's codes in out[0, padded). A column's codes are plane groups (quant.pack):
+// value v of group v / (per·c) is byte v mod c of the group, bits (v / c) mod per (per = 8 / bits codes a byte, c
+// = plane bytes); 3 bits: 8 values in 3 bytes. BITS: the store's bits as a constant (shifts by immediates).
+template <int BITS>
+static inline void value_levels(const Store& s, const uint8_t* codes, int64_t t, float* __restrict__ out) {
+  constexpr int per = BITS == 2 ? 4 : 2, mask = (1 << BITS) - 1;
+  const int64_t c = s.plane;
+  const uint8_t* row = codes + t * (s.padded * BITS >> 3);
+  int64_t first = 0;
+#ifdef RUNNER_AVX2
+  const __m256 low = _mm256_loadu_ps(s.levels), high = BITS == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+  const __m256i maskv = _mm256_set1_epi32(mask);
+  auto put = [&](int64_t at, __m256i code) {
+    _mm256_storeu_ps(out + at, levels8(_mm256_and_si256(code, maskv), low, high, BITS, s.uniform));
+  };
+  if constexpr (BITS == 3) {
+    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    for (; first + 16 <= s.padded; first += 8) {  // 4 bytes read, the 3 of these 8 values and the next's first
+      int32_t word;
+      std::memcpy(&word, row + 3 * (first >> 3), 4);
+      put(first, _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts));
+    }
+    for (; first + 8 <= s.padded; first += 8) {  // the column's last 8: its last 3 bytes only
+      const uint8_t* w = row + 3 * (first >> 3);
+      put(first, _mm256_srlv_epi32(_mm256_set1_epi32(w[0] | (w[1] << 8) | (w[2] << 16)), shifts));
+    }
+  } else if (c % 8 == 0) {  // 8 bytes read once: 8 values of each of the per planes
+    for (; first < s.padded; first += per * c)
+      for (int64_t j = 0; j < c; j += 8) {
+        const __m256i bytes = bytes8(row + first / per + j);
+        put(first + j, bytes);
+        put(first + c + j, _mm256_srli_epi32(bytes, BITS));
+        if constexpr (per == 4) {
+          put(first + 2 * c + j, _mm256_srli_epi32(bytes, 2 * BITS));
+          put(first + 3 * c + j, _mm256_srli_epi32(bytes, 3 * BITS));
+        }
+      }
+  }
+#endif
+  for (int64_t v = first; v < s.padded; v++) {
+    const uint32_t code = BITS == 3 ? (row[3 * (v / 8)] | (row[3 * (v / 8) + 1] << 8) | (row[3 * (v / 8) + 2] << 16)) >> (3 * (v % 8))
+                                    : row[v / (per * c) * c + v % c] >> (BITS * (v / c % per));
+    out[v] = s.levels[code & mask];
+  }
+}
+
+// value_levels for the store's bits.
+static inline void value_levels(const Store& s, const uint8_t* codes, int64_t t, float* __restrict__ out) {
+  if (s.bits == 4) value_levels<4>(s, codes, t, out);
+  else if (s.bits == 3) value_levels<3>(s, codes, t, out);
+  else value_levels<2>(s, codes, t, out);
+}
+
+// x[0, n) ← x·scale + low.
+static inline void affine(float* x, int64_t n, float scale, float low) {
+  int64_t j = 0;
+#ifdef RUNNER_AVX2
+  const __m256 sv = _mm256_set1_ps(scale), lv = _mm256_set1_ps(low);
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_fmadd_ps(_mm256_loadu_ps(x + j), sv, lv));
+#endif
+  for (; j < n; j++) x[j] = x[j] * scale + low;
+}
+
+// KIVI keys: the levels of the ROWS columns from a0 (a multiple of ROWS) into rows [ROWS, dim], each byte row
+// read once for all the columns it holds. BITS: the store's bits as a constant.
+template <int BITS>
+static inline void key_rows_levels(const Store& s, const uint8_t* codes, int64_t a0, float* __restrict__ rows) {
+  const int64_t dim = s.dim;
+  int64_t d = 0;
+#ifdef RUNNER_AVX2
+  constexpr int per = BITS == 3 ? 8 : 8 / BITS;  // columns a byte row holds
+  const __m256 low = _mm256_loadu_ps(s.levels), high = BITS == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
+  const __m256i maskv = _mm256_set1_epi32((1 << BITS) - 1);
+  const uint8_t* r = codes + (BITS == 3 ? 3 : 1) * (a0 / per) * dim;
+  for (; d + 8 <= dim; d += 8)
+    for (int first = 0; first < ROWS; first += per) {  // the byte row of columns first … first + per − 1
+      const uint8_t* at = r + (BITS == 3 ? 3 : 1) * (first / per) * dim + d;
+      __m256i word = bytes8(at);
+      if constexpr (BITS == 3)
+        word = _mm256_or_si256(word, _mm256_or_si256(_mm256_slli_epi32(bytes8(at + dim), 8), _mm256_slli_epi32(bytes8(at + 2 * dim), 16)));
+      for (int k = 0; k < per; k++)
+        _mm256_storeu_ps(rows + (first + k) * dim + d,
+                         levels8(_mm256_and_si256(_mm256_srli_epi32(word, BITS * k), maskv), low, high, BITS, s.uniform));
+    }
+#endif
+  if (d < dim) {  // the channels past the last 8 (a head_dim not a multiple of 8, or no AVX2): column by column
+    std::vector<float> tail(dim);
+    for (int k = 0; k < ROWS; k++) {
+      key_levels(s, codes, a0 + k, tail.data());
+      std::memcpy(rows + k * dim + d, tail.data() + d, (dim - d) * sizeof(float));
+    }
+  }
+}
+
 // Column t of one (row, head) as floats in out[0, dim) (KIVI values: [0, padded)).
 template <int F>
-static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* scales, const uint8_t* mins,
+__attribute__((always_inline)) static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* scales, const uint8_t* mins,
                           int64_t t, float* __restrict__ out) {
   const int64_t dim = s.dim;
   if constexpr (F == F32) {
@@ -175,50 +269,11 @@ static inline void decode(const Store& s, const uint8_t* codes, const uint8_t* s
         }
       }
     }
-  } else if constexpr (F == KIVI_VALUE) {  // m + s·level[code], blocks of `group` channels of one column
-    const int64_t bits = s.bits, per = bits == 2 ? 4 : 2, c = s.plane, mask = (1 << bits) - 1, blocks = s.blocks;
-    const uint8_t* row = codes + t * (s.padded * bits >> 3);
-#ifdef RUNNER_AVX2
-    if (s.group % 8 == 0 && (bits == 3 || c % 8 == 0) && s.padded <= 2048) {  // 8 values of a block at a time
-      const __m256 low = _mm256_loadu_ps(s.levels), high = bits == 4 ? _mm256_loadu_ps(s.levels + 8) : low;
-      const __m256i maskv = _mm256_set1_epi32((int)mask);
-      const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-      float scale[256], minimum[256];  // per 8 values: their block's
-      for (int64_t b = 0, k = 0; b < blocks; b++) {
-        const float sb = half_float(scales, t * blocks + b), mb = half_float(mins, t * blocks + b);
-        for (int64_t j = 0; j < s.group; j += 8, k++) scale[k] = sb, minimum[k] = mb;
-      }
-      auto put = [&](int64_t first, __m256i code) {  // values [first, first + 8), one block's
-        const __m256 level = levels8(_mm256_and_si256(code, maskv), low, high, bits, s.uniform);
-        _mm256_storeu_ps(out + first, _mm256_fmadd_ps(level, _mm256_set1_ps(scale[first >> 3]),
-                                                      _mm256_set1_ps(minimum[first >> 3])));
-      };
-      if (bits == 3) {
-        for (int64_t w = 0; w < s.padded >> 3; w++)
-          put(8 * w, _mm256_srlv_epi32(_mm256_set1_epi32(row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16)), shifts));
-      } else {
-        for (int64_t g = 0; g * per * c < s.padded; g++)
-          for (int64_t p = 0; p < per; p++)
-            for (int64_t j = 0; j < c; j += 8) put((g * per + p) * c + j, _mm256_srli_epi32(bytes8(row + g * c + j), (int)(bits * p)));
-      }
-      return;
-    }
-#endif
-    std::vector<float> level(s.padded);  // the scalar path: levels first, then s·l + m per block
-    if (bits == 3) {
-      for (int64_t w = 0; w < s.padded / 8; w++) {
-        const uint32_t word = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
-        for (int k = 0; k < 8; k++) level[w * 8 + k] = s.levels[(word >> (3 * k)) & 7];
-      }
-      (void)per; (void)c; (void)mask;
-    } else {
-      for (int64_t g = 0; g < s.padded / (per * c); g++)
-        for (int64_t p = 0; p < per; p++)
-          for (int64_t j = 0; j < c; j++) level[(g * per + p) * c + j] = s.levels[(row[g * c + j] >> (bits * p)) & mask];
-    }
-    for (int64_t b = 0; b < blocks; b++) {
-      const float scale = half_float(scales, t * blocks + b), low = half_float(mins, t * blocks + b);
-      for (int64_t j = 0; j < s.group; j++) out[b * s.group + j] = level[b * s.group + j] * scale + low;
+  } else if constexpr (F == KIVI_VALUE) {  // m + s·level, blocks of `group` channels of one column
+    value_levels(s, codes, t, out);
+    for (int64_t b = 0; b < s.blocks; b++) {
+      const float scale = half_float(scales, t * s.blocks + b), low = half_float(mins, t * s.blocks + b);
+      affine(out + b * s.group, s.group, scale, low);
     }
   } else {  // KIVI_KEY: s·level + m, scales and mins per group of columns and channel ([groups, dim] each)
     key_levels(s, codes, t, out);
@@ -341,7 +396,9 @@ static inline void key_scores_in_levels(const Store& k, int64_t bh, int64_t a0, 
     held = group;
   }
   const uint8_t* codes = k.codes + bh * k.codes_bh;
-  for (int r = 0; r < ROWS; r++) key_levels(k, codes, a0 + r, rows + r * dim);
+  if (k.bits == 4) key_rows_levels<4>(k, codes, a0, rows);
+  else if (k.bits == 3) key_rows_levels<3>(k, codes, a0, rows);
+  else key_rows_levels<2>(k, codes, a0, rows);
   std::fill(correction, correction + G * ROWS, 0.f);
   if (!k.count) return;
   const int64_t chunk = divide(a0, k.chunk, k.chunk_shift), low = (a0 - chunk * k.chunk) * dim;
@@ -443,15 +500,15 @@ static void scores_impl(const Segment& segment, const float* q, const uint8_t* m
   }
 }
 
-// acc [dim] += Σ_r w[r] · rows[r] over ROWS decoded rows [ROWS, dim].
-static inline void accumulate(const float* w, const float* rows, int64_t dim, float* acc) {
+// acc [n] += Σ_r w[r] · rows[r] over ROWS decoded rows of n floats, `stride` apart.
+static inline void accumulate(const float* w, const float* rows, int64_t n, int64_t stride, float* acc) {
 #ifdef RUNNER_AVX2
-  if (dim % 8 == 0) {
+  if (n % 8 == 0) {
     __m256 weight[ROWS];
     for (int r = 0; r < ROWS; r++) weight[r] = _mm256_set1_ps(w[r]);
-    for (int64_t d = 0; d < dim; d += 8) {
+    for (int64_t d = 0; d < n; d += 8) {
       __m256 a = _mm256_loadu_ps(acc + d);
-      for (int r = 0; r < ROWS; r++) a = _mm256_fmadd_ps(weight[r], _mm256_loadu_ps(rows + r * dim + d), a);
+      for (int r = 0; r < ROWS; r++) a = _mm256_fmadd_ps(weight[r], _mm256_loadu_ps(rows + r * stride + d), a);
       _mm256_storeu_ps(acc + d, a);
     }
     return;
@@ -459,7 +516,65 @@ static inline void accumulate(const float* w, const float* rows, int64_t dim, fl
 #endif
   for (int r = 0; r < ROWS; r++)
 #pragma omp simd
-    for (int64_t d = 0; d < dim; d++) acc[d] += w[r] * rows[r * dim + d];
+    for (int64_t d = 0; d < n; d++) acc[d] += w[r] * rows[r * stride + d];
+}
+
+// KIVI values in the level domain: Σ_r p_r·(s_r·l_r + m_r) = Σ_r (p_r·s_r)·l_r + Σ_r p_r·m_r per block of channels,
+// so a column decodes to its levels only. The ROWS columns from stored column a0 as levels into rows [ROWS, width]
+// (an outlier as the level (exact − m) / s that decodes to it); acc [G, dim] += the first sum; means [G, blocks,
+// ROWS] += the second's terms (summed into acc by the caller, once per task); an outlier whose block's s is 0
+// adds p·(exact − m) to acc. p: probabilities [G, S] from the first column's; `work`: 2·ROWS·blocks floats.
+static inline void value_rows_in_levels(const Store& v, int64_t bh, int64_t a0, const float* p, int64_t S, int64_t G,
+                                        float* rows, int64_t width, float* acc, float* means, float* work,
+                                        Cursor& cursor) {
+  const int64_t dim = v.dim, blocks = v.blocks, group = v.group;
+  const uint8_t* scales = v.scales + bh * v.scales_bh + 2 * a0 * blocks;  // [ROWS, blocks] fp16 each
+  const uint8_t* mins = v.mins + bh * v.mins_bh + 2 * a0 * blocks;
+  float *scale = work, *minimum = work + ROWS * blocks;  // [blocks, ROWS]: a block's ROWS columns together
+  for (int r = 0; r < ROWS; r++)
+    for (int64_t b = 0; b < blocks; b++)
+      scale[b * ROWS + r] = half_float(scales, r * blocks + b), minimum[b * ROWS + r] = half_float(mins, r * blocks + b);
+  const uint8_t* codes = v.codes + bh * v.codes_bh;
+  for (int r = 0; r < ROWS; r++) value_levels(v, codes, a0 + r, rows + r * width);
+  if (v.count) {
+    const int64_t dim_shift = (dim & (dim - 1)) ? -1 : __builtin_ctzll(dim);
+    const uint8_t *outliers = v.outliers + bh * v.outliers_bh, *index = v.index + bh * v.index_bh;
+    auto put = [&](int r, int64_t d, float exact) {
+      const int64_t b = divide(d, group, v.group_shift);
+      const float s = scale[b * ROWS + r], m = minimum[b * ROWS + r];
+      if (s != 0.f) {
+        rows[r * width + d] = (exact - m) / s;
+        return;
+      }
+      for (int64_t g = 0; g < G; g++) acc[g * dim + d] += p[g * S + r] * (exact - m);
+    };
+    const int64_t first = divide(a0, v.chunk, v.chunk_shift);
+    if (divide(a0 + ROWS - 1, v.chunk, v.chunk_shift) == first) {  // one span
+      const int64_t low = (a0 - first * v.chunk) * dim;
+      each_outlier(v, outliers, index, first, low, low + ROWS * dim, cursor, [&](int64_t at, float exact) {
+        const int64_t r = divide(at, dim, dim_shift);
+        put((int)r, at - r * dim, exact);
+      });
+    } else {
+      for (int r = 0; r < ROWS; r++) {
+        const int64_t chunk = divide(a0 + r, v.chunk, v.chunk_shift), low = (a0 + r - chunk * v.chunk) * dim;
+        each_outlier(v, outliers, index, chunk, low, low + dim, cursor, [&](int64_t at, float exact) { put(r, at, exact); });
+      }
+    }
+  }
+  alignas(32) float w[ROWS];
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t b = 0, from = 0; from < dim; b++, from += group) {
+      float* mean = means + (g * blocks + b) * ROWS;
+#ifdef RUNNER_AVX2
+      const __m256 pv = _mm256_loadu_ps(p + g * S);
+      _mm256_store_ps(w, _mm256_mul_ps(pv, _mm256_loadu_ps(scale + b * ROWS)));
+      _mm256_storeu_ps(mean, _mm256_fmadd_ps(pv, _mm256_loadu_ps(minimum + b * ROWS), _mm256_loadu_ps(mean)));
+#else
+      for (int r = 0; r < ROWS; r++) w[r] = p[g * S + r] * scale[b * ROWS + r], mean[r] += p[g * S + r] * minimum[b * ROWS + r];
+#endif
+      accumulate(w, rows + from, std::min(group, dim - from), width, acc + g * dim + from);
+    }
 }
 
 // partial [BH·tiles, G, Dv]: per task (row, head, tile), Σ over its columns of probs [BH,G,S] · V[column];
@@ -471,7 +586,9 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
   const Store& v = segment.store;
   const int64_t first = first_column(segment, limit, S), end = end_column(segment, limit, S);
   const int64_t tiles = tiles_of(segment, limit, S), dim = v.dim, width = G * dim;
-  std::vector<float> rows(ROWS * dim), spare(decoded_width(v));  // this thread's
+  const int64_t decoded = decoded_width(v), blocks = F == KIVI_VALUE ? v.blocks : 0;
+  std::vector<float> rows(ROWS * decoded), spare(decoded);  // this thread's
+  std::vector<float> means(G * blocks * ROWS), work(2 * ROWS * blocks);  // value_rows_in_levels'
   float w[ROWS];
 #pragma omp for schedule(static) nowait
   for (int64_t task = 0; task < B * H * tiles; task++) {
@@ -480,6 +597,7 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
     float* acc = partial + task * width;
     Cursor cursor;
     std::fill(acc, acc + width, 0.f);
+    std::fill(means.begin(), means.end(), 0.f);
     for (int64_t t0 = from; t0 < last; t0 += ROWS) {
       bool used[ROWS], any = false;
       int64_t at[ROWS];
@@ -490,12 +608,25 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
         any |= used[r];
       }
       if (!any) continue;
+      if constexpr (F == KIVI_VALUE) {  // ROWS whole consecutive columns: in levels
+        if (!segment.modulo && t0 + ROWS <= last) {
+          value_rows_in_levels(v, bh, t0 - segment.base, p + t0, S, G, rows.data(), decoded, acc, means.data(),
+                               work.data(), cursor);
+          continue;
+        }
+      }
       decode_rows<F>(v, bh, at, used, rows.data(), spare.data(), cursor);
       for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < ROWS; r++) w[r] = t0 + r < last ? p[g * S + t0 + r] : 0.f;
-        accumulate(w, rows.data(), dim, acc + g * dim);
+        accumulate(w, rows.data(), dim, dim, acc + g * dim);
       }
     }
+    for (int64_t g = 0; g < G; g++)  // the levels' Σ p·m, per block
+      for (int64_t b = 0; b < blocks; b++) {
+        float mean = 0.f;
+        for (int r = 0; r < ROWS; r++) mean += means[(g * blocks + b) * ROWS + r];
+        for (int64_t d = b * v.group; d < std::min(dim, (b + 1) * v.group); d++) acc[g * dim + d] += mean;
+      }
   }
 }
 

@@ -57,11 +57,11 @@ class StaticKVCache(Cache):
         self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
 
     def code_blocks(self, on: bool, views: bool = True) -> None:
-        """Whether the next writes code the blocks they complete (KIVI; the default). Off, a write fills only the
-        sinks and the ring, and its graph holds no quantizer: for the compiled one-column step, which the engine
-        runs only when the column completes no block (`completes_block`). `views` off, a KIVI write hands attention
-        no K/V (0 columns; decoding the whole region is most of an eager step's time): only when every layer is
-        read by cpu_attention's kernel (`kernel_attends`), which attention then must do."""
+        """Whether the next writes code the blocks they complete and keep the sinks (KIVI; the default). Off, a
+        write fills only the ring, and its graph holds no quantizer and no sink copies: for the compiled one-column
+        step, which the engine runs only where its column needs neither (`needs_coding`). `views` off, a KIVI write
+        hands attention no K/V (0 columns; decoding the whole region is most of an eager step's time): only when
+        every layer is read by cpu_attention's kernel (`kernel_attends`), which attention then must do."""
         for layer in self.layers:
             if isinstance(layer, StaticKiviLayer):
                 layer.code_blocks, layer.views = on, views
@@ -72,13 +72,14 @@ class StaticKVCache(Cache):
         return (self.layers[0].device.type == "cpu" and cpu_attention.ready()
                 and all(layer.kernel_reads(dtype) for layer in self.layers))
 
-    def completes_block(self, start: int, count: int) -> bool:
-        """Whether writing `count` columns from column `start` completes a KIVI block (never for other kinds)."""
+    def needs_coding(self, start: int, count: int) -> bool:
+        """Whether writing `count` columns from column `start` completes a KIVI block or writes a sink (never for
+        other kinds): what a write with `code_blocks` off does not do."""
         layer = self.layers[0]
         if not isinstance(layer, StaticKiviLayer):
             return False
         blocks = lambda columns: max(columns - layer.sinks, 0) // layer.residual_len  # noqa: E731
-        return blocks(start + count) > blocks(start)
+        return start < layer.sinks or blocks(start + count) > blocks(start)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)

@@ -22,7 +22,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     ring count columns from s (their column c − s)."""
 
     TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "ring_keys", "ring_values")
-    code_blocks = True  # False: writes only fill sinks and ring (set by StaticKVCache.code_blocks)
+    code_blocks = True  # False: writes only fill the ring (set by StaticKVCache.code_blocks)
     views = True  # False: writes hand attention 0 columns (the kernel reads the layer; StaticKVCache.code_blocks)
 
     def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
@@ -94,14 +94,14 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         """[B,H,t,D] K/V (t ≤ r) into the sinks and the ring; the block of r columns they complete, if any,
         quantized into the region. Every shape is fixed: the block ending at the new Q is quantized whether or not
         it is new, and written over itself when it is not (`where`)."""
-        self._keep_sinks(keys, values, columns, end)
         r = self.residual_len
         slots = (columns - self.sinks) % self.ring_len  # [t] (a sink column's slot is left as it is)
         real = ((columns >= self.sinks) & (columns < end))[:, None]  # [t,1]
         for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
             ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
-        if not self.code_blocks:  # the engine knows no block completes here (compiled.StaticDecodeState._forward)
-            return
+        if not self.code_blocks:  # the engine knows these columns are past the sinks and complete no block
+            return  # (compiled.StaticDecodeState._forward, StaticKVCache.needs_coding)
+        self._keep_sinks(keys, values, columns, end)
         done = self._quantized(columns[-1] + 1, end)  # 0-d: Q after these columns
         flush = done > self._quantized(columns[0], end)  # 0-d bool: a block was completed
         start = (done - r).clamp(min=0)  # its first region column (0 and no flush while Q is 0)

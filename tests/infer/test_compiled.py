@@ -58,6 +58,15 @@ def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
     assert isinstance(gen.state, compiled.StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
 
 
+@pytest.mark.parametrize("kind", ["kivi4:g8:r16:s4", "kivi2:g4:r8:s4:o2:b8:nuq:rot"])
+def test_a_prompt_shorter_than_the_sinks_gives_the_eager_greedy_tokens(static_lm, kind):
+    """A one-token prompt: the first steps write sink columns, which the one-column graph does not keep
+    (StaticKVCache.needs_coding), so they run as eager static steps; the tokens are still the eager engine's."""
+    eager, _ = _generate(static_lm, PROMPTS[1:2], "eager", cache_kind=kind, max_new_tokens=12, temperature=0)
+    ours, gen = _generate(static_lm, PROMPTS[1:2], "compiled", cache_kind=kind, max_new_tokens=12, temperature=0)
+    assert torch.equal(ours, eager) and gen.state.cache.layers[0].sinks == 4
+
+
 def test_prefill_pieces_are_whole_pieces_then_a_power_of_two():
     assert prefill_pieces(5) == [(5, 16)] and prefill_pieces(16) == [(16, 16)] and prefill_pieces(17) == [(17, 32)]
     assert prefill_pieces(1100) == [(512, 512), (512, 512), (76, 128)] and prefill_pieces(1024) == [(512, 512)] * 2

@@ -61,7 +61,7 @@ def _kernel_and_reference(layer, head_dim: int, key_channels: torch.Tensor, cons
         return layer.attend(query, mask, head_dim**-0.5, *where), _reference(query, mask, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("head_dim", [64, 40, 36])  # 36: channels past the last 8 (scalar tails)
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_dim):
     """75 columns written one at a time (KIVI: blocks quantized, the rest in its ring, sinks), row 1 left-padded
@@ -220,7 +220,7 @@ def test_the_engine_s_block_completing_step_decodes_no_region_and_gives_the_same
             state.prefill(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), torch.ones(1, 10, dtype=torch.long))
             for token in range(11, 16):  # columns 10..14
                 state.feed(model, torch.tensor([token]), torch.tensor([True]))
-            assert state.cache.completes_block(state.length, 1)
+            assert state.cache.needs_coding(state.length, 1)
             decoded.clear()
             logits.append(state.feed(model, torch.tensor([16]), torch.tensor([True])))  # column 15 ends a block
         assert bool(decoded) == views
