@@ -40,10 +40,12 @@ def _reference(query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, valu
     return (probs @ values).reshape(ROWS, 1, HEADS * GROUPS, -1)
 
 
-def _kernel_and_reference(layer, head_dim: int, key_channels: torch.Tensor, constant: dict | None = None):
+def _kernel_and_reference(layer, head_dim: int, key_channels: torch.Tensor, constant: dict | None = None,
+                          flat_values: bool = False):
     """75 columns written one at a time into `layer` (K channels scaled by `key_channels` [D]; `constant`: channel
-    → value, every column, and 20× it in each 8th column from the 3rd), row 1 left-padded by 5 columns; one query
-    per row → (the kernel's output, softmax(q·K)·V over the K/V `write` hands attention), [B,1,Hq,D] each."""
+    → value, every column, and 20× it in each 8th column from the 3rd; `flat_values`: V's first 32 channels 0.5
+    but channel 5, 10), row 1 left-padded by 5 columns; one query per row → (the kernel's output,
+    softmax(q·K)·V over the K/V `write` hands attention), [B,1,Hq,D] each."""
     generator = torch.Generator().manual_seed(0)
     written = 75
     with torch.inference_mode():
@@ -52,6 +54,8 @@ def _kernel_and_reference(layer, head_dim: int, key_channels: torch.Tensor, cons
             for channel, value in (constant or {}).items():
                 keys[..., channel] = value * (20 if column % 8 == 2 else 1)
             values = torch.randn(ROWS, HEADS, 1, head_dim, generator=generator)
+            if flat_values:
+                values[..., :32], values[..., 5] = 0.5, 10.0
             where = (torch.tensor([column]), torch.tensor(10**6))
             k, v = layer.write(keys, values, *where)  # [B,H,S,D] as attention reads them
         query = torch.randn(ROWS, HEADS * GROUPS, 1, head_dim, generator=generator)
@@ -75,14 +79,18 @@ def test_the_kernel_attends_as_torch_does_over_the_dequantized_cache(kind, head_
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["kivi4:g8:r16:o1", "kivi2:g8:r16:o2:nuq"])
-def test_an_outlier_in_a_key_channel_whose_scale_is_zero_is_read_exactly(kind):
-    """A key channel constant but for one spike per group: the spike is kept as an outlier, the channel's scale
-    is 0, so the kernel's level-domain keys (q⊙s)·l cannot hold it and must add q·(exact − m) instead."""
+@pytest.mark.parametrize("kind", ["kivi4:g8:r16:o2", "kivi2:g8:r16:o2:nuq"])
+@pytest.mark.parametrize("side", ["key", "value"])
+def test_an_outlier_in_a_group_whose_scale_is_zero_is_read_exactly(kind, side):
+    """A key channel (a value block) constant but for one spike per group (per column): the spike is kept as an
+    outlier, the group's scale is 0, so the kernel's level-domain sums (p·s)·l cannot hold it and must add
+    q·(exact − m) (p·(exact − m)) instead."""
     assert cpu_attention.load()
     layer = _layer(kind, 64, 96)
-    ours, reference = _kernel_and_reference(layer, 64, torch.ones(64), constant={5: 0.5})
-    assert (layer.key_scales[..., 5] == 0).all() and (layer.key_outliers.float() == 10.0).any()
+    flat = dict(constant={5: 0.5}) if side == "key" else dict(flat_values=True)
+    ours, reference = _kernel_and_reference(layer, 64, torch.ones(64), **flat)
+    scales, outliers = getattr(layer, f"{side}_scales"), getattr(layer, f"{side}_outliers").float()
+    assert ((scales[..., 5] if side == "key" else scales[..., :16, 0]) == 0).all() and (outliers == 10.0).any()
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
