@@ -8,7 +8,8 @@ In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S colu
 `StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
 Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
 `feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
-T = spec_k + 1; other chunk lengths run the same static forward eagerly). Rows past b are dummies that attend
+T = spec_k + 1; other chunk lengths run the same static forward eagerly). A KIVI cache's one-column step is two
+graphs: one without a quantizer for most columns, one for the column in r that completes a block (or a sink). Rows past b are dummies that attend
 only to themselves; their logits are dropped.
 Compilation: inductor, `dynamic=False`. On CPU the step reads the Linear weights from an input-major copy
 (`input_major_weights`: where measured faster, per shape and dtype) through torch.func.functional_call; inductor's freezing was
@@ -225,23 +226,31 @@ class CompiledEngine:
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
         end = torch.tensor(columns, device=self.device)
         before = _graph_count()
-        cache.code_blocks(new != 1)  # as `call` will
-        with reduced_attention(self.model):
-            self.stats.compile_s[key] = time_once(  # no aliased inputs
-                lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
-                sync=lambda: sync(self.device))
+        self.stats.compile_s[key] = 0.0
+        for coding in (False, True) if new == 1 and cache.codes_columns() else (new != 1,):
+            self._code(cache, new, coding)  # as `call` will
+            with reduced_attention(self.model):
+                self.stats.compile_s[key] += time_once(  # no aliased inputs
+                    lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
+                    sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
         if self.mode != "eager":
             log.info("compile: step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
                      key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
-    def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d) -> torch.Tensor:
-        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. The
-        one-column graph codes no KIVI block and keeps no sink: a column that completes a block or is a sink runs
-        eagerly (StaticDecodeState._forward)."""
+    def _code(self, cache: StaticKVCache, new: int, coding: bool) -> None:
+        """Set the cache's writes for a step of `new` columns: coding KIVI blocks and sinks (steps of several
+        columns always), and handing attention K/V views only where the kernel does not read every layer."""
+        cache.code_blocks(new != 1 or coding, views=not (new == 1 and cache.kernel_attends(self.model.dtype)))
+
+    def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d, coding: bool = False) -> torch.Tensor:
+        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. A KIVI
+        cache has two one-column graphs: the usual one, which codes no block and keeps no sink (no quantizer in
+        it), and `coding`'s, for the one column in r that completes a block or a sink column
+        (StaticKVCache.needs_coding)."""
         before = _graph_count()
-        cache.code_blocks(ids.shape[1] != 1)
+        self._code(cache, ids.shape[1], coding)
         with reduced_attention(self.model):
             logits = self.step(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
         made = _graph_count() - before
@@ -337,10 +346,10 @@ class StaticDecodeState:
         columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
         self.columns[:, self.length:self.length + t] = self._pad(new_mask)
         args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
-        if compiled and t in self.step_lengths and not (t == 1 and self.cache.needs_coding(self.length, real)):
-            logits = self.engine.call(*args)
-        else:  # (a one-column step that completes a KIVI block or writes a sink: eagerly, see CompiledEngine.call)
-            self.cache.code_blocks(True, views=not (t == 1 and self.cache.kernel_attends(model.dtype)))
+        if compiled and t in self.step_lengths:
+            logits = self.engine.call(*args, coding=t == 1 and self.cache.needs_coding(self.length, real))
+        else:
+            self.engine._code(self.cache, t, True)
             with reduced_attention(model):
                 logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)
         self.length += real

@@ -58,10 +58,10 @@ class StaticKVCache(Cache):
 
     def code_blocks(self, on: bool, views: bool = True) -> None:
         """Whether the next writes code the blocks they complete and keep the sinks (KIVI; the default). Off, a
-        write fills only the ring, and its graph holds no quantizer and no sink copies: for the compiled one-column
-        step, which the engine runs only where its column needs neither (`needs_coding`). `views` off, a KIVI write
-        hands attention no K/V (0 columns; decoding the whole region is most of an eager step's time): only when
-        every layer is read by cpu_attention's kernel (`kernel_attends`), which attention then must do."""
+        write fills only the ring, and its graph holds no quantizer and no sink copies: the compiled one-column
+        step of every column that needs neither (`needs_coding`). `views` off, a KIVI write hands attention no K/V
+        (0 columns; decoding the whole region is most of an eager step's time): only when every layer is read by
+        cpu_attention's kernel (`kernel_attends`), which attention then must do."""
         for layer in self.layers:
             if isinstance(layer, StaticKiviLayer):
                 layer.code_blocks, layer.views = on, views
@@ -72,11 +72,15 @@ class StaticKVCache(Cache):
         return (self.layers[0].device.type == "cpu" and cpu_attention.ready()
                 and all(layer.kernel_reads(dtype) for layer in self.layers))
 
+    def codes_columns(self) -> bool:
+        """Whether writes code blocks or keep sinks (KIVI): a write with `code_blocks` off is then another graph."""
+        return isinstance(self.layers[0], StaticKiviLayer)
+
     def needs_coding(self, start: int, count: int) -> bool:
         """Whether writing `count` columns from column `start` completes a KIVI block or writes a sink (never for
         other kinds): what a write with `code_blocks` off does not do."""
         layer = self.layers[0]
-        if not isinstance(layer, StaticKiviLayer):
+        if not self.codes_columns():
             return False
         blocks = lambda columns: max(columns - layer.sinks, 0) // layer.residual_len  # noqa: E731
         return start < layer.sinks or blocks(start + count) > blocks(start)
