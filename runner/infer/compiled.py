@@ -9,8 +9,8 @@ In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S colu
 Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
 `feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
 T = spec_k + 1; other chunk lengths run the same static forward eagerly). A KIVI cache's one-column step is two
-graphs: one without a quantizer for most columns, one for the column in r that completes a block (or a sink). Rows past b are dummies that attend
-only to themselves; their logits are dropped.
+graphs: one without a quantizer for most columns, one for the column in r that completes a block (or a sink).
+Rows past b are dummies that attend only to themselves; their logits are dropped.
 Compilation: inductor, `dynamic=False`. On CPU the step reads the Linear weights from an input-major copy
 (`input_major_weights`: where measured faster, per shape and dtype) through torch.func.functional_call; inductor's freezing was
 no faster here (mode "freezing" still selects it). On CUDA, mode "reduce-overhead" (CUDA graphs) with the cache at
