@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from runner.errors import InferenceError
+from runner.infer import cpu_linear
 from runner.infer.attention import STATIC_CACHE, reduced_attention
 from runner.infer.forward import positions_from, sync
 from runner.infer.static import StaticKVCache, make_static_cache
@@ -171,10 +172,11 @@ class CompiledEngine:
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.mode = mode or ("reduce-overhead" if self.cuda else "default")
-        self.weights = None if self.cuda else input_major_weights(model)
+        self.own_products = not self.cuda and cpu_linear.load()  # few-row products on runner's kernel
+        self.weights = None if self.cuda or self.own_products else input_major_weights(model)
         if compile:
             use_compile_cache()
-            self.step = torch.compile(decode_step, dynamic=False, options=compile_options(self.mode))
+            self.step = torch.compile(decode_step, dynamic=False, options=compile_options(self.mode, self.own_products))
         else:
             self.step, self.mode = decode_step, "eager"
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
@@ -269,13 +271,15 @@ def _graph_count() -> int:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compile_options(mode: str) -> dict:
+def compile_options(mode: str, own_products: bool = False) -> dict:
     """Inductor's options for `mode` ("default", "reduce-overhead", "freezing"), with `emulate_precision_casts`:
     without it inductor drops a float → fp16 → float round trip inside a fused kernel, so a quantizer that rounds
     its scale or minimum to fp16 and then codes against it coded against the unrounded value: the compiled engine
     stored other KIVI codes than the eager one (one layer, 312 columns written one by one: 12 % of kivi2's scales
     differed), and greedy text parted from eager's after 141 tokens with kivi2:g128:r128:s4:o2:b64:nuq on SmolLM2."""
     extra = {"freezing": True} if mode == "freezing" else torch._inductor.list_mode_options(mode)
+    if own_products:  # few-row products on runner's kernel (cpu_linear)
+        extra["post_grad_custom_post_pass"] = cpu_linear.OwnProducts()
     return {"emulate_precision_casts": True, **extra}
 
 

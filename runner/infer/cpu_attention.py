@@ -14,33 +14,25 @@ group, plane, padded, outlier chunk): what `Store` tells the kernel. A segment i
 call it holds, so KIVI's sinks, quantized region and full-precision ring are read in one call, under one softmax.
 Outliers kept exact (KIVI's o option) are written over the decoded values of their column, as
 kvcodes.restore_outliers writes them back.
-The build goes to ~/.cache/runner/kernels/<hash>.so, the hash covering the source, the flags and this CPU; no
-compiler (or a failed build) → `load()` is False and callers keep their torch expression of attention.
-Owns: building, loading and calling the kernel. Knows nothing of cache classes, models or compilation.
+Built by runner.infer.native (once per machine, under ~/.cache/runner/kernels); no compiler (or a failed build) →
+`load()` is False and callers keep their torch expression of attention.
+Owns: loading and calling the kernel. Knows nothing of cache classes, models or compilation.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from runner.files import atomic_write
+from runner.infer import native
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "nf4": 5, "q4_1": 6, "kivi_value": 7,
            "kivi_key": 8}
 STORAGE_FORMATS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -69,36 +61,6 @@ class _Segment(ctypes.Structure):
     _fields_ = [("store", Store)] + [(name, ctypes.c_int64) for name in SEGMENT_FIELDS]
 
 
-def _machine() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a home directory shared by other CPUs
-    gets one build each)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        return "\n".join(sorted({line for line in info.splitlines() if line.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or $CXX) found")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
-                                        _machine().encode()])).hexdigest()[:16]
-    target = KERNEL_DIR / f"decode_attention-{digest}.so"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        built = Path(tmp) / "decode_attention.so"
-        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{run.stderr[-2000:]}")
-        atomic_write(target, built.read_bytes())
-    log.info("built %s", target)
-    return target
-
-
 _LIBRARY: ctypes.CDLL | None = None  # set by `load`; read while tracing, so a plain global, not a cached call
 _FAILED: list[str] = []  # why the build failed (tried once per process)
 
@@ -109,7 +71,7 @@ def load() -> bool:
     global _LIBRARY
     if _LIBRARY is None and not _FAILED:
         try:
-            library = ctypes.CDLL(str(_build()))
+            library = ctypes.CDLL(str(native.build(SOURCE)))
         except (OSError, RuntimeError) as error:
             _FAILED.append(str(error))
             log.warning("CPU attention kernel unavailable, attention stays a torch expression: %s", error)

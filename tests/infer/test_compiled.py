@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from runner.infer import codebooks, compiled
+from runner.infer import codebooks, compiled, cpu_linear
 from runner.infer.compiled import (CompiledEngine, batch_bucket, compile_options, input_major_weights, length_bucket,
                                    prefill_pieces)
 from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
@@ -230,6 +230,12 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
         assert torch.equal(ours, eager) and torch.equal(again, eager)
     stats = compiled.engine_for(lm.model).stats
     assert sorted(key[-1] for key in stats.compile_s) == [1, 1, 1, 1, 32] and stats.recompiles == 0  # 17..32 columns
+    if cpu_linear.load():  # each compiled step's products ran on runner's kernel: one call per Linear
+        with torch.profiler.profile() as profile:
+            _generate(lm, PROMPTS[:1], "compiled", cache_kind="fp32", max_new_tokens=4, temperature=0)
+        calls = sum(event.count for event in profile.key_averages() if event.key == "runner::linear_rows")
+        linears = sum(isinstance(module, torch.nn.Linear) for module in lm.model.modules())
+        assert calls == 3 * linears  # the prompt's feed makes the first token; three steps the others
 
 
 @pytest.mark.slow

@@ -1,0 +1,72 @@
+"""runner's few-row product kernel (runner::linear_rows) vs aten's, over a real model's Linear weights in the order
+a decode step reads them: one process, interleaved, the weights streamed from memory as in a step (not cache-warm).
+
+    python benchmarks/linear_rows.py [--model zoo:smollm2-135m] [--dtypes float32 bfloat16] [--rows 1 4]
+
+Prints per dtype and rows: median milliseconds to run every Linear once, the read rate (weight bytes / time), that
+rate's fraction of the measured copy bandwidth, and the ratio aten ÷ ours (> 1: ours faster). The largest difference
+between the two products is printed beside, as a fraction of the largest |output|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from runner.infer import cpu_linear  # noqa: E402
+from runner.infer.models import load_model  # noqa: E402
+from runner.infer.timing import copy_bandwidth, time_interleaved  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="zoo:smollm2-135m")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    if not cpu_linear.load():
+        raise SystemExit("runner's linear kernel is not available here (see the log): nothing to compare")
+    bandwidth = copy_bandwidth(torch.device("cpu"))
+    print(f"model={args.model} threads={torch.get_num_threads()} copy={bandwidth / 1e9:.1f} GB/s "
+          f"torch={torch.__version__}")
+    print(f"{'dtype':>9} {'rows':>4} {'aten ms':>8} {'ours ms':>8} {'aten GB/s':>9} {'ours GB/s':>9} "
+          f"{'ours bw':>7} {'aten÷ours':>9} {'max diff':>8}")
+    for dtype in args.dtypes:
+        model = load_model(args.model, dtype=dtype).model
+        weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
+        for rows in args.rows:
+            inputs = {k: torch.randn(rows, k, dtype=model.dtype) for k in {w.shape[1] for w in weights}}
+
+            def aten(tick):
+                for w in weights:
+                    torch.nn.functional.linear(inputs[w.shape[1]], w)
+                tick()
+
+            def ours(tick):
+                for w in weights:
+                    torch.ops.runner.linear_rows(inputs[w.shape[1]], w.t(), None)
+                tick()
+
+            with torch.inference_mode():
+                marks = time_interleaved({"aten": aten, "ours": ours}, args.repeats)
+                diff = max(((torch.nn.functional.linear(inputs[w.shape[1]], w).float()
+                             - torch.ops.runner.linear_rows(inputs[w.shape[1]], w.t(), None).float()).abs().max()
+                            / torch.nn.functional.linear(inputs[w.shape[1]], w).float().abs().max()).item()
+                           for w in weights)
+            seconds = {name: statistics.median(m[-1] for m in runs) for name, runs in marks.items()}
+            ratio = statistics.median(a[-1] / o[-1] for a, o in zip(marks["aten"], marks["ours"]))
+            print(f"{dtype:>9} {rows:>4} {seconds['aten'] * 1e3:>8.1f} {seconds['ours'] * 1e3:>8.1f} "
+                  f"{gigabytes / seconds['aten']:>9.1f} {gigabytes / seconds['ours']:>9.1f} "
+                  f"{gigabytes / seconds['ours'] / (bandwidth / 1e9):>7.2f} {ratio:>9.2f} {diff:>8.1e}", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()

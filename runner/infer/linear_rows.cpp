@@ -1,0 +1,168 @@
+// A few rows through a Linear: y [M,N] = x [M,K] · W [N,K]ᵀ (+ bias [N]), M ≤ MAX_ROWS, float32 or bfloat16,
+// W an nn.Linear's weight as stored (row-major). Registered as the torch op runner::linear_rows; cpu_linear.py
+// builds it and has the compiled decode step call it where a product of M ≤ MAX_ROWS rows would call aten's mm.
+//
+// Why: a decode step is a chain of matrix-vector products that stream the weights once, so its speed is the rate
+// at which they are read. aten's one-row product read SmolLM2's weights at about 11 GB/s on a 2-core Zen 4 whose
+// copy runs at 33 GB/s; this loop reads them at 30 GB/s in float32 (benchmarks/linear_rows.py). Each weight row is
+// read once for all M rows of x; threads split the weight rows (each reads its own part of W).
+//
+// bfloat16: a float is the bf16 bits shifted up 16, so 16 weights become two float vectors with one AND (the odd
+// ones, already in the high halves) and one shift (the even ones); x is split the same way once per call, into
+// even and odd floats of each 16, so the products pair up. Sums are float32 (as aten's bf16 mm accumulates); the
+// result is rounded to bfloat16 once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RUNNER_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t STEP = 16;  // weights per inner step (two vectors of 8 floats)
+
+#ifdef RUNNER_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 16 weights as two float vectors, in the order `split_rows` puts x in.
+inline void load16(const float* w, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(w);
+  b = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const c10::BFloat16* w, __m256& a, __m256& b) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));                            // weights 0, 2, 4, …
+  b = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF0000)));  // weights 1, 3, 5, …
+}
+#endif
+
+// x [M,K] → float32 [M,K] in load16's order for the whole steps of 16 (then the tail as is).
+template <typename T>
+std::vector<float> split_rows(const T* x, int64_t M, int64_t K) {
+  std::vector<float> out(M * K);
+  const int64_t whole = K / STEP * STEP;
+  for (int64_t m = 0; m < M; m++) {
+    const T* row = x + m * K;
+    float* to = out.data() + m * K;
+    for (int64_t k = 0; k < whole; k += STEP)
+      for (int64_t j = 0; j < STEP; j++) {
+        const int64_t at = std::is_same_v<T, c10::BFloat16> ? (j % 2) * 8 + j / 2 : j;
+        to[k + at] = static_cast<float>(row[k + j]);
+      }
+    for (int64_t k = whole; k < K; k++) to[k] = static_cast<float>(row[k]);
+  }
+  return out;
+}
+
+// R weight rows against M rows of x → y [M,N] (row stride N) in T, bias (or nullptr) added before rounding.
+template <int R, int M, typename T>
+inline void block(const T* w, const float* x, const T* bias, T* y, int64_t K, int64_t N) {
+  const int64_t whole = K / STEP * STEP;
+  float sums[M][R] = {};
+#ifdef RUNNER_AVX2
+  __m256 acc[M][R];
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < whole; k += STEP) {
+    __m256 a[R], b[R];
+    for (int r = 0; r < R; r++) load16(w + r * K + k, a[r], b[r]);
+    for (int m = 0; m < M; m++) {
+      const __m256 xa = _mm256_loadu_ps(x + m * K + k), xb = _mm256_loadu_ps(x + m * K + k + 8);
+      for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(b[r], xb, _mm256_fmadd_ps(a[r], xa, acc[m][r]));
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) sums[m][r] = hsum(acc[m][r]);
+#else
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++)
+      for (int64_t k = 0; k < whole; k++) {
+        const int64_t j = k % STEP, at = std::is_same_v<T, c10::BFloat16> ? (j % 2) * 8 + j / 2 : j;
+        sums[m][r] += static_cast<float>(w[r * K + k]) * x[m * K + k - j + at];
+      }
+#endif
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) {
+      float sum = sums[m][r] + (bias ? static_cast<float>(bias[r]) : 0.0f);
+      for (int64_t k = whole; k < K; k++) sum += static_cast<float>(w[r * K + k]) * x[m * K + k];
+      y[m * N + r] = static_cast<T>(sum);  // bfloat16: rounded to nearest even
+    }
+}
+
+// Rows per block: as many accumulators as fit in 16 registers beside the loads.
+template <int M>
+constexpr int rows_per_block() { return M == 1 ? 8 : M == 2 ? 4 : 2; }
+
+template <int M, typename T>
+void product(const T* w, const float* x, const T* bias, T* y, int64_t N, int64_t K) {
+  constexpr int R = rows_per_block<M>();
+  const int64_t blocks = N / R;
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
+  for (int64_t i = 0; i < blocks; i++) block<R, M>(w + i * R * K, x, bias ? bias + i * R : nullptr, y + i * R, K, N);
+  for (int64_t n = blocks * R; n < N; n++) block<1, M>(w + n * K, x, bias ? bias + n : nullptr, y + n, K, N);
+}
+
+template <typename T>
+void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tensor& y, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<float> xs = split_rows(x.data_ptr<T>(), M, K);
+  T* out = y.data_ptr<T>();
+  switch (M) {
+    case 1: product<1>(w, xs.data(), bias, out, N, K); break;
+    case 2: product<2>(w, xs.data(), bias, out, N, K); break;
+    case 3: product<3>(w, xs.data(), bias, out, N, K); break;
+    default: product<4>(w, xs.data(), bias, out, N, K); break;
+  }
+}
+
+// x [M,K]; wt [K,N] = W [N,K] (row-major, as an nn.Linear stores it) transposed, as aten's mm receives it.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wt, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0), "linear_rows: x [M,K] and wt [K,N]");
+  const int64_t M = x.size(0), K = x.size(1), N = wt.size(1);
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "linear_rows: 1 to ", MAX_ROWS, " rows, got ", M);
+  TORCH_CHECK(wt.stride(0) == 1 && (wt.stride(1) == K || N == 1), "linear_rows: wt must be a row-major W [N,K], seen "
+              "transposed (strides (1, K))");
+  TORCH_CHECK(x.scalar_type() == wt.scalar_type(), "linear_rows: x and the weight differ in dtype");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                        bias->scalar_type() == x.scalar_type()), "linear_rows: bias must be [N] in x's dtype");
+  const at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    linear_rows_typed<float>(rows, wt.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, y, N);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_rows: float32 or bfloat16, got ", x.scalar_type());
+    using B = c10::BFloat16;
+    linear_rows_typed<B>(rows, wt.data_ptr<B>(), bias ? bias->data_ptr<B>() : nullptr, y, N);
+  }
+  return y;
+}
+
+bool vectorized() {
+#ifdef RUNNER_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(runner, m) {
+  m.def("linear_rows(Tensor x, Tensor wt, Tensor? bias) -> Tensor");
+  m.def("linear_rows_vectorized() -> bool", &vectorized);
+}
+
+TORCH_LIBRARY_IMPL(runner, CPU, m) { m.impl("linear_rows", &linear_rows); }
