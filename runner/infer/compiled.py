@@ -11,10 +11,11 @@ Generator's loop, its sampling, stop rules and beam reordering work on it unchan
 T = spec_k + 1; other chunk lengths run the same static forward eagerly). A KIVI cache's one-column step is two
 graphs: one without a quantizer for most columns, one for the column in r that completes a block (or a sink).
 Rows past b are dummies that attend only to themselves; their logits are dropped.
-Compilation: inductor, `dynamic=False`. On CPU the step reads the Linear weights from an input-major copy
-(`input_major_weights`: where measured faster, per shape and dtype) through torch.func.functional_call; inductor's freezing was
-no faster here (mode "freezing" still selects it). On CUDA, mode "reduce-overhead" (CUDA graphs) with the cache at
-a static address and the model's own weights. The first call of a shape is timed
+Compilation: inductor, `dynamic=False`. On CPU the step's few-row products run on runner's kernel
+(cpu_linear.OwnProducts rewrites them); where it cannot be built, the step reads the Linear weights from an
+input-major copy (`input_major_weights`: where measured faster, per shape and dtype) through
+torch.func.functional_call. Inductor's freezing was no faster here (mode "freezing" still selects it). On CUDA,
+mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights. The first call of a shape is timed
 apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
 live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
 `recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).

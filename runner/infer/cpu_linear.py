@@ -1,23 +1,24 @@
 """Few-row products on runner's own CPU kernel: linear_rows.cpp, registered as the torch op runner::linear_rows, and
 `OwnProducts`, the inductor pass that puts it in a compiled decode step in place of aten's mm.
 
-Why: a decode step at batch ≤ 4 is a chain of matrix-vector products that stream every weight once; aten's read
-SmolLM2's weights at about 11 GB/s on a 2-core Zen 4 (copy: 33 GB/s), this kernel at 23 (bfloat16) and 30
-(float32) GB/s (benchmarks/linear_rows.py). The pass rewrites, in the graph inductor is about to lower,
+Why: a decode step at a small batch is a chain of few-row products that stream every weight once; aten's one-row
+product read SmolLM2's weights at about 11 GB/s on a 2-core Zen 4 (copy: 32 GB/s), this kernel at 18 (bfloat16)
+and 25 (float32) GB/s (benchmarks/linear_rows.py, docs/performance.md). The pass rewrites, in the graph inductor
+is about to lower,
     mm(x [M,K], wt [K,N])  and  addmm(bias, x, wt)
-where M ≤ MAX_ROWS, both float32 or both bfloat16, and wt is a row-major weight seen transposed (an nn.Linear's
-weight as stored: strides (1, K)) into runner::linear_rows(x, wt, bias). Everything else (longer feeds, batches
-past 4, fp16, torchao's quantized weights, an input-major weight) stays aten's. The op is a C++ op, so a call costs
-what aten's does (about 6 µs from the generated wrapper; a Python custom op cost 20–30).
-Built by runner.infer.native against torch's headers (once per machine); no compiler, a failed build or a CPU
-without AVX2 and FMA → `load()` is False, and the compiled step keeps aten's products.
+where M ≤ MAX_ROWS (8 in float32, 4 in bfloat16), both float32 or both bfloat16, and wt is a row-major weight
+seen transposed (an nn.Linear's weight as stored: strides (1, K)) into runner::linear_rows(x, wt, bias).
+Everything else (longer feeds, batches past MAX_ROWS, fp16, torchao's quantized weights, an input-major weight)
+stays aten's. The op is a C++ op, so a call costs what aten's does (about 6 µs from the generated wrapper; a
+Python custom op cost 20–30).
+Built by runner.infer.native (once per machine); no compiler, a failed build or a CPU without AVX2 and FMA →
+`load()` is False, and the compiled step keeps aten's products.
 Owns: loading the op and the pass. Knows nothing of models, caches or engines.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -26,26 +27,20 @@ from runner.infer import native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("linear_rows.cpp")
-MAX_ROWS = 4  # linear_rows.cpp's MAX_ROWS
-DTYPES = (torch.float32, torch.bfloat16)
-_STATE: dict[str, bool | str] = {}  # "loaded": bool once tried; "error": why not
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}  # past 4 rows aten's bfloat16 product was as fast (linear_rows.py)
+_STATE: dict[str, bool] = {}
 
 
 def load() -> bool:
-    """Build (first time on this machine) and load the op; False when it cannot be (logged once). The kernel is
-    only used where it is vectorized (AVX2 and FMA)."""
-    if "loaded" not in _STATE:
-        try:
-            torch.ops.load_library(str(native.build(SOURCE, torch_headers=True)))
-            _STATE["loaded"] = bool(torch.ops.runner.linear_rows_vectorized())
+    """Load runner's kernels (native.load) and say whether the product is used here: only where it is vectorized
+    (AVX2 and FMA; logged once where not)."""
+    if "usable" not in _STATE:
+        _STATE["usable"] = native.load() and bool(torch.ops.runner.linear_rows_vectorized())
+        if native.load():
             torch.library.register_fake("runner::linear_rows")(_fake)
-            if not _STATE["loaded"]:
-                log.warning("runner's linear kernel has no AVX2/FMA build on this CPU: products stay aten's")
-        except (OSError, RuntimeError) as error:
-            _STATE.update(loaded=False, error=str(error))
-            log.warning("runner's linear kernel unavailable, products stay aten's: %s", error)
-    return bool(_STATE["loaded"])
+            if not _STATE["usable"]:
+                log.warning("runner's product kernel has no AVX2/FMA build on this CPU: products stay aten's")
+    return _STATE["usable"]
 
 
 def _fake(x, wt, bias):  # the op's output for tracing: [M,N] in x's dtype
@@ -57,7 +52,7 @@ def _takes(x, wt) -> bool:
     if not (x.dim() == 2 and wt.dim() == 2 and x.device.type == "cpu" and wt.device.type == "cpu"):
         return False
     rows, inner = x.shape
-    return (isinstance(rows, int) and 1 <= rows <= MAX_ROWS and x.dtype == wt.dtype and x.dtype in DTYPES
+    return (isinstance(rows, int) and 1 <= rows <= MAX_ROWS.get(x.dtype, 0) and x.dtype == wt.dtype
             and tuple(wt.stride()) == (1, inner))
 
 
@@ -91,4 +86,4 @@ class OwnProducts(CustomGraphPass):
             OwnProducts.replaced += 1
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__, str(SOURCE)))
+        return get_hash_for_files((__file__, *map(str, native.SOURCES)))

@@ -1,4 +1,5 @@
-// One-query attention over a KV cache read in its stored format (runner/infer/cpu_attention.py builds and calls it).
+// One-query attention over a KV cache read in its stored format (attention_ops.cpp makes it two torch ops;
+// runner/infer/cpu_attention.py hands them a layer's tensors).
 //
 // Two passes over the columns of each (row, KV head): `runner_scores` decodes a key column once into a float row
 // and takes its dot product with the G query heads of that KV head; `runner_weighted` decodes a value column once
@@ -8,6 +9,8 @@
 // A call reads one or more `Segment`s: stores that each hold a range of the attention's columns (KIVI: the sinks,
 // the quantized region, the full-precision ring), so one softmax covers them with no copy in between.
 // Layouts are runner/infer/quant.py's and static.py's; `Store` says which one a tensor has.
+#include "decode_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,40 +22,7 @@
 #define RUNNER_AVX2 1
 #endif
 
-enum Format { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4, NF4 = 5, Q4_1 = 6, KIVI_VALUE = 7, KIVI_KEY = 8 };
-
-struct Store {          // mirrored by cpu_attention.Store
-  int64_t format;
-  int64_t dim;          // values a column holds (head_dim)
-  int64_t bits;         // KIVI: 2, 3 or 4
-  int64_t group;        // KIVI values: channels per block; KIVI keys: columns per group
-  int64_t plane;        // KIVI values at 2 and 4 bits: bytes of a plane group (quant.plane_bytes)
-  int64_t padded;       // KIVI values: channels coded, whole blocks
-  int64_t chunk;        // KIVI outliers: columns per chunk (g)
-  int64_t count;        // KIVI outliers per chunk (k; 0: none)
-  int64_t index_bytes;  // 2 or 4: int16 or int32 outlier indices
-  const uint8_t* codes; int64_t codes_bh;        // bytes from one (row, head) to the next
-  const uint8_t* scales; int64_t scales_bh;      // fp16
-  const uint8_t* mins; int64_t mins_bh;          // fp16, KIVI
-  const uint8_t* outliers; int64_t outliers_bh;  // fp16 [chunks, k], KIVI
-  const uint8_t* index; int64_t index_bh;        // [chunks, k] ascending, into a chunk's columns × dim, KIVI
-  const float* levels;  // nf4's 16 levels; KIVI: 2^bits levels (0, 1, 2, ... when uniform)
-  // Derived by cpu_attention._segments, so that no column divides: an integer division costs as much as decoding
-  // a few values (measured: one per 8 values made the KIVI value pass 17 % slower).
-  int64_t blocks;       // KIVI values: blocks per column (padded / group)
-  int64_t group_shift;  // log2(group) when a power of 2, else -1
-  int64_t chunk_shift;  // log2(chunk) when a power of 2, else -1
-  int64_t uniform;      // KIVI: levels are 0, 1, 2, ... (a code converts to its level, no lookup)
-};
-
 static inline int64_t divide(int64_t t, int64_t d, int64_t shift) { return shift >= 0 ? t >> shift : t / d; }
-
-struct Segment {        // mirrored by cpu_attention.Segment
-  Store store;
-  int64_t start, start_plus_limit, stop, stop_plus_limit;  // columns [start (+ limit), stop (+ limit)) of the call
-  int64_t base, modulo;  // column t is the store's column (t − base), mod `modulo` when it is not 0 (a ring)
-  int64_t query, output;  // which query rows it is taken against (scores) / which output it adds to (weighted)
-};
 
 static inline int64_t first_column(const Segment& g, int64_t limit, int64_t S) {
   return std::clamp<int64_t>(g.start + g.start_plus_limit * limit, 0, S);
@@ -643,8 +613,6 @@ static void weighted_impl(const Segment& segment, const float* probs, float* par
     case KIVI_KEY: FN<KIVI_KEY>(SEGMENT, __VA_ARGS__); break;        \
   }
 
-extern "C" {
-
 // scores [B·H,G,S]: -inf, then each segment's columns; queries [Q,B·H,G,D], a segment reading set `query`. One
 // parallel region for all of it (segments hold disjoint columns).
 void runner_scores(const Segment* segments, int64_t count, const float* queries, const uint8_t* mask,
@@ -690,4 +658,3 @@ void runner_weighted(const Segment* segments, int64_t count, int64_t outputs, co
   }
 }
 
-}  // extern "C"

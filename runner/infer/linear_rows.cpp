@@ -1,10 +1,11 @@
 // A few rows through a Linear: y [M,N] = x [M,K] · W [N,K]ᵀ (+ bias [N]), M ≤ MAX_ROWS, float32 or bfloat16,
-// W an nn.Linear's weight as stored (row-major). Registered as the torch op runner::linear_rows; cpu_linear.py
-// builds it and has the compiled decode step call it where a product of M ≤ MAX_ROWS rows would call aten's mm.
+// W an nn.Linear's weight as stored (row-major). Registered as the torch op runner::linear_rows (native.py builds
+// it); cpu_linear.py's pass has the compiled decode step call it where a product of M ≤ MAX_ROWS rows would call
+// aten's mm.
 //
 // Why: a decode step is a chain of matrix-vector products that stream the weights once, so its speed is the rate
 // at which they are read. aten's one-row product read SmolLM2's weights at about 11 GB/s on a 2-core Zen 4 whose
-// copy runs at 33 GB/s; this loop reads them at 30 GB/s in float32 (benchmarks/linear_rows.py). Each weight row is
+// copy runs at 32 GB/s; this loop reads them at 25 GB/s in float32 (benchmarks/linear_rows.py). Each weight row is
 // read once for all M rows of x; threads split the weight rows (each reads its own part of W).
 //
 // bfloat16: a float is the bf16 bits shifted up 16, so 16 weights become two float vectors with one AND (the odd
@@ -27,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 8;
 constexpr int64_t STEP = 16;  // weights per inner step (two vectors of 8 floats)
 
 #ifdef RUNNER_AVX2
@@ -104,7 +105,7 @@ inline void block(const T* w, const float* x, const T* bias, T* y, int64_t K, in
 
 // Rows per block: as many accumulators as fit in 16 registers beside the loads.
 template <int M>
-constexpr int rows_per_block() { return M == 1 ? 8 : M == 2 ? 4 : 2; }
+constexpr int rows_per_block() { return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1; }
 
 template <int M, typename T>
 void product(const T* w, const float* x, const T* bias, T* y, int64_t N, int64_t K) {
@@ -124,7 +125,11 @@ void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tenso
     case 1: product<1>(w, xs.data(), bias, out, N, K); break;
     case 2: product<2>(w, xs.data(), bias, out, N, K); break;
     case 3: product<3>(w, xs.data(), bias, out, N, K); break;
-    default: product<4>(w, xs.data(), bias, out, N, K); break;
+    case 4: product<4>(w, xs.data(), bias, out, N, K); break;
+    case 5: product<5>(w, xs.data(), bias, out, N, K); break;
+    case 6: product<6>(w, xs.data(), bias, out, N, K); break;
+    case 7: product<7>(w, xs.data(), bias, out, N, K); break;
+    default: product<8>(w, xs.data(), bias, out, N, K); break;
   }
 }
 

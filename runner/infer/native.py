@@ -1,12 +1,13 @@
-"""C++ sources of runner's CPU kernels, built once per machine with the system's compiler.
+"""runner's C++ kernels (a few-row product, attention over a cache in its stored format), built once per machine with
+the system's compiler into one library of torch ops, and loaded.
 
-    build(source, torch_headers=False) → path of the shared library under ~/.cache/runner/kernels/<name>-<hash>.so
+    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted} exist in this process
 
-The hash covers the source, the flags, the compiler and this CPU (-march=native: a home directory shared by other
-CPUs gets one build each), and with torch_headers torch's version, so a changed source or another torch builds anew.
-A source with torch_headers registers torch ops (TORCH_LIBRARY) and is loaded with torch.ops.load_library; one without
-is plain C, loaded with ctypes. Raises RuntimeError when there is no compiler or the build fails; callers fall back.
-Owns: compiling and caching. Knows nothing of what the kernels do.
+The library goes to ~/.cache/runner/kernels/runner_kernels-<hash>.so; the hash covers the sources, the flags, the
+compiler, this CPU (-march=native: a home directory shared by other CPUs gets one build each) and torch's version
+(the ops are built against its headers, as torch.utils.cpp_extension would). No compiler, or a failed build: load()
+is False, logged once, and callers keep their torch expressions.
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py do).
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from runner.files import atomic_write
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
+                                         "decode_attention.h"))  # headers hashed, .cpp compiled
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+_STATE: dict[str, bool] = {}
 
 
 def _machine() -> str:
@@ -40,31 +45,44 @@ def _machine() -> str:
 
 
 def _torch_flags() -> list[str]:
-    """Compile and link flags for a source that includes torch's headers (as torch.utils.cpp_extension would)."""
+    """Compile and link flags for sources that include torch's headers."""
     from torch.utils import cpp_extension
 
     library_dir = Path(torch.__file__).parent / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths()),
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{path}" for path in cpp_extension.include_paths()),
             f"-L{library_dir}", f"-Wl,-rpath,{library_dir}", "-lc10", "-ltorch_cpu"]
 
 
-def build(source: Path, torch_headers: bool = False) -> Path:
-    """The shared library of `source`, compiled now unless this machine already has it."""
+def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> Path:
+    """The shared library of `sources`, compiled now unless this machine already has it."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or $CXX) found")
-    flags = [*FLAGS, *(_torch_flags() if torch_headers else ["-std=c++17"])]
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(flags).encode(), compiler.encode(),
-                                        _machine().encode(), torch.__version__.encode()])).hexdigest()[:16]
-    target = KERNEL_DIR / f"{source.stem}-{digest}.so"
+    flags = [*FLAGS, *_torch_flags()]
+    digest = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), " ".join(flags).encode(),
+                                        compiler.encode(), _machine().encode(), torch.__version__.encode()]))
+    target = KERNEL_DIR / f"{name}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        built = Path(tmp) / f"{source.stem}.so"
-        run = subprocess.run([compiler, str(source), "-o", str(built), *flags], capture_output=True, text=True)
+        built = Path(tmp) / f"{name}.so"
+        compiled = [str(s) for s in sources if s.suffix == ".cpp"]
+        run = subprocess.run([compiler, *compiled, "-o", str(built), *flags], capture_output=True, text=True)
         if run.returncode:
-            raise RuntimeError(f"{compiler} failed on {source.name}:\n{run.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(s.name for s in sources)}:\n{run.stderr[-2000:]}")
         atomic_write(target, built.read_bytes())
     log.info("built %s", target)
     return target
+
+
+def load() -> bool:
+    """Build (first time on this machine) and load the ops; False when they cannot be (logged once)."""
+    if "loaded" not in _STATE:
+        try:
+            torch.ops.load_library(str(build()))
+            _STATE["loaded"] = True
+        except (OSError, RuntimeError) as error:
+            _STATE["loaded"] = False
+            log.warning("runner's C++ kernels unavailable, products and attention stay torch expressions: %s", error)
+    return _STATE["loaded"]

@@ -11,7 +11,7 @@ from transformers.cache_utils import StaticLayer
 from runner.infer import cpu_attention
 from runner.infer.quant import NF4_LEVELS, dequantize_expr, quantize
 
-NF4_KERNEL_LEVELS = cpu_attention.levels16(NF4_LEVELS)  # one tensor: cpu_attention keeps its Store by address
+NF4_KERNEL_LEVELS = cpu_attention.levels16(NF4_LEVELS)  # made once, not at every step
 
 
 class StaticPlainLayer(StaticLayer):

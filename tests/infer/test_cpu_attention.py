@@ -94,20 +94,19 @@ def test_an_outlier_in_a_group_whose_scale_is_zero_is_read_exactly(kind, side):
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_a_static_step_reads_the_cache_through_the_kernel(tiny_lm, monkeypatch):
+def test_a_static_step_reads_the_cache_through_the_kernel(tiny_lm):
     """The compiled engine's step (run uncompiled here) hands its cache to attention, which calls the kernel once
     per layer and step for keys and once for values."""
     from runner.infer.compiled import CompiledEngine
 
-    calls = []
-    real = cpu_attention.cache_scores
-    monkeypatch.setattr(cpu_attention, "cache_scores", lambda *a: calls.append(1) or real(*a))
     engine = CompiledEngine(tiny_lm.model, compile=False)
     state = engine.state("q4_0", 1, 32, 64)
     state.prefill(tiny_lm.model, torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long))
-    calls.clear()
-    state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
-    assert len(calls) == tiny_lm.model.config.num_hidden_layers
+    with torch.profiler.profile() as profile:
+        state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
+    calls = {event.key: event.count for event in profile.key_averages()}
+    layers = tiny_lm.model.config.num_hidden_layers
+    assert calls.get("runner::cache_scores") == layers and calls.get("runner::cache_weighted") == layers
 
 
 @pytest.mark.parametrize("kind, storage, read", [("fp32", torch.float32, True), ("bf16", torch.bfloat16, True),

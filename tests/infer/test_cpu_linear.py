@@ -13,7 +13,7 @@ SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, rows):
     """float32: float32 sums of K products, |error| ≤ 1e-5·Σ|x·w|; bfloat16: those sums rounded to bfloat16 once,
     |error| ≤ 2⁻⁸·|y| (half an ulp is 2⁻⁹) + 1e-5·Σ|x·w|."""
@@ -29,11 +29,11 @@ def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, rows):
             assert ((got.double() - want).abs() <= bound).all(), (n, k, b is None)
 
 
-@pytest.mark.parametrize("case", ["five rows", "input-major weight", "dtypes differ", "float16"])
+@pytest.mark.parametrize("case", ["nine rows", "input-major weight", "dtypes differ", "float16"])
 def test_what_it_does_not_serve_is_an_error_saying_so(case):
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     wt = {"input-major weight": w.t().contiguous()}.get(case, w.t())
-    x = {"five rows": torch.randn(5, 64), "dtypes differ": x.bfloat16(), "float16": x.half()}.get(case, x)
+    x = {"nine rows": torch.randn(9, 64), "dtypes differ": x.bfloat16(), "float16": x.half()}.get(case, x)
     if case == "float16":
         wt = wt.half()
     with pytest.raises(RuntimeError, match="linear_rows: .*(rows|row-major|dtype|float32 or bfloat16)"):
@@ -56,7 +56,7 @@ def _targets(module: torch.fx.GraphModule) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_pass_rewrites_few_row_products_on_stored_weights(dtype):
-    """Two Linears as a model has them (one with a bias, inputs [B,T,K]): both rewritten at B·T ≤ 4, the result
+    """Two Linears as a model has them (one with a bias, inputs [B,T,K]): both rewritten at B·T ≤ 8, the result
     aten's within rounding."""
     def two_linears(x, w1, b1, w2):
         return torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1).relu(), w2)
@@ -70,10 +70,13 @@ def test_the_pass_rewrites_few_row_products_on_stored_weights(dtype):
     torch.testing.assert_close(module(*args), two_linears(*args), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("case", ["eight rows", "input-major weight", "float16"])
+@pytest.mark.parametrize("case", ["sixteen rows", "bfloat16, eight rows", "input-major weight", "float16"])
 def test_the_pass_leaves_what_the_kernel_does_not_serve_to_aten(case):
-    x = torch.randn(8 if case == "eight rows" else 1, 48)
+    """Past MAX_ROWS (float32 16 rows; bfloat16 8, where aten's product was as fast), other layouts and dtypes."""
+    x = torch.randn({"sixteen rows": 16, "bfloat16, eight rows": 8}.get(case, 1), 48)
     w = torch.randn(40, 48)
+    if case == "bfloat16, eight rows":
+        x, w = x.bfloat16(), w.bfloat16()
     if case == "input-major weight":
         w = w.t().contiguous().t()  # same values, transposed storage (what input_major_weights makes)
     if case == "float16":
