@@ -15,10 +15,11 @@ Compilation: inductor, `dynamic=False`. On CPU the step's few-row products run o
 (cpu_linear.OwnProducts rewrites them); where it cannot be built, the step reads the Linear weights from an
 input-major copy (`input_major_weights`: where measured faster, per shape and dtype) through
 torch.func.functional_call. Inductor's freezing was no faster here (mode "freezing" still selects it). On CUDA,
-mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights. The first call of a shape is timed
-apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode timing; inductor's caches
-live under ~/.cache/runner/inductor, so a second process starts faster. `compiles` counts graphs dynamo made,
-`recompiles` those beyond one per shape (a generation that recompiles is a bug this number shows).
+mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights. The first
+call of a shape is timed apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode
+timing; inductor's caches live under ~/.cache/runner/inductor, so a second process starts faster. `compiles`
+counts graphs dynamo made, `recompiles` those beyond one per shape (a generation that recompiles is a bug this
+number shows).
 The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
 Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
 stop rules, timing harnesses or manifests.
@@ -177,7 +178,8 @@ class CompiledEngine:
         self.weights = None if self.cuda or self.own_products else input_major_weights(model)
         if compile:
             use_compile_cache()
-            self.step = torch.compile(decode_step, dynamic=False, options=compile_options(self.mode, self.own_products))
+            options = compile_options(self.mode, self.own_products)
+            self.step = torch.compile(decode_step, dynamic=False, options=options)
         else:
             self.step, self.mode = decode_step, "eager"
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
