@@ -12,16 +12,17 @@ pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="no C++ compiler, 
 SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails of 8 rows and of 16 columns
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, widest", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, rows):
+def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
     """float32: float32 sums of K products, |error| ≤ 1e-5·Σ|x·w|; bfloat16: those sums rounded to bfloat16 once,
-    |error| ≤ 2⁻⁸·|y| (half an ulp is 2⁻⁹) + 1e-5·Σ|x·w|."""
+    |error| ≤ 2⁻⁸·|y| (half an ulp is 2⁻⁹) + 1e-5·Σ|x·w|. bfloat16 both ways: `widest` (vdpbf16ps where the CPU has
+    AVX-512 BF16) and the AVX2 path every x86-64 CPU with AVX2 takes."""
     generator = torch.Generator().manual_seed(rows)
     for n, k in SHAPES:
         x, w, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((rows, k), (n, k), (n,)))
         for b in (None, bias):
-            got = torch.ops.runner.linear_rows(x, w.t(), b)
+            got = torch.ops.runner.linear_rows(x, w.t(), b, widest)
             want = x.double() @ w.double().t() + (0 if b is None else b.double())
             magnitude = x.double().abs() @ w.double().abs().t()
             bound = 1e-5 * magnitude + (2**-8 * want.abs() if dtype == torch.bfloat16 else 0)
