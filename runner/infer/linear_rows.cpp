@@ -10,8 +10,8 @@
 //
 // bfloat16 (AVX2): a float is the bf16 bits shifted up 16, so 16 weights become two float vectors with one AND
 // (the odd ones, already in the high halves) and one shift (the even ones); x is split the same way once per call,
-// into even and odd floats of each 16, so the products pair up (with AVX-512 BF16: `block_dp`). Sums are float32 (as aten's bf16 mm accumulates); the
-// result is rounded to bfloat16 once.
+// into even and odd floats of each 16, so the products pair up (with AVX-512 BF16: `block_dp`). Sums are float32
+// (as aten's bf16 mm accumulates); the result is rounded to bfloat16 once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
