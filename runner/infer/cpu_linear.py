@@ -58,7 +58,7 @@ def _takes(x, wt) -> bool:
 
 class OwnProducts(CustomGraphPass):
     """Inductor's post-grad pass: few-row mm/addmm on row-major weights → runner::linear_rows. `replaced` counts
-    the products it rewrote in the graphs it saw (what tests and logs read)."""
+    the products it rewrote in the graphs it saw (what the tests read)."""
 
     replaced = 0
 
@@ -76,8 +76,10 @@ class OwnProducts(CustomGraphPass):
             values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (x, wt)]
             if any(v is None for v in values) or not _takes(*values):
                 continue
-            if bias is not None and (bias.meta.get("val") is None or bias.meta["val"].dim() != 1):
-                continue  # addmm's bias as a Linear has it: [N]
+            shift = bias.meta.get("val") if bias is not None else None
+            if bias is not None and (shift is None or shift.dim() != 1 or shift.dtype != values[0].dtype
+                                     or shift.stride() != (1,)):
+                continue  # the op takes a bias as a Linear has it: [N] contiguous, in x's dtype
             with graph.inserting_before(node):
                 product = graph.call_function(torch.ops.runner.linear_rows.default, (x, wt, bias))
             product.meta.update(node.meta)
