@@ -16,7 +16,7 @@
 
 namespace {
 
-constexpr int64_t LAYOUT = 7 + 8;  // cpu_attention.LAYOUT: ints per segment
+constexpr int64_t LAYOUT = 7 + 8;  // ints per segment: Side.layout (7), then cpu_attention.SEGMENT_FIELDS (8)
 
 // (address, bytes from one (row, head) to the next) of a contiguous [B,H,…] tensor; (nullptr, 0) for none or empty.
 std::pair<const uint8_t*, int64_t> per_head(const std::optional<at::Tensor>& t, int64_t heads) {

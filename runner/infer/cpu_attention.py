@@ -22,14 +22,11 @@ Owns: the ops' arguments and their fake tensors. Knows nothing of cache classes,
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from runner.infer import native
-
-log = logging.getLogger(__name__)
 
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "nf4": 5, "q4_1": 6, "kivi_value": 7,
            "kivi_key": 8}

@@ -35,8 +35,9 @@ def load() -> bool:
     """Load runner's kernels (native.load) and say whether the product is used here: only where it is vectorized
     (AVX2 and FMA; logged once where not)."""
     if "usable" not in _STATE:
-        _STATE["usable"] = native.load() and bool(torch.ops.runner.linear_rows_vectorized())
-        if native.load():
+        loaded = native.load()
+        _STATE["usable"] = loaded and bool(torch.ops.runner.linear_rows_vectorized())
+        if loaded:
             torch.library.register_fake("runner::linear_rows")(_fake)
             if not _STATE["usable"]:
                 log.warning("runner's product kernel has no AVX2/FMA build on this CPU: products stay aten's")
