@@ -25,7 +25,8 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from compiled_kinds import model_parser  # noqa: E402  (benchmarks/ is the script's directory)
 
-from runner.infer.compiled import PREFILL_MAX, engine_for  # noqa: E402
+from runner.infer.compiled import engine_for
+from runner.infer.static_state import PREFILL_MAX  # noqa: E402
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
 from runner.infer.forward import sync  # noqa: E402

@@ -2,15 +2,12 @@
 per shape, so a generation never recompiles.
 
 In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
-    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager; or compiled in
-    `prefill_pieces`, the last padded on the right) → StaticDecodeState.feed → decode_step (compiled: [B,T] ids,
-    [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V])
-`StaticDecodeState` has DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length), so the
-Generator's loop, its sampling, stop rules and beam reordering work on it unchanged; speculative decoding uses
-`feed_row` / `get_seq_length` / `crop` on a batch-1 state (verification of k+1 tokens is one compiled step of
-T = spec_k + 1; other chunk lengths run the same static forward eagerly). A KIVI cache's one-column step is two
-graphs: one without a quantizer for most columns, one for the column in r that completes a block (or a sink).
-Rows past b are dummies that attend only to themselves; their logits are dropped.
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → static_state.StaticDecodeState.prefill (eager; or
+    compiled in `prefill_pieces`, the last padded on the right) → .feed → CompiledEngine.call → decode_step
+    (compiled: [B,T] ids, [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V])
+Speculative verification of k+1 tokens is one compiled step of T = spec_k + 1; other chunk lengths run the same
+static forward eagerly. A KIVI cache's one-column step is two graphs: one without a quantizer for most columns, one
+for the column in r that completes a block (or a sink).
 Compilation: inductor, `dynamic=False`. On CPU the step's few-row products run on runner's kernel
 (cpu_linear.OwnProducts rewrites them); where it cannot be built, the step reads the Linear weights from an
 input-major copy (`input_major_weights`: where measured faster, per shape and dtype) through
@@ -20,9 +17,14 @@ call of a shape is timed apart (`compile_s`, logged on its own line) by a warm-u
 timing; inductor's caches live under ~/.cache/runner/inductor, so a second process starts faster. `compiles`
 counts graphs dynamo made, `recompiles` those beyond one per shape (a generation that recompiles is a bug this
 number shows).
+Guards: each graph (shape × coding) is decode_step under a code object of its own (`_own_step`), so dynamo holds
+one graph per function and never has to choose among graphs. A graph's first call after its warm-up evaluates
+its guards (a mismatch recompiles and is counted); later calls skip them (dynamo's skip_guard_eval_unsafe),
+which cost 2.4 ms of a 30 ms SmolLM2 step (fp16 cache, 1k columns, measured on this project's 2-core CPU). Safe
+because a function only ever sees its own shape: the engine picks it by key.
 The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
-Owns: the engine registry, buckets, masks of static caches, the compiled step. Does not know about sampling,
-stop rules, timing harnesses or manifests.
+Owns: the engine registry, buckets, static caches, the compiled steps and what compiling cost. Does not know
+about sampling, stop rules, timing harnesses or manifests.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,9 +42,10 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer import cpu_linear
-from runner.infer.attention import STATIC_CACHE, reduced_attention
-from runner.infer.forward import positions_from, sync
+from runner.infer.attention import reduced_attention
+from runner.infer.forward import sync
 from runner.infer.static import StaticKVCache, make_static_cache
+from runner.infer.static_state import StaticDecodeState, decode_step, prefill_pieces, set_writes
 from runner.infer.timing import time_interleaved, time_once
 from runner.infer.weights import is_quantized
 
@@ -50,7 +54,6 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_COLUMNS = 256  # length buckets: powers of two from here, capped by the caller's max_seq_len
 MAX_CACHES = 3  # static caches an engine keeps (target and draft of a self-drafting model, and one more)
-PREFILL_MIN, PREFILL_MAX = 16, 512  # compiled prefill pieces: powers of two between these (prefill_pieces)
 CACHE_DIR = Path.home() / ".cache" / "runner" / "inductor"
 
 
@@ -76,33 +79,6 @@ def use_compile_cache() -> None:
     inductor_config.fx_graph_cache = True
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)  # one graph per shape, many shapes
 
-
-# --- masks over static columns -----------------------------------------------------------------------------------
-
-def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bool, dtype: torch.dtype) -> torch.Tensor:
-    """[B,S] real columns (1 = a real token written there) and the [T] columns being fed → [B,1,T,S] attention
-    mask: a query sees the real columns up to its own, and always itself (a pad or dummy query then attends to
-    something, so no row of softmax is empty). Boolean for sdpa, additive for eager attention."""
-    span = torch.arange(mask2d.shape[1], device=mask2d.device)  # [S]
-    causal = span[None, :] <= columns[:, None]  # [T,S]
-    allowed = (mask2d[:, None, None, :].bool() & causal[None, None]) | (span[None, :] == columns[:, None])[None, None]
-    if not eager_attention:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask2d.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
-                end: torch.Tensor, mask2d: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
-    """[B,T] ids at [B,T] positions into `columns` [T] of the cache (those from `end`, 0-d, on are padding),
-    [B,S] real columns → [B,T,V] logits, with the model's own parameters or `weights` in their place. The function
-    the engine compiles (one graph per shape); other lengths run it eagerly."""
-    cache.columns, cache.end = columns, end
-    eager = model.config._attn_implementation == "eager"
-    attention = static_mask(mask2d, columns, eager, model.dtype)
-    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                  use_cache=True, logits_to_keep=ids.shape[1], **{STATIC_CACHE: cache})
-    out = model(**inputs) if weights is None else torch.func.functional_call(model, weights, (), inputs)
-    return out.logits
 
 
 def input_major_weights(model, repeats: int = 5) -> dict[str, torch.Tensor]:
@@ -176,12 +152,14 @@ class CompiledEngine:
         self.mode = mode or ("reduce-overhead" if self.cuda else "default")
         self.own_products = not self.cuda and cpu_linear.load()  # few-row products on runner's kernel
         self.weights = None if self.cuda or self.own_products else input_major_weights(model)
+        self.compiled = compile
         if compile:
             use_compile_cache()
-            options = compile_options(self.mode, self.own_products)
-            self.step = torch.compile(decode_step, dynamic=False, options=options)
+            self.options = compile_options(self.mode, self.own_products)
         else:
-            self.step, self.mode = decode_step, "eager"
+            self.mode = "eager"
+        self.steps: dict[tuple, object] = {}  # (kind, rows, columns, new columns, coding) → its compiled step
+        self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
         self.max_caches = max_caches
         self.warm: set[tuple] = set()  # (kind, rows, columns, new columns) already compiled
@@ -201,7 +179,7 @@ class CompiledEngine:
         for length in step_lengths:
             if length <= key[2]:
                 self._compile(cache, (*key, length))
-        return StaticDecodeState(self, cache, batch, step_lengths, compiled_prefill=prefill > 0)
+        return StaticDecodeState(self, key, cache, batch, step_lengths, compiled_prefill=prefill > 0)
 
     def _cache(self, key: tuple) -> StaticKVCache:
         """The cache of (kind, rows, columns, slot), made if not kept; the least recently used past max_caches
@@ -233,10 +211,11 @@ class CompiledEngine:
         before = _graph_count()
         self.stats.compile_s[key] = 0.0
         for coding in (False, True) if new == 1 and cache.codes_columns() else (new != 1,):
-            self._code(cache, new, coding)  # as `call` will
+            set_writes(cache, self.model, new, coding)  # as `call` will
+            step = self._own_step((*key, coding))
             with reduced_attention(self.model):
                 self.stats.compile_s[key] += time_once(  # no aliased inputs
-                    lambda: self.step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
+                    lambda: step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
                     sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
@@ -244,20 +223,32 @@ class CompiledEngine:
             log.info("compile: step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
                      key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
-    def _code(self, cache: StaticKVCache, new: int, coding: bool) -> None:
-        """Set the cache's writes for a step of `new` columns: coding KIVI blocks and sinks (steps of several
-        columns always), and handing attention K/V views only where the kernel does not read every layer."""
-        cache.code_blocks(new != 1 or coding, views=not (new == 1 and cache.kernel_attends(self.model.dtype)))
+    def _own_step(self, key: tuple):
+        """The step of `key` (kind, rows, columns, new columns, coding): decode_step compiled under a code object of
+        its own, since dynamo keeps its graphs per code object (the module docstring's Guards)."""
+        if not self.compiled:
+            return decode_step
+        if key not in self.steps:
+            name = f"decode_step_{len(self.steps)}"
+            code = decode_step.__code__.replace(co_name=name, co_qualname=name)
+            function = types.FunctionType(code, decode_step.__globals__, name, decode_step.__defaults__)
+            self.steps[key] = torch.compile(function, dynamic=False, options=self.options)
+        return self.steps[key]
 
-    def call(self, cache: StaticKVCache, ids, positions, columns, end, mask2d, coding: bool = False) -> torch.Tensor:
-        """The compiled step ([B,T,V] logits); a graph made here is a recompilation, counted and logged. A KIVI
-        cache has two one-column graphs: the usual one, which codes no block and keeps no sink (no quantizer in
-        it), and `coding`'s, for the one column in r that completes a block or a sink column
-        (StaticKVCache.needs_coding)."""
+    def call(self, key: tuple, cache: StaticKVCache, ids, positions, columns, end, mask2d,
+             coding: bool = False) -> torch.Tensor:
+        """The compiled step of a state's key (kind, rows, columns) → [B,T,V] logits; a graph made here is a
+        recompilation, counted and logged. A KIVI cache has two one-column graphs: the usual one, which codes no
+        block and keeps no sink (no quantizer in it), and `coding`'s, for the one column in r that completes a
+        block or a sink column (StaticKVCache.needs_coding). Guards are evaluated on a graph's first call only
+        (the module docstring's Guards)."""
         before = _graph_count()
-        self._code(cache, ids.shape[1], coding)
-        with reduced_attention(self.model):
-            logits = self.step(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
+        coding = coding or ids.shape[1] != 1  # steps of several columns always code
+        set_writes(cache, self.model, ids.shape[1], coding)
+        key = (*key, ids.shape[1], coding)
+        with reduced_attention(self.model), torch.compiler.set_stance(skip_guard_eval_unsafe=key in self.trusted):
+            logits = self._own_step(key)(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
+        self.trusted.add(key)
         made = _graph_count() - before
         if made:
             self.stats.compiles += made
@@ -300,118 +291,3 @@ def check_compilable(model) -> None:
     if types != {"full_attention"}:
         raise InferenceError(f"engine 'compiled' serves models whose layers all use full attention; "
                              f"{text.model_type} has {sorted(types)}: use engine: eager")
-
-
-# --- the state the Generator and the speculative rounds drive ------------------------------------------------------
-
-def prefill_pieces(columns: int) -> list[tuple[int, int]]:
-    """A prompt of `columns` → (real, padded) columns of each compiled prefill piece: whole pieces of PREFILL_MAX,
-    then the rest padded on the right to a power of two ≥ PREFILL_MIN (a few shapes serve every prompt)."""
-    pieces = [(PREFILL_MAX, PREFILL_MAX)] * (columns // PREFILL_MAX)
-    rest, padded = columns % PREFILL_MAX, PREFILL_MIN
-    while padded < rest:
-        padded *= 2
-    return pieces + ([(rest, padded)] if rest else [])
-
-
-def _right_pad(t: torch.Tensor, extra: int) -> torch.Tensor:
-    """[b,T] → [b,T+extra], zeros after (pad id 0, position 0, mask 0: the padding is never attended to)."""
-    return t if extra == 0 else torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1)
-
-
-class StaticDecodeState:
-    """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far."""
-
-    def __init__(self, engine: CompiledEngine, cache: StaticKVCache, batch: int, step_lengths: tuple[int, ...],
-                 compiled_prefill: bool = False):
-        self.engine, self.cache, self.rows, self.step_lengths = engine, cache, batch, step_lengths
-        self.compiled_prefill = compiled_prefill  # prompts in compiled pieces (prefill_pieces), not eagerly
-        self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=engine.device)  # [B,S]
-        self.seen: torch.Tensor | None = None  # [b] real tokens so far
-        self.length = 0
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """[b,length] mask of what was fed (DecodeState's field)."""
-        return self.columns[:self.rows, :self.length]
-
-    def _pad(self, t: torch.Tensor, fill: int = 0) -> torch.Tensor:
-        """[b,...] → [B,...], dummy rows filled with `fill`."""
-        extra = self.cache.batch - self.rows
-        return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
-
-    def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
-                 compiled: bool = True, real: int | None = None) -> torch.Tensor:
-        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits; compiled when T is a step
-        length, else the same static forward run eagerly. Only the first `real` columns (default all) count: the
-        rest are padding, masked, and the next write goes over them."""
-        t = ids.shape[1]
-        real = t if real is None else real
-        if self.length + t > self.cache.length:
-            raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
-                                 f"{self.length + t}: raise max_seq_len or start a new conversation")
-        columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
-        self.columns[:, self.length:self.length + t] = self._pad(new_mask)
-        args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
-        if compiled and t in self.step_lengths:
-            logits = self.engine.call(*args, coding=t == 1 and self.cache.needs_coding(self.length, real))
-        else:
-            self.engine._code(self.cache, t, True)
-            with reduced_attention(model):
-                logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)
-        self.length += real
-        return logits[:self.rows]
-
-    def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
-                hidden: bool = False) -> tuple[torch.Tensor, None]:
-        """[b,T] ids and mask → (last logits [b,V], None). In `prefill_pieces` when their padded lengths were
-        compiled (prefill: compiled), each piece one compiled step; else eager static forwards, q_chunk columns at
-        a time."""
-        if hidden:
-            raise InferenceError("engine 'compiled' does not return hidden states (contrastive search): use eager")
-        positions = positions_from(self.seen, new_mask)  # [b,T]
-        self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)
-        if self.compiled_prefill and not q_chunk:
-            start = 0
-            for real, padded in prefill_pieces(ids.shape[1]):
-                part = slice(start, start + real)
-                extra = padded - real if padded in self.step_lengths else 0  # not compiled up front: eager, unpadded
-                logits = self._forward(model, _right_pad(ids[:, part], extra), _right_pad(positions[:, part], extra),
-                                       _right_pad(new_mask[:, part], extra), real=real)
-                start += real
-            return logits[:, real - 1], None
-        step = q_chunk or ids.shape[1]
-        for start in range(0, ids.shape[1], step):
-            part = slice(start, start + step)
-            logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
-        return logits[:, -1], None
-
-    def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """One compiled decode step: [b] token (live [b] 0/1: a finished row feeds a masked pad) → [b,V] logits."""
-        positions = self.seen[:, None]  # [b,1]
-        self.seen = self.seen + live
-        return self._forward(model, token[:, None], positions, live[:, None])[:, -1]
-
-    # speculative rounds: one row, no padding, the cache rolled back after a rejection
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def feed_row(self, model, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """Batch 1: [t] tokens appended → [keep,V] float32 logits of the last `keep` of them."""
-        positions = torch.arange(self.length, self.length + tokens.shape[0], device=tokens.device)[None]
-        logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None])
-        return logits[0, -keep:].float()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
-        0 and the next write overwrites them (KIVI: kept columns leave the quantized region, `rollback`)."""
-        held = self.length
-        self.length += tokens_to_remove
-        self.columns[:, self.length:] = 0
-        self.cache.rollback(self.length, held)
-
-    @property
-    def layers(self) -> list:
-        """The cache's layers (what speculative.tokens_before_flush reads their residual length from)."""
-        return self.cache.layers

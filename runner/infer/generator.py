@@ -6,7 +6,7 @@ Per call, in order:
 `Generator` keeps its DecodeState between calls, so a second `.generate()` continues the conversation.
 Rows of a left-padded batch are independent: a finished row keeps being fed a masked pad token.
 Beam search (beam.py) decides tokens; this loop feeds them and reorders the cache.
-`engine: compiled` swaps DecodeState for compiled.StaticDecodeState (same methods): nothing else here changes.
+`engine: compiled` swaps DecodeState for static_state.StaticDecodeState (same methods): nothing else here changes.
 Does not know about manifests, tracking or printing.
 """
 

@@ -22,7 +22,7 @@ k −= 1 if n < 0.5·k_r, clamped to [1, 2·spec_k]. Fallback: once a row has do
 if the acceptance rate over its last FALLBACK_WINDOW rounds is below spec_disable_below_accept, the row decodes
 target-only from then on (recorded in `stats.fallback_round`).
 
-engine: compiled gives each row static states (compiled.StaticDecodeState): verification of spec_k + 1 tokens and
+engine: compiled gives each row static states (static_state.StaticDecodeState): verification of spec_k + 1 tokens and
 single-token steps run compiled, other chunk lengths the same static forward eagerly; rolling back is moving the
 write position (`crop`).
 
@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.compiled import StaticDecodeState, check_compilable, engine_for
+from runner.infer.compiled import check_compilable, engine_for
+from runner.infer.static_state import StaticDecodeState
 from runner.infer.config import GenerateConfig, SpeculativeConfig
 from runner.infer.forward import eos_ids, pad_id, sync
 from runner.infer.kvcache import make_cache

@@ -100,7 +100,7 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         for ring, new in ((self.ring_keys, keys), (self.ring_values, values)):
             ring.index_copy_(2, slots, torch.where(real, new.to(self.storage), ring.index_select(2, slots)))
         if not self.code_blocks:  # the engine knows these columns are past the sinks and complete no block
-            return  # (compiled.StaticDecodeState._forward, StaticKVCache.needs_coding)
+            return  # (static_state.StaticDecodeState._forward, StaticKVCache.needs_coding)
         self._keep_sinks(keys, values, columns, end)
         done = self._quantized(columns[-1] + 1, end)  # 0-d: Q after these columns
         flush = done > self._quantized(columns[0], end)  # 0-d bool: a block was completed

@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 from pydantic import ValidationError
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from runner.infer import codebooks, compiled, cpu_linear
-from runner.infer.compiled import (CompiledEngine, batch_bucket, compile_options, input_major_weights, length_bucket,
-                                   prefill_pieces)
+from runner.infer import codebooks, compiled, cpu_linear, static_state
+from runner.infer.compiled import CompiledEngine, batch_bucket, compile_options, input_major_weights, length_bucket
 from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.generator import Generator
 from runner.infer.kvcache import bytes_per_token, cache_bytes
@@ -21,6 +21,7 @@ from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.static import STATIC_KINDS, static_length
 from runner.infer.static_kivi import StaticKiviLayer
 from runner.infer.static_plain import StaticQuantLayer
+from runner.infer.static_state import StaticDecodeState, prefill_pieces
 
 PROMPTS = ["hello world, this is", "a", "The quick brown fox"]  # batch 3: bucket 4, one dummy row
 KIVI_FLUSHING = ["kivi4:g8:r16", "kivi2:g4:r8", "kivi3:k4v2:g8:r16", "kivi2:g4:r8:b8", "kivi4:g8:r16:s4",
@@ -55,7 +56,7 @@ def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
     eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
     ours, gen = _generate(static_lm, prompts, "compiled", cache_kind=kind, max_new_tokens=20, temperature=0)
     assert torch.equal(ours, eager)
-    assert isinstance(gen.state, compiled.StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
+    assert isinstance(gen.state, StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
 
 
 @pytest.mark.parametrize("kind", ["kivi4:g8:r16:s4", "kivi2:g4:r8:s4:o2:b8:nuq:rot"])
@@ -75,8 +76,8 @@ def test_prefill_pieces_are_whole_pieces_then_a_power_of_two():
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Compiled prefill pieces of 4..16 columns: the tiny prompts span several pieces and a padded last one."""
-    monkeypatch.setattr(compiled, "PREFILL_MIN", 4)
-    monkeypatch.setattr(compiled, "PREFILL_MAX", 16)
+    monkeypatch.setattr(static_state, "PREFILL_MIN", 4)
+    monkeypatch.setattr(static_state, "PREFILL_MAX", 16)
 
 
 LONG_PROMPTS = ["one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen", "a b",
@@ -230,6 +231,12 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
         assert torch.equal(ours, eager) and torch.equal(again, eager)
     stats = compiled.engine_for(lm.model).stats
     assert sorted(key[-1] for key in stats.compile_s) == [1, 1, 1, 1, 32] and stats.recompiles == 0  # 17..32 columns
+    # each step function holds one graph (KIVI's one-column step: two functions), so skipping guards after a
+    # step's first call never runs a graph made for another shape
+    steps = compiled.engine_for(lm.model).steps
+    assert sorted(key[3:] for key in steps) == [(1, False)] * 4 + [(1, True), (32, True)]
+    for step in steps.values():
+        assert len(_debug_get_cache_entry_list(step._torchdynamo_orig_callable.__code__)) == 1
     if cpu_linear.load():  # each compiled step's products ran on runner's kernel: one call per Linear
         with torch.profiler.profile() as profile:
             _generate(lm, PROMPTS[:1], "compiled", cache_kind="fp32", max_new_tokens=4, temperature=0)

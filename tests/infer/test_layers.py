@@ -17,7 +17,7 @@ LAYERS = [
     ("forward", ["forward", "attention"]),
     ("caches", ["codebooks", "kivicodec", "kvcache", "window", "static_plain", "static_kivi", "static", "ragged"]),
     ("strategies", ["sampling", "beam", "contrastive", "spec_rounds"]),
-    ("measure", ["timing", "compiled", "speed", "quality"]),  # compiled: the engine speed.py times on
+    ("measure", ["timing", "static_state", "compiled", "speed", "quality"]),  # compiled: the engine speed.py times on
     ("select", ["cache_plans", "autocache", "jointselect"]),
     ("generators", ["generator", "spec_text", "spec_batch", "speculative"]),
     ("bench cells", ["cells"]),
