@@ -1,7 +1,8 @@
-"""runner's C++ kernels (a few-row product, attention over a cache in its stored format), built once per machine with
-the system's compiler into one library of torch ops, and loaded.
+"""runner's C++ kernels (a few-row product, attention over a cache in its stored format, a median across lanes),
+built once per machine with the system's compiler into one library of torch ops, and loaded.
 
-    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted} exist in this process
+    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median} exist in this
+             process
 
 The library goes to ~/.cache/runner/kernels/runner_kernels-<hash>.so; the hash covers the sources, the flags, the
 compiler, this CPU (-march=native: a home directory shared by other CPUs gets one build each) and torch's version
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
-                                         "decode_attention.h"))  # headers hashed, .cpp compiled
+                                         "lane_median.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from runner.infer import kvcodes
 from runner.infer.kvcodes import (dequantize_levels, fit_levels, hadamard_rotation, index_dtype, normalized,
                                   outlier_count, quantize_levels, restore_outliers, rotate, split_outliers, unrotate)
 from runner.infer.quant import dequantize_groups, pack, quantize_groups, unpack
@@ -145,3 +146,29 @@ def mins_of(x, group, dim):
 def span_of(x, group, dim):
     g = _groups(x, group, dim)
     return (g.amax(-1) - g.amin(-1)).repeat_interleave(group, -1).movedim(-1, dim)
+
+
+@pytest.mark.parametrize("n, lanes", [(128, 64), (64, 128), (1, 8), (2, 8), (5, 3), (37, 13), (100, 9)])
+def test_the_lane_median_kernel_gives_torch_medians(n, lanes):
+    """runner's lane_median against torch.median over the same dim: equal values, ties (small integers), lanes
+    past the last 8, n not a power of two, a lane holding a NaN."""
+    if not kvcodes.load_lane_median():
+        pytest.skip("runner's C++ kernels cannot be built here")
+    for seed, x in enumerate((_x(2, 3, n, lanes), torch.randint(-3, 4, (2, 3, n, lanes)).float())):
+        if seed == 0:
+            x[1, 2, n // 2, lanes - 1] = float("nan")
+        ours = torch.ops.runner.lane_median(x)
+        torch.testing.assert_close(ours, x.median(-2, keepdim=True).values, rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(ours).sum() == (seed == 0)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_outliers_are_the_same_with_the_lane_median_kernel_and_without(per_channel, monkeypatch):
+    if not kvcodes.load_lane_median():
+        pytest.skip("runner's C++ kernels cannot be built here")
+    x = _x(1, 3, 256, 40, seed=4)  # 40 channels in blocks of 16: a padded last block
+    ours = split_outliers(x, 24, 128, 16, per_channel)
+    monkeypatch.setattr(kvcodes, "_LANE_MEDIAN", [])
+    theirs = split_outliers(x, 24, 128, 16, per_channel)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)

@@ -12,7 +12,7 @@ import runner.infer
 INFER = Path(runner.infer.__file__).parent
 # Bottom to top; within a layer, a module may import the ones listed before it.
 LAYERS = [
-    ("config", ["config", "quant", "kvcodes", "native", "cpu_attention", "cpu_linear"]),
+    ("config", ["config", "quant", "native", "kvcodes", "cpu_attention", "cpu_linear"]),
     ("loading", ["pinned", "zoo", "data", "weights", "models"]),
     ("forward", ["forward", "attention"]),
     ("caches", ["codebooks", "kivicodec", "kvcache", "window", "static_plain", "static_kivi", "static", "ragged"]),
