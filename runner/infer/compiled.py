@@ -73,12 +73,9 @@ def length_bucket(columns: int, max_seq_len: int) -> int:
 def use_compile_cache() -> None:
     """Point inductor's on-disk caches (FX graphs, kernels) at ~/.cache/runner/inductor unless the user chose."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
-    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)  # one graph per shape, many shapes
-
 
 
 def input_major_weights(model, repeats: int = 5) -> dict[str, torch.Tensor]:
@@ -152,7 +149,6 @@ class CompiledEngine:
         self.mode = mode or ("reduce-overhead" if self.cuda else "default")
         self.own_products = not self.cuda and cpu_linear.load()  # few-row products on runner's kernel
         self.weights = None if self.cuda or self.own_products else input_major_weights(model)
-        self.compiled = compile
         if compile:
             use_compile_cache()
             self.options = compile_options(self.mode, self.own_products)
@@ -226,7 +222,7 @@ class CompiledEngine:
     def _own_step(self, key: tuple):
         """The step of `key` (kind, rows, columns, new columns, coding): decode_step compiled under a code object of
         its own, since dynamo keeps its graphs per code object (the module docstring's Guards)."""
-        if not self.compiled:
+        if self.mode == "eager":  # compile=False
             return decode_step
         if key not in self.steps:
             name = f"decode_step_{len(self.steps)}"
