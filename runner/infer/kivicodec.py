@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.infer.kvcodes import (dequantize_levels, hadamard_rotation, index_dtype, load_lane_median, outlier_count,
+from runner.infer.kvcodes import (dequantize_levels, hadamard_rotation, index_dtype, load_outlier_ops, outlier_count,
                                   quantize_levels, restore_outliers, rotate, split_outliers, unrotate)
 from runner.infer.quant import dequantize_groups, dequantize_groups_expr, quantize_groups
 
@@ -35,7 +35,7 @@ class KiviCodec:
     def _make_rotations(self, key_dim: int, value_dim: int, device: torch.device, rotate_keys: bool,
                         rotate_values: bool) -> None:
         if self.outlier_percent and torch.device(device).type == "cpu":
-            load_lane_median()  # the outliers' medians on runner's kernel, decided before any trace
+            load_outlier_ops()  # the outliers' selections on runner's kernels, decided before any trace
         self.key_rotation = hadamard_rotation(key_dim, device) if rotate_keys else None
         self.value_rotation = hadamard_rotation(value_dim, device) if rotate_values else None
 

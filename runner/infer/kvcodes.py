@@ -24,7 +24,7 @@ from runner.infer.quant import FP16_MAX, levels_expr, pack, unpack, unpack_expr
 
 ROTATION_SEED = 0
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
-_LANE_MEDIAN: list[bool] = []  # set by `load_lane_median`; read while tracing, so a plain global
+_OUTLIER_OPS: list[bool] = []  # set by `load_outlier_ops`; read while tracing, so a plain global
 
 
 # --- rotation ---------------------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def split_outliers(x: torch.Tensor, count: int, group: int, block: int, per_chan
     chunks = x.unflatten(-2, (-1, group))  # [B,H,NG,g,D]
     center, spread = _robust_stats(chunks, block, per_channel)
     score = ((chunks - center).abs() / (spread + 1e-6)).flatten(-2)  # [B,H,NG,g·D]
-    index = score.topk(count, dim=-1, sorted=False).indices.sort(-1).values  # [B,H,NG,k]
+    index = top_indices(score, count)  # [B,H,NG,k]
     flat = chunks.flatten(-2)
     values = flat.gather(-1, index).clamp(-FP16_MAX, FP16_MAX).half()
     outlier = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).view_as(chunks)
@@ -103,22 +103,36 @@ def _robust_stats(chunks: torch.Tensor, block: int, per_channel: bool) -> tuple[
                  for t in (center, spread))
 
 
-def load_lane_median() -> bool:
-    """Load runner's kernels (native.load) for `lane_median`; False when they cannot be. Called where a KIVI layer
-    with outliers is made (outside compiled code), so that `lane_median` reads a global while tracing."""
-    if not _LANE_MEDIAN and native.load():
+def load_outlier_ops() -> bool:
+    """Load runner's kernels (native.load) for `lane_median` and `top_indices`; False when they cannot be. Called
+    where a KIVI layer with outliers is made (outside compiled code), so that those two read a global while
+    tracing."""
+    if not _OUTLIER_OPS and native.load():
         torch.library.register_fake("runner::lane_median")(lambda x: x.new_empty(*x.shape[:-2], 1, x.shape[-1]))
-        _LANE_MEDIAN.append(True)
-    return bool(_LANE_MEDIAN)
+        torch.library.register_fake("runner::top_indices")(
+            lambda scores, k: scores.new_empty(*scores.shape[:-1], k, dtype=torch.long))
+        _OUTLIER_OPS.append(True)
+    return bool(_OUTLIER_OPS)
+
+
+def _native(x: torch.Tensor) -> bool:
+    return bool(_OUTLIER_OPS) and x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def lane_median(x: torch.Tensor) -> torch.Tensor:
     """x [..., n, L] → [..., 1, L], torch.median's value over n (the lower of the two middle ones) for each of
-    the L lanes. On CPU runner's lane_median op where loaded (a sorting network 8 lanes at a time: aten's
-    selection mispredicts a branch per value, 14 ns a value here), else torch.median."""
-    if _LANE_MEDIAN and x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.ops.runner.lane_median(x)
-    return x.median(-2, keepdim=True).values
+    the L lanes. On CPU runner's op where loaded (outlier_ops.cpp: aten's selection mispredicts a branch per value,
+    10× slower here), else torch.median."""
+    return torch.ops.runner.lane_median(x) if _native(x) else x.median(-2, keepdim=True).values
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., n] → int64 [..., k]: the positions of the k largest in ascending order. On CPU runner's op
+    where loaded (outlier_ops.cpp; 7× faster than topk here), else topk and a sort: the same positions but where
+    scores tie at the cut (the op takes the lowest positions)."""
+    if _native(scores):
+        return torch.ops.runner.top_indices(scores, k)
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(-1).values
 
 
 def restore_outliers(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
-                                         "lane_median.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
+                                         "outlier_ops.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 

@@ -152,7 +152,7 @@ def span_of(x, group, dim):
 def test_the_lane_median_kernel_gives_torch_medians(n, lanes):
     """runner's lane_median against torch.median over the same dim: equal values, ties (small integers), lanes
     past the last 8, n not a power of two, a lane holding a NaN."""
-    if not kvcodes.load_lane_median():
+    if not kvcodes.load_outlier_ops():
         pytest.skip("runner's C++ kernels cannot be built here")
     for seed, x in enumerate((_x(2, 3, n, lanes), torch.randint(-3, 4, (2, 3, n, lanes)).float())):
         if seed == 0:
@@ -162,13 +162,35 @@ def test_the_lane_median_kernel_gives_torch_medians(n, lanes):
         assert torch.isnan(ours).sum() == (seed == 0)
 
 
+@pytest.mark.parametrize("n, k", [(8192, 164), (100, 1), (100, 100), (37, 5), (5000, 0)])
+def test_the_top_indices_kernel_gives_topks_positions_in_order(n, k):
+    """runner's top_indices against topk + sort on distinct scores (one row holding a NaN, which topk ranks
+    largest); on tied ones (small integers) the same multiset of values, with the lowest positions among the ties
+    at the cut."""
+    if not kvcodes.load_outlier_ops():
+        pytest.skip("runner's C++ kernels cannot be built here")
+    scores = torch.rand(2, 3, n, generator=torch.Generator().manual_seed(n))
+    scores[1, 2, n // 3] = float("nan")
+    ours = torch.ops.runner.top_indices(scores, k)
+    assert ours.dtype == torch.long and torch.equal(ours, scores.topk(k, dim=-1).indices.sort(-1).values)
+    ties = torch.randint(0, 4, (2, 3, n), generator=torch.Generator().manual_seed(1)).float()
+    ours = torch.ops.runner.top_indices(ties, k)
+    assert torch.equal(ties.gather(-1, ours).sort(-1).values, ties.topk(k, dim=-1).values.sort(-1).values)
+    assert bool((ours.diff(dim=-1) > 0).all())  # ascending, no repeats
+    for row, taken in zip(ties.view(6, n), ours.view(6, k)):
+        if k:
+            cut = row[taken].min()  # the k-th largest
+            tied = taken[row[taken] == cut]
+            assert torch.equal(tied, (row == cut).nonzero().flatten()[:len(tied)])
+
+
 @pytest.mark.parametrize("per_channel", [True, False])
-def test_outliers_are_the_same_with_the_lane_median_kernel_and_without(per_channel, monkeypatch):
-    if not kvcodes.load_lane_median():
+def test_outliers_are_the_same_with_runners_kernels_and_without(per_channel, monkeypatch):
+    if not kvcodes.load_outlier_ops():
         pytest.skip("runner's C++ kernels cannot be built here")
     x = _x(1, 3, 256, 40, seed=4)  # 40 channels in blocks of 16: a padded last block
     ours = split_outliers(x, 24, 128, 16, per_channel)
-    monkeypatch.setattr(kvcodes, "_LANE_MEDIAN", [])
+    monkeypatch.setattr(kvcodes, "_OUTLIER_OPS", [])
     theirs = split_outliers(x, 24, 128, 16, per_channel)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
