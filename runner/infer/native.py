@@ -1,14 +1,15 @@
-"""runner's C++ kernels (a few-row product, attention over a cache in its stored format, a median across lanes),
-built once per machine with the system's compiler into one library of torch ops, and loaded.
+"""runner's C++ kernels (a few-row product, attention over a cache in its stored format, the two selections of
+KIVI's outliers), built once per machine with the system's compiler into one library of torch ops, and loaded.
 
-    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median} exist in this
-             process
+    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices}
+             exist in this process
 
 The library goes to ~/.cache/runner/kernels/runner_kernels-<hash>.so; the hash covers the sources, the flags, the
 compiler, this CPU (-march=native: a home directory shared by other CPUs gets one build each) and torch's version
 (the ops are built against its headers, as torch.utils.cpp_extension would). No compiler, or a failed build: load()
 is False, logged once, and callers keep their torch expressions.
-Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py do).
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py and
+kvcodes.py do).
 """
 
 from __future__ import annotations
