@@ -49,9 +49,10 @@ def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch
 
 
 def set_writes(cache: StaticKVCache, model, new: int, coding: bool) -> None:
-    """Set what the cache's writes do in a step of `new` columns: code KIVI blocks and sinks (`coding`; steps of
-    several columns always), and hand attention K/V views only where the kernel does not read every layer."""
-    cache.code_blocks(new != 1 or coding, views=not (new == 1 and cache.kernel_attends(model.dtype)))
+    """Set what the cache's writes do in a step of `new` columns: code KIVI blocks and sinks (`coding`: callers
+    pass True for every step of several columns), and hand attention K/V views only where the kernel does not read
+    every layer."""
+    cache.code_blocks(coding, views=not (new == 1 and cache.kernel_attends(model.dtype)))
 
 
 def prefill_pieces(columns: int) -> list[tuple[int, int]]:
