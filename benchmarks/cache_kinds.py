@@ -46,14 +46,13 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from runner.infer.autocache import select_cache_kind  # noqa: E402
 from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.config import parse_kind  # noqa: E402
 from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import (build_probe, compare, kl_divergence, run_probe,  # noqa: E402
                                   teacher_forced_logprobs)
 from runner.infer.speed import greedy_prefill, greedy_steps  # noqa: E402
-from runner.infer.timing import time_interleaved, time_once  # noqa: E402
+from runner.infer.timing import on_device, time_interleaved, time_once  # noqa: E402
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi3", "kivi2"]
 # The schemes of issue 18's reference table (its "2 % largest per token" is o2 here: per chunk of g tokens).
@@ -86,7 +85,7 @@ def speeds(model, ids: torch.Tensor, kinds: list[str], steps: int, repeats: int)
     """Median decode tokens/s per kind at ids' context, through runner's timing harness (kinds interleaved)."""
     starts = {kind: greedy_prefill(model, ids, kind) for kind in kinds}
     marks = time_interleaved({kind: decode_from(model, starts[kind], steps) for kind in kinds}, repeats,
-                             sync=lambda: sync(ids.device))
+                             **on_device(ids.device))
     return {kind: statistics.median(steps / (m[-1] - m[0]) for m in marks[kind]) for kind in kinds}
 
 
@@ -153,7 +152,7 @@ def main() -> None:
         chosen = []
         timings = [time_once(lambda: chosen.append(select_cache_kind(model, lm.tokenizer, config, batch_size=1,
                                                                       identity=lm.fingerprint)),
-                             sync=lambda: sync(lm.device)) for _ in range(2)]
+                             **on_device(lm.device)) for _ in range(2)]
         chosen = chosen[-1]
     print(f"\nauto selection (default settings): cold {timings[0]:.2f} s → {chosen.kind}; warm (plan reused) "
           f"{timings[1] * 1000:.1f} ms; warm / cold = {timings[1] / timings[0]:.5f}")

@@ -26,11 +26,10 @@ from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script'
 from runner.infer.compiled import engine_for  # noqa: E402
 from runner.infer.config import DTYPES  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.speculative import crop_to, feed  # noqa: E402
-from runner.infer.timing import TokenTiming, time_interleaved  # noqa: E402
+from runner.infer.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
 
 
 def prefilled(model, engine: str, kind: str, prompt: torch.Tensor, steps: int):
@@ -87,7 +86,7 @@ def main() -> None:
     with torch.inference_mode():
         caches = {(e, k): prefilled(lm.model, e, k, prompt, args.steps) for e in args.engines for k in args.kinds}
     runs = {f"{e} {k}": decode_from(lm.model, cache, prompt, args.steps) for (e, k), cache in caches.items()}
-    marks = time_interleaved(runs, args.repeats, warmup=1, sync=lambda: sync(lm.device))
+    marks = time_interleaved(runs, args.repeats, warmup=1, **on_device(lm.device))
     rates = {name: [(len(m) - 1) / (m[-1] - m[0]) for m in ms] for name, ms in marks.items()}
     print(f"{'engine kind':>16} {'decode tok/s':>12} {'spread':>7} {'÷ fp16':>7}  (same engine)")
     for name, ms in marks.items():

@@ -29,10 +29,9 @@ from runner.infer.compiled import engine_for
 from runner.infer.static_state import PREFILL_MAX  # noqa: E402
 from runner.infer.config import GenerateConfig  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import time_interleaved  # noqa: E402
+from runner.infer.timing import on_device, time_interleaved  # noqa: E402
 
 VARIANTS = {"eager": ("eager", "eager"), "compiled": ("compiled", "eager"), "compiled-prefill": ("compiled", "compiled")}
 
@@ -72,7 +71,7 @@ def main() -> None:
                 before = engine.stats.total_s
                 runs[name](lambda: None)
                 print(f"compile {name} at {length} tokens: {engine.stats.total_s - before:.1f} s", flush=True)
-        marks = time_interleaved(runs, args.repeats, warmup=1, sync=lambda: sync(lm.device))
+        marks = time_interleaved(runs, args.repeats, warmup=1, **on_device(lm.device))
         seconds = {name: [m[0] for m in ms] for name, ms in marks.items()}
         print(f"prompt {length}: {'variant':>16} {'first token s':>13} {'spread':>7} {'eager ÷':>8} same")
         for name, values in seconds.items():

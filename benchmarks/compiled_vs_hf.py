@@ -30,11 +30,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from runner.infer.cells import bandwidth_fraction  # noqa: E402
 from runner.infer.compiled import engine_for, use_compile_cache  # noqa: E402
 from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import estimate_cache_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import Stopwatch, TokenTiming, copy_bandwidth, time_interleaved, time_once  # noqa: E402
+from runner.infer.timing import Stopwatch, TokenTiming, copy_bandwidth, on_device, time_interleaved, time_once  # noqa: E402
 
 VARIANTS = ("compiled", "eager", "hf", "hf-compiled")
 
@@ -128,12 +127,12 @@ def main() -> None:
             for name in ("compiled", "hf-compiled"):  # compile apart: the first call of each, timed on its own
                 if name in chosen:
                     before = engine_for(model).stats.total_s
-                    seconds = time_once(lambda: chosen[name](lambda: None), lambda: sync(device))
+                    seconds = time_once(lambda: chosen[name](lambda: None), **on_device(device))
                     detail = (f", of which compiling (or loading) the step {engine_for(model).stats.total_s - before:.1f} s"
                               if name == "compiled" else " (compile and one generation)")
                     print(f"compile {name} batch={batch}: first call {seconds:.1f} s{detail}", flush=True)
             watch = Stopwatch()
-            marks = time_interleaved(chosen, args.repeats, warmup=1, sync=lambda: sync(device))
+            marks = time_interleaved(chosen, args.repeats, warmup=1, **on_device(device))
             timings = {name: TokenTiming.of(runs, batch) for name, runs in marks.items()}
             rates = {name: [batch * (len(m) - 1) / (m[-1] - m[0]) for m in runs] for name, runs in marks.items()}
             stats = engine_for(model).stats

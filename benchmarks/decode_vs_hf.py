@@ -19,11 +19,10 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config import DTYPES, KIND_NAMES, GenerateConfig  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import time_interleaved  # noqa: E402
+from runner.infer.timing import on_device, time_interleaved  # noqa: E402
 
 
 def real_prompts(n: int) -> list[str]:
@@ -66,7 +65,7 @@ def main() -> None:
                                                 past_key_values=make_cache(args.cache_kind, lm.model)))
             tick()
 
-        marks = time_interleaved({"ours": ours, "hf": hf}, args.repeats, sync=lambda: sync(lm.device))
+        marks = time_interleaved({"ours": ours, "hf": hf}, args.repeats, **on_device(lm.device))
         rates = {name: [batch * args.new_tokens / m[-1] for m in runs] for name, runs in marks.items()}
         same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["hf"]))
         ratios = [o / h for o, h in zip(rates["ours"], rates["hf"])]

@@ -28,11 +28,11 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config import DTYPES  # noqa: E402
 from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.forward import positions_for, prefill, sync  # noqa: E402
+from runner.infer.forward import positions_for, prefill  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import planned_nll  # noqa: E402
-from runner.infer.timing import time_interleaved  # noqa: E402
+from runner.infer.timing import on_device, time_interleaved  # noqa: E402
 from runner.infer.window import DecodePlan  # noqa: E402
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -78,7 +78,7 @@ def prefill_table(model, ids: torch.Tensor, chunks: list[int], repeats: int) -> 
     for v in variants:  # warm-up on a short prefix: first-call costs, not the long prefill again
         measured_prefill(model, ids[:, :256], v, [], {})(lambda: None)
     marks = time_interleaved({v: measured_prefill(model, ids, v, peaks[v], logits) for v in variants}, repeats,
-                             warmup=0, sync=lambda: sync(ids.device))
+                             warmup=0, **on_device(ids.device))
     times = {v: [m[-1] - m[0] for m in marks[v]] for v in variants}
     t0, p0 = statistics.median(times[None]), statistics.median(peaks[None])
     print(f"\nprefill of {ids.shape[1]} tokens, medians of {repeats} interleaved repeats")

@@ -28,12 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
+
 from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.spec_text import same_tokenizer  # noqa: E402
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
-from runner.infer.timing import time_interleaved  # noqa: E402
+from runner.infer.timing import on_device, time_interleaved  # noqa: E402
 
 LOOKUP_PROMPTS = [
     "Python lists: a = [1, 2, 3]; b = [1, 2, 3]; c = [1, 2, 3]; d = [1,",
@@ -70,6 +72,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--engine", default="eager", choices=["eager", "compiled"],
                         help="runner's engine (compiled: speculative rows go one after another)")
+    parser.add_argument("--markdown", default=None, help="append one markdown row per method to this file "
+                        "(the columns of benchmarks/gpu_suite.sh's table)")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
@@ -111,9 +115,10 @@ def main() -> None:
                 tick()
             return run_once
 
-        marks = time_interleaved({name: timed(name) for name in methods}, args.repeats)  # CPU: no sync needed
+        marks = time_interleaved({name: timed(name) for name in methods}, args.repeats, **on_device(target.device))
         reference = outputs["ours target-only"]
         base = statistics.median(_tokens(reference, ids) / m[-1] for m in marks["ours target-only"])
+        hf = [_tokens(outputs["hf generate"], ids) / m[-1] for m in marks["hf generate"]] if args.hf else None
         for name, runs in marks.items():
             out = outputs[name]
             rates = [_tokens(out, ids) / m[-1] for m in runs]
@@ -124,6 +129,13 @@ def main() -> None:
             same = torch.equal(out[:, :width], reference[:, :width])
             print(f"{batch:>5} {name:>18} {statistics.median(rates):7.2f} {max(rates) - min(rates):7.2f} "
                   f"{statistics.median(rates) / base:8.2f} {accept} {rows:>11} {same}")
+            if args.markdown:
+                append_row(args.markdown, [
+                    "speculative", f"{args.target} ← {args.draft}", args.dtype, batch, "-",
+                    name if name.startswith("hf generate") else f"{name} (k={k})",
+                    f"{statistics.median(rates):.1f}", f"{max(rates) - min(rates):.1f}",
+                    *((f"{statistics.median(a / b for a, b in zip(rates, hf)):.3f}", "-", "-", "-",
+                       torch.equal(out[:, :width], outputs["hf generate"][:, :width])) if hf else ["-"] * 5)])
         print(f"      (load average now {os.getloadavg()[0]:.1f})")
 
 

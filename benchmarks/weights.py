@@ -31,8 +31,7 @@ from runner.infer.data import load_text, token_windows  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
 from runner.infer.speed import greedy_run  # noqa: E402
-from runner.infer.timing import TokenTiming, time_interleaved  # noqa: E402
-from runner.infer.forward import sync  # noqa: E402
+from runner.infer.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
 from runner.infer.weights import quantize_model, weight_bytes  # noqa: E402
 
 MIB = 2**20
@@ -90,7 +89,7 @@ def speed(lm, models: dict, args) -> None:
                     print(f"compile {name} b{batch}: {stats.total_s:.1f} s so far for this variant", flush=True)
                 else:
                     runs[name] = greedy_run(model, prompt, args.steps - 1, None)
-            marks = time_interleaved(runs, args.repeats, warmup=1, sync=lambda: sync(lm.device))
+            marks = time_interleaved(runs, args.repeats, warmup=1, **on_device(lm.device))
             rates = {name: TokenTiming.of(m, batch).decode_tokens_per_s for name, m in marks.items()}
             per_repeat = {name: [batch * (len(r) - 1) / (r[-1] - r[0]) for r in m] for name, m in marks.items()}
             for name in models:

@@ -24,11 +24,10 @@ import torch
 
 from runner.infer.compiled import check_compilable, engine_for
 from runner.infer.config import DTYPES, SpeculativeConfig
-from runner.infer.forward import sync
 from runner.infer.kvcache import cache_bytes, make_cache
 from runner.infer.speculative import SpeculativeGenerator
 from runner.infer.speed import greedy_prefill, greedy_steps
-from runner.infer.timing import PeakMemory, Summary, TokenTiming, time_once, time_ticks
+from runner.infer.timing import PeakMemory, Summary, TokenTiming, on_device, time_once, time_ticks
 from runner.infer.weights import is_quantized, tensor_bytes, weight_bytes
 
 MIB = 2**20
@@ -115,7 +114,7 @@ def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repe
 
     if not compiled:
         return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
-    compile_s = time_once(lambda: run_once(lambda: None), sync=lambda: sync(ids.device))  # the first call compiles
+    compile_s = time_once(lambda: run_once(lambda: None), **on_device(ids.device))  # the first call compiles
     return {**_measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last), "compile_s": compile_s}
 
 
@@ -166,7 +165,7 @@ def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: 
 def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens: Callable[[], int]) -> dict:
     """Whole-generation time only (speculative rounds make several tokens at once: no per-token ticks)."""
     with PeakMemory(ids.device) as peak:
-        marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, sync=lambda: sync(ids.device))
+        marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, **on_device(ids.device))
     seconds = Summary.of([m[-1] for m in marks])
     rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
     return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
@@ -175,7 +174,7 @@ def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens:
 
 def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last) -> dict:
     with PeakMemory(ids.device) as peak:
-        marks = time_ticks(run_once, repeats, warmup, sync=lambda: sync(ids.device))
+        marks = time_ticks(run_once, repeats, warmup, **on_device(ids.device))
     timing = TokenTiming.of(marks, ids.shape[0])
     kv = cache_bytes(last["cache"])
     figures = {

@@ -154,6 +154,7 @@ class CompiledEngine:
             self.options = compile_options(self.mode, self.own_products)
         else:
             self.mode = "eager"
+        self.graphs = self.cuda and self.mode == "reduce-overhead"  # steps replay as CUDA graphs
         self.steps: dict[tuple, object] = {}  # (kind, rows, columns, new columns, coding) → its compiled step
         self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
@@ -186,10 +187,10 @@ class CompiledEngine:
         while len(self.caches) >= self.max_caches:
             self.caches.popitem(last=False)
         cache = make_static_cache(key[0], self.model, *key[1:3])
-        if self.cuda and self.mode == "reduce-overhead":  # CUDA graphs replay on fixed addresses
+        if self.graphs:  # CUDA graphs replay on fixed addresses; a new cache of a known shape re-records (no guard)
             for layer in cache.layers:
                 for t in layer.tensors():
-                    torch._dynamo.mark_static_address(t)
+                    torch._dynamo.mark_static_address(t, guard=False)
         self.caches[key] = cache
         return cache
 
@@ -244,6 +245,8 @@ class CompiledEngine:
         key = (*key, ids.shape[1], coding)
         with reduced_attention(self.model), torch.compiler.set_stance(skip_guard_eval_unsafe=key in self.trusted):
             logits = self._own_step(key)(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
+        if self.graphs:  # a graph's output is overwritten by the next replay: callers may keep logits longer
+            logits = logits.clone()
         self.trusted.add(key)
         made = _graph_count() - before
         if made:

@@ -25,15 +25,15 @@ from runner.infer.beam import BeamSearch
 from runner.infer.compiled import check_compilable, engine_for
 from runner.infer.config import GenerateConfig
 from runner.infer.contrastive import ContrastiveSearch
-from runner.infer.forward import DecodeState, eos_ids, pad_id, sync
+from runner.infer.forward import DecodeState, eos_ids, pad_id
 from runner.infer.sampling import next_token
-from runner.infer.timing import Stopwatch
+from runner.infer.timing import Stopwatch, on_device
 from runner.infer.window import DecodePlan, make_planned_cache, plan_decode
 
 
 @dataclass
 class DecodeStats:
-    """Timing and stop reasons of the last call; seconds are wall-clock after device sync."""
+    """Timing and stop reasons of the last call; seconds after device sync (CUDA events on CUDA: timing.on_device)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -141,7 +141,7 @@ class Generator:
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
                                  stop_reasons=[""] * batch, plan=self.plan)
 
-        watch = Stopwatch(lambda: sync(self.device))
+        watch = Stopwatch(**on_device(self.device))
         logits, states = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk, hidden=cfg.contrastive)
         if cfg.contrastive:
             self.search = self.search or ContrastiveSearch(cfg)
@@ -179,7 +179,7 @@ class Generator:
         max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
         search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self.pad_id, max_len)
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
-        watch = Stopwatch(lambda: sync(self.device))
+        watch = Stopwatch(**on_device(self.device))
         logits, _ = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk)
         self.stats.prefill_s = watch.lap()
         while True:

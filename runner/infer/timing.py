@@ -1,5 +1,6 @@
 """The one timing harness: warm-up excluded, device synchronised before every clock read, variants
 interleaved, repeats summarised as median, p90 and spread; peak memory and the machine's copy bandwidth.
+On CUDA the clock is CUDA events on the device's own timeline (`on_device`); elsewhere time.perf_counter.
 
 Every figure runner reports goes through `time_interleaved` (bench cells, the cache selector's speed pick,
 the steps' wall clocks, benchmarks/*.py). The harness takes its clock and its sync as arguments, so it is
@@ -48,6 +49,34 @@ def percentile(values: list[float], q: float) -> float:
 
 
 Tick = Callable[[], None]
+
+
+def on_device(device: torch.device) -> dict:
+    """The harness's `sync` and `clock` for a device: `time_interleaved(..., **on_device(device))`. On CUDA the
+    clock reads CUDA events (`CudaEventClock`); elsewhere the wall clock, after the device's sync."""
+    clock = CudaEventClock(device) if device.type == "cuda" else time.perf_counter
+    return {"sync": lambda: sync(device), "clock": clock}
+
+
+class CudaEventClock:
+    """Seconds on the GPU's timeline since this clock was made: each reading records an event on the device's
+    current stream and waits for it, so a difference of two readings is what CUDA events measure between them
+    (the elapsed time of queued GPU work, not of the host's launches). Made per timing: float32 milliseconds
+    keep microseconds over spans of minutes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.origin = self._record()
+
+    def _record(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def __call__(self) -> float:
+        event = self._record()
+        event.synchronize()
+        return self.origin.elapsed_time(event) / 1e3
 
 
 def time_interleaved(variants: dict[str, Callable[[Tick], None]], repeats: int, warmup: int = 1,
@@ -192,7 +221,7 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     the memory bandwidth a decode step can at best use."""
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    marks = time_ticks(lambda tick: (dst.copy_(src), tick()), repeats, warmup=1, sync=lambda: sync(device))
+    marks = time_ticks(lambda tick: (dst.copy_(src), tick()), repeats, warmup=1, **on_device(device))
     return 2 * src.numel() * 4 / statistics.median(m[-1] for m in marks)
 
 

@@ -68,11 +68,20 @@ def zoo_entry(source: str) -> ZooModel:
     return ZOO[name]
 
 
+def _model_dir(entry: ZooModel) -> Path:
+    return cache_root() / "models" / f"{entry.name}-{entry.sha256[:12]}"
+
+
+def zoo_cached(source: str) -> bool:
+    """Whether `zoo:NAME` is converted in the cache already (loading it downloads nothing)."""
+    return (_model_dir(zoo_entry(source)) / "runner-zoo.json").exists()
+
+
 def zoo_model_dir(source: str) -> Path:
     """A safetensors folder for `zoo:NAME`, fetched and converted on first use (then ~2 s to load)."""
     entry = zoo_entry(source)
-    target = cache_root() / "models" / f"{entry.name}-{entry.sha256[:12]}"
-    if (target / "runner-zoo.json").exists():
+    target = _model_dir(entry)
+    if zoo_cached(source):
         return target
     gguf = fetch_gguf(entry)
     _convert(entry, gguf, target)

@@ -13,14 +13,13 @@ import torch
 
 from runner.infer.compiled import engine_for
 from runner.infer.config import GenerateConfig, SpeculativeConfig
-from runner.infer.forward import sync
 from runner.infer.generator import Generator
 from runner.infer.models import LoadedModel, load_spec
 from runner.infer.spec_text import same_tokenizer
 from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.blocks import SpeculativeSpec, library_config
 from runner.infer.speed import time_decode_kinds
-from runner.infer.timing import time_once
+from runner.infer.timing import on_device, time_once
 from runner.paths import model_source
 from runner.plan import Step
 from runner.report import ProgressFactory, show
@@ -92,7 +91,7 @@ def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> flo
         engine_for(lm.model).state(config.cache_kind, enc.input_ids.shape[0],
                                    enc.input_ids.shape[1] + config.max_new_tokens, config.max_seq_len)
     return time_once(lambda: Generator(lm.model, config=baseline).generate(enc.input_ids, enc.attention_mask),
-                     sync=lambda: sync(lm.device))
+                     **on_device(lm.device))
 
 
 def _cost_ratio(lm: LoadedModel, draft, config: SpeculativeConfig) -> float:

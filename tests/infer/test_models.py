@@ -1,6 +1,7 @@
 """Model sources, fingerprints and the zoo's verification, without any network."""
 
 import hashlib
+import json
 import zipfile
 
 import pytest
@@ -26,6 +27,34 @@ def test_config_model_is_seeded_and_fingerprinted():
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
     assert a.fingerprint["n_params"] == sum(p.numel() for p in a.model.parameters())
     assert a.tokenizer.padding_side == "left"
+
+
+def test_a_json_config_file_is_the_same_random_model_as_the_config_inline(tmp_path):
+    path = tmp_path / "shape.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    from_file, inline = load_model(str(path), device="cpu", seed=3), load_model(config=TINY_LLAMA, device="cpu", seed=3)
+    assert from_file.fingerprint == inline.fingerprint
+    assert all(torch.equal(p, q) for p, q in zip(from_file.model.parameters(), inline.model.parameters()))
+    assert load_model("shape.json", base_dir=tmp_path, device="cpu", seed=3).fingerprint == inline.fingerprint
+
+
+@pytest.mark.parametrize("text,message", [("{not json", "shape.json: Expecting property name"),
+                                          ('{"hidden_size": 8}', "expected a JSON object with a model_type"),
+                                          ('{"model_type": "no-such-arch"}', "model config: ")])
+def test_a_bad_config_file_is_a_model_error_naming_it(tmp_path, text, message):
+    (tmp_path / "shape.json").write_text(text)
+    with pytest.raises(ModelError, match=message):
+        load_model(str(tmp_path / "shape.json"), device="cpu")
+
+
+def test_zoo_cached_says_whether_loading_would_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    assert not zoo.zoo_cached("zoo:smollm2-135m")
+    entry = zoo.zoo_entry("zoo:smollm2-135m")
+    folder = tmp_path / "models" / f"{entry.name}-{entry.sha256[:12]}"
+    folder.mkdir(parents=True)
+    (folder / "runner-zoo.json").write_text("{}")
+    assert zoo.zoo_cached("zoo:smollm2-135m") and zoo.zoo_model_dir("zoo:smollm2-135m") == folder
 
 
 def test_dtype_is_applied():

@@ -2,12 +2,14 @@
 
 import mmap
 import random
+import time
 
 import numpy as np
 import pytest
+import torch
 
-from runner.infer.timing import (PeakMemory, Stopwatch, Summary, TokenTiming, percentile, time_interleaved, time_once,
-                                 time_ticks)
+from runner.infer.timing import (CudaEventClock, PeakMemory, Stopwatch, Summary, TokenTiming, on_device, percentile,
+                                 time_interleaved, time_once, time_ticks)
 
 
 class FakeDevice:
@@ -119,3 +121,25 @@ def test_stopwatch_laps_sync_before_each_clock_read():
     device.events.clear()
     assert time_once(lambda: setattr(device, "now", device.now + 4), device.sync, device.clock) == 4
     assert device.events == ["sync", "clock"] * 2
+
+
+def test_on_device_times_cpu_work_on_the_wall_clock():
+    timing = on_device(torch.device("cpu"))
+    assert timing["clock"] is time.perf_counter
+    seconds = time_once(lambda: time.sleep(0.05), **timing)
+    assert 0.05 <= seconds < 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_cuda_event_clock_measures_queued_gpu_work():
+    """Events time the GPU's work, not the host's launches: a queue of products launched in microseconds measures
+    as long as the wall clock that waits for it (within 20 %), and the event clock gives 0 < seconds."""
+    device = torch.device("cuda")
+    timing = on_device(device)
+    assert isinstance(timing["clock"], CudaEventClock)
+    a = torch.randn(4096, 4096, device=device)
+    work = lambda: [a @ a for _ in range(50)]  # noqa: E731
+    work()
+    events_s = time_once(work, **timing)
+    wall_s = time_once(work, sync=lambda: torch.cuda.synchronize(device))
+    assert events_s > 0 and abs(events_s - wall_s) < 0.2 * wall_s
