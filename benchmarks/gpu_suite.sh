@@ -4,6 +4,10 @@
 #
 #   bash benchmarks/gpu_suite.sh [OUT.md]            # on cuda:0; default OUT: runs/gpu_suite.md
 #   bash benchmarks/gpu_suite.sh --smoke [OUT.md]    # CPU, tiny model: checks the suite's plumbing, not speed
+# On a device machine lent to a session, whose image lacks pydantic: `bash benchmarks/device_wheels.sh` here once,
+# then the device tool's run with carry [".whl"] and the command
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+#   PYTHONPATH=/tmp/site PYTHON=python3 bash benchmarks/gpu_suite.sh $OUT/gpu_suite.md
 #
 # Measures, on cuda:0, in bf16:
 #   1. decode vs transformers eager (hf) and transformers' static cache + compile (hf-compiled), Qwen2.5-Coder 0.5B
@@ -23,7 +27,7 @@ SMOKE=0
 if [[ "${1:-}" == "--smoke" ]]; then SMOKE=1; shift; fi
 OUT=${1:-runs/gpu_suite.md}
 PY=${PYTHON:-python}
-export HF_HUB_OFFLINE=1 PYTHONPATH=${PYTHONPATH:-.}
+export HF_HUB_OFFLINE=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 if (( SMOKE )); then
   DEVICE=cpu DTYPE=float32 BATCHES="1 2" CONTEXTS="64" KINDS="fp16 q8_0" STEPS=4 TOKENS=4 REPEATS=1 LIMIT=600
   SMALL=benchmarks/shapes/tiny-qwen2.json LARGE=benchmarks/shapes/tiny-qwen2.json DECODE_MODELS=$SMALL

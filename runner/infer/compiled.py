@@ -12,11 +12,12 @@ Compilation: inductor, `dynamic=False`. On CPU the step's few-row products run o
 (cpu_linear.OwnProducts rewrites them); where it cannot be built, the step reads the Linear weights from an
 input-major copy (`input_major_weights`: where measured faster, per shape and dtype) through
 torch.func.functional_call. Inductor's freezing was no faster here (mode "freezing" still selects it). On CUDA,
-mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights. The first
-call of a shape is timed apart (`compile_s`, logged on its own line) by a warm-up step, never inside a decode
-timing; inductor's caches live under ~/.cache/runner/inductor, so a second process starts faster. `compiles`
-counts graphs dynamo made, `recompiles` those beyond one per shape (a generation that recompiles is a bug this
-number shows).
+mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights; a graph's
+logits are cloned, since its next replay overwrites them (all of this written without a GPU: never run). The first
+call of a shape is timed apart (`compile_s`, logged on its own line) by a warm-up step (two on CUDA: one warms up,
+one records the graph), never inside a decode timing; inductor's caches live under ~/.cache/runner/inductor, so a
+second process starts faster. `compiles` counts graphs dynamo made, `recompiles` those beyond one per shape (a
+generation that recompiles is a bug this number shows).
 Guards: each graph (shape × coding) is decode_step under a code object of its own (`_own_step`), so dynamo holds
 one graph per function and never has to choose among graphs. A graph's first call after its warm-up evaluates
 its guards (a mismatch recompiles and is counted); later calls skip them (dynamo's skip_guard_eval_unsafe),
@@ -196,7 +197,7 @@ class CompiledEngine:
 
     @torch.inference_mode()
     def _compile(self, cache: StaticKVCache, key: tuple) -> None:
-        """Compile (or load from inductor's cache) the step of this shape: one warm-up step into the last columns,
+        """Compile (or load from inductor's cache) the step of this shape: warm-up steps into the last columns,
         which a state's mask hides and a later write overwrites. Timed on its own and logged."""
         if key in self.warm:
             return
@@ -211,9 +212,10 @@ class CompiledEngine:
             set_writes(cache, self.model, new, coding)  # as `call` will
             step = self._own_step((*key, coding))
             with reduced_attention(self.model):
-                self.stats.compile_s[key] += time_once(  # no aliased inputs
-                    lambda: step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
-                    sync=lambda: sync(self.device))
+                for _ in range(2 if self.graphs else 1):  # CUDA graphs: a first call warms up, the second records
+                    self.stats.compile_s[key] += time_once(  # no aliased inputs
+                        lambda: step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights),
+                        sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
         if self.mode != "eager":
