@@ -22,7 +22,9 @@ Guards: each graph (shape × coding) is decode_step under a code object of its o
 one graph per function and never has to choose among graphs. A graph's first call after its warm-up evaluates
 its guards (a mismatch recompiles and is counted); later calls skip them (dynamo's skip_guard_eval_unsafe),
 which cost 2.4 ms of a 30 ms SmolLM2 step (fp16 cache, 1k columns, measured on this project's 2-core CPU). Safe
-because a function only ever sees its own shape: the engine picks it by key.
+because a function only ever sees its own shape: the engine picks it by key. Should its inputs still differ in
+what guards check (a tensor made outside inference mode, a strided view), dynamo refuses to run; the step then
+recompiles, counted and logged, and checks its guards on every later call.
 The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
 Owns: the engine registry, buckets, static caches, the compiled steps and what compiling cost. Does not know
 about sampling, stop rules, timing harnesses or manifests.
@@ -158,11 +160,13 @@ class CompiledEngine:
         self.graphs = self.cuda and self.mode == "reduce-overhead"  # steps replay as CUDA graphs
         self.steps: dict[tuple, object] = {}  # (kind, rows, columns, new columns, coding) → its compiled step
         self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them
+        self.guarded: set[tuple] = set()  # steps that recompiled after being trusted: guards checked on every call
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
         self.max_caches = max_caches
         self.warm: set[tuple] = set()  # (kind, rows, columns, new columns) already compiled
         self.stats = CompileStats()
 
+    @torch.inference_mode()  # every cache's tensors are inference tensors, as the steps were compiled for
     def state(self, kind: str | None, batch: int, columns: int, max_seq_len: int,
               step_lengths: tuple[int, ...] = (1,), slot: str = "", prefill: int = 0) -> "StaticDecodeState":
         """A fresh state for `batch` rows needing `columns` columns (prompt + new tokens); feeds of
@@ -245,11 +249,21 @@ class CompiledEngine:
         coding = coding or ids.shape[1] != 1  # steps of several columns always code
         set_writes(cache, self.model, ids.shape[1], coding)
         key = (*key, ids.shape[1], coding)
-        with reduced_attention(self.model), torch.compiler.set_stance(skip_guard_eval_unsafe=key in self.trusted):
-            logits = self._own_step(key)(self.model, cache, ids, positions, columns, end, mask2d, self.weights)
+        step, args = self._own_step(key), (self.model, cache, ids, positions, columns, end, mask2d, self.weights)
+        with reduced_attention(self.model):
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=key in self.trusted):
+                    logits = step(*args)
+            except RuntimeError as exc:  # a trusted step met inputs its graph was not made for: dynamo refused to
+                if key not in self.trusted or "skip_guard_eval_unsafe" not in str(exc):  # recompile, ran nothing
+                    raise
+                self.trusted.discard(key)
+                self.guarded.add(key)  # two graphs now: only its guards can choose between them
+                logits = step(*args)  # recompiles: counted below
         if self.graphs:  # a graph's output is overwritten by the next replay: callers may keep logits longer
             logits = logits.clone()
-        self.trusted.add(key)
+        if key not in self.guarded:
+            self.trusted.add(key)
         made = _graph_count() - before
         if made:
             self.stats.compiles += made

@@ -105,7 +105,8 @@ class StaticDecodeState:
                                  f"{self.length + t}: raise max_seq_len or start a new conversation")
         columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
         self.columns[:, self.length:self.length + t] = self._pad(new_mask)
-        args = (self.cache, self._pad(ids), self._pad(positions), columns, columns[real - 1] + 1, self.columns)
+        ids, positions = self._pad(ids).contiguous(), self._pad(positions).contiguous()  # a beam's tokens are a view
+        args = (self.cache, ids, positions, columns, columns[real - 1] + 1, self.columns)
         if compiled and t in self.step_lengths:
             logits = self.engine.call(self.key, *args, coding=t == 1 and self.cache.needs_coding(self.length, real))
         else:

@@ -246,6 +246,37 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
 
 
 @pytest.mark.slow
+def test_a_trusted_step_meeting_other_inputs_recompiles_once_instead_of_failing():
+    """After its first call a step skips dynamo's guards. Seen failing with 'Recompilation triggered with
+    skip_guard_eval_unsafe stance': a cache made outside inference mode (speculative's target-only timing) and a
+    beam's strided token view. Both now meet the graph as compiled; inputs that still differ (int32 ids) make one
+    counted recompile, and that step checks its guards from then on. One shape, compiled once (about 20 s)."""
+    from tests.conftest import TINY_LLAMA
+
+    from runner.infer.models import load_model
+
+    lm = load_model(config=TINY_LLAMA, device="cpu", seed=2)
+    prompts = PROMPTS[:2]
+    eager, _ = _generate(lm, prompts, "eager", max_new_tokens=6, temperature=0)
+    ours, _ = _generate(lm, prompts, "compiled", max_new_tokens=6, temperature=0)
+    engine = compiled.engine_for(lm.model)
+    assert torch.equal(ours, eager) and engine.trusted and engine.stats.recompiles == 0
+    state = engine.state(None, 2, 16, 2048, slot="other")  # a new cache, made outside inference mode
+    enc = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        logits, _ = state.prefill(lm.model, enc.input_ids, enc.attention_mask)
+        token = torch.stack([logits.argmax(-1)] * 3, dim=1)[:, 0]  # [2] with stride 3, as BeamSearch.next_tokens
+        assert not token.is_contiguous()
+        state.feed(lm.model, token, torch.ones(2, dtype=torch.long))
+        assert engine.stats.recompiles == 0
+        (key,) = engine.trusted
+        state.feed(lm.model, token.int(), torch.ones(2, dtype=torch.long))  # int32 ids: not what was compiled
+        assert engine.stats.recompiles == 1 and key in engine.guarded and key not in engine.trusted
+        state.feed(lm.model, token, torch.ones(2, dtype=torch.long))  # the int64 graph, chosen by its guards
+    assert engine.stats.recompiles == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["q4_0", "kivi2:g32:r32:s4:o2:b64:nuq"])
 def test_a_compiled_write_stores_the_codes_an_uncompiled_one_stores(kind):
     """One static layer fed 100 columns one at a time (a block completed every 32), once as is and once through

@@ -101,9 +101,10 @@ def test_a_static_step_reads_the_cache_through_the_kernel(tiny_lm):
 
     engine = CompiledEngine(tiny_lm.model, compile=False)
     state = engine.state("q4_0", 1, 32, 64)
-    state.prefill(tiny_lm.model, torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long))
-    with torch.profiler.profile() as profile:
-        state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
+    with torch.inference_mode():  # as the Generator runs it (the engine's caches are inference tensors)
+        state.prefill(tiny_lm.model, torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.long))
+        with torch.profiler.profile() as profile:
+            state.feed(tiny_lm.model, torch.tensor([5]), torch.tensor([True]))
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = tiny_lm.model.config.num_hidden_layers
     assert calls.get("runner::cache_scores") == layers and calls.get("runner::cache_weighted") == layers
