@@ -135,6 +135,11 @@ class CompileStats:
     def total_s(self) -> float:
         return sum(self.compile_s.values())
 
+    def reading(self) -> tuple[float, int, int]:
+        """(seconds, compiles, recompiles) so far: the engine outlives a step, so a step reports the difference of
+        two readings, not these running totals."""
+        return self.total_s, self.compiles, self.recompiles
+
 
 class CompiledEngine:
     """One model's compiled decode step and its static caches (one per kind × batch bucket × length bucket).

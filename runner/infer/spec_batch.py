@@ -71,11 +71,7 @@ class BatchRun:
 
     def __init__(self, gen, ids: torch.Tensor, mask: torch.Tensor):
         self.gen, self.cfg, self.stats = gen, gen.config, gen.stats
-        self.prompts = left_padded(ids, mask)
-        for prompt in self.prompts:
-            if prompt.numel() >= self.cfg.max_seq_len:
-                raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit "
-                                     f"max_seq_len={self.cfg.max_seq_len}")
+        self.prompts = left_padded(ids, mask)  # each fits max_seq_len (SpeculativeGenerator.generate checked)
         self.seqs = list(self.prompts)  # [L_r] every token of each row so far (index = original row)
         self.live = list(range(ids.shape[0]))  # original row of each batch row
         self.outputs: list[torch.Tensor | None] = [None] * ids.shape[0]

@@ -193,6 +193,11 @@ class SpeculativeGenerator:
         self.stats = SpecStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
                                fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch,
                                row_drafted=[0] * batch, row_accepted=[0] * batch)
+        for r, real in enumerate(mask.sum(-1).tolist()):  # before any compiling
+            if real == 0:
+                raise InferenceError(f"row {r} of the batch has no prompt tokens")
+            if real >= self.config.max_seq_len:
+                raise InferenceError(f"prompt of {real} tokens does not fit max_seq_len={self.config.max_seq_len}")
         rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
         if self.text_draft is not None:
             self.text_draft.reset()
@@ -230,10 +235,6 @@ class SpeculativeGenerator:
     def _generate_row(self, r: int, prompt: torch.Tensor) -> torch.Tensor:
         """[T] real prompt tokens → [N] new tokens of row r, stop rules applied."""
         cfg = self.config
-        if prompt.numel() == 0:
-            raise InferenceError(f"row {r} of the batch has no prompt tokens")
-        if prompt.numel() >= cfg.max_seq_len:
-            raise InferenceError(f"prompt of {prompt.numel()} tokens does not fit max_seq_len={cfg.max_seq_len}")
         row = _Row(prompt, self._cache(self.target, prompt, verify=True),
                    None if self.draft is None else self._cache(self.draft, prompt, verify=False))
         self._prefill(row)

@@ -56,6 +56,7 @@ def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], 
                 progress: ProgressFactory) -> dict:
     """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
     rng = torch.Generator(lm.device).manual_seed(config.seed)
+    before = engine_for(lm.model).stats.reading() if config.engine == "compiled" else None
     bar = None if spec.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
     records, batches, plans = [], [], []
     for start in range(0, len(prompts), spec.batch_size):
@@ -79,10 +80,10 @@ def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], 
         for r in records:
             show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
     result = {"prompts": records, "metrics": _totals(records, batches)}
-    if config.engine == "compiled":  # compiling is never inside prefill_s / decode_s: it is reported apart
-        stats = engine_for(lm.model).stats
-        result["compile"] = {"seconds": stats.total_s, "compiles": stats.compiles, "recompiles": stats.recompiles}
-        result["metrics"] |= {"compile_s": stats.total_s, "recompiles": float(stats.recompiles)}
+    if before is not None:  # this step's compiling, never inside prefill_s / decode_s: it is reported apart
+        seconds, compiles, recompiles = (now - then for now, then in zip(engine_for(lm.model).stats.reading(), before))
+        result["compile"] = {"seconds": seconds, "compiles": compiles, "recompiles": recompiles}
+        result["metrics"] |= {"compile_s": seconds, "recompiles": float(recompiles)}
     if plans:
         result["decode_plans"] = plans
         result["metrics"]["sliding_window"] = float(any(p["local_window"] for p in plans))

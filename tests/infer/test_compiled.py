@@ -17,7 +17,7 @@ from runner.infer.compiled import CompiledEngine, batch_bucket, compile_options,
 from runner.infer.config import GenerateConfig, SpeculativeConfig, parse_kind
 from runner.infer.generator import Generator
 from runner.infer.kvcache import bytes_per_token, cache_bytes
-from runner.infer.speculative import SpeculativeGenerator
+from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
 from runner.infer.static import STATIC_KINDS, static_length
 from runner.infer.static_kivi import StaticKiviLayer
 from runner.infer.static_plain import StaticQuantLayer
@@ -193,6 +193,17 @@ def test_a_model_drafting_for_itself_gets_two_static_caches(static_lm):
     out = gen.generate(enc.input_ids)
     target_only, _ = _generate(static_lm, PROMPTS[:1], "eager", max_new_tokens=12, temperature=0)
     assert torch.equal(out, target_only) and gen.stats.acceptance_rate == 1.0
+
+
+def test_a_prompt_longer_than_max_seq_len_is_refused_before_anything_compiles(static_lm):
+    """Seen: a minute of compiling, then this error; generate mode refused at once."""
+    from runner.errors import InferenceError
+
+    enc = static_lm.tokenizer(PROMPTS[:1], return_tensors="pt")
+    config = SpeculativeConfig(spec_k=3, max_new_tokens=4, max_seq_len=4, temperature=0, engine="compiled")
+    with pytest.raises(InferenceError, match=f"prompt of {enc.input_ids.shape[1]} tokens does not fit max_seq_len=4"):
+        SpeculativeGenerator(static_lm.model, PROMPT_LOOKUP, config).generate(enc.input_ids)
+    assert compiled.engine_for(static_lm.model).stats.compile_s == {}
 
 
 @pytest.mark.parametrize("settings, key", [

@@ -78,3 +78,21 @@ def test_unknown_strategy_key_names_the_closest(tmp_path):
     done = run_cli("check", path)
     assert done.returncode == 2 and "strategies.b.num_beam" in done.stderr
     assert "did you mean 'num_beams'?" in done.stderr
+
+
+def test_a_compiled_step_reports_its_own_compiling_not_the_engines_running_total(tiny_lm, monkeypatch):
+    """The engine outlives a step: a second step of a shape already compiled reports 0 s and 0 graphs (seen: every
+    later step repeated the earlier steps' seconds and recompiles)."""
+    from runner.blocks import GenerateSpec
+    from runner.infer import compiled
+    from runner.report import no_progress
+    from runner.steps.generate import _decode_all
+
+    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, compiled.CompiledEngine(tiny_lm.model, compile=False))
+    spec = GenerateSpec.model_validate({"prompts": ["hello world"], "max_new_tokens": 4, "temperature": 0,
+                                        "engine": "compiled"})
+    config = spec.strategy_configs(seed=0)[""]
+    first, second = (_decode_all(spec, config, ["hello world"], tiny_lm, "t", no_progress) for _ in range(2))
+    assert first["compile"]["seconds"] > 0 and first["metrics"]["compile_s"] == first["compile"]["seconds"]
+    assert second["compile"] == {"seconds": 0.0, "compiles": 0, "recompiles": 0}
+    assert second["metrics"]["compile_s"] == 0.0 and second["metrics"]["recompiles"] == 0.0
