@@ -54,8 +54,10 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, 
     for r in records:
         show(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}")
     metrics = _metrics(stats, records, spec_s, base_s, _cost_ratio(lm, draft, config), config)
-    show(f"[{step.key}] speedup vs target-only {metrics.get('speedup', float('nan')):.2f}× (predicted "
-         f"{metrics['predicted_speedup']:.2f}×), acceptance {metrics['acceptance_rate']:.2f}")
+    measured = (f"speedup vs target-only {metrics['speedup']:.2f}×" if "speedup" in metrics
+                else "target-only not timed (compare_target_only: false)")
+    show(f"[{step.key}] {measured} (predicted {metrics['predicted_speedup']:.2f}×), "
+         f"acceptance {metrics['acceptance_rate']:.2f}")
     series = {"spec_k": [k for s in stats for row in s["k_history"] for k in row],  # k per round, rows in turn
               "accepted_length_hist": [sum(h) for h in _padded_hists(stats)]}  # rounds that accepted n (step n)
     return {"prompts": records, "telemetry": stats, "metrics": metrics, "series": series}
