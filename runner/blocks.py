@@ -65,7 +65,8 @@ class ModelSpec(Strict):
     """Which model to load: `id` or `config` (not both); neither means the embedded default."""
 
     id: str | None = Field(None, min_length=1, json_schema_extra={"input_file": "model"}, description=(
-        "zoo:NAME, a Hugging Face id, a local folder or a .gguf file (relative to the manifest)."))
+        "zoo:NAME, a Hugging Face id, a local folder, a .gguf file, or a .json transformers config built with "
+        "random weights like `config` (paths relative to the manifest)."))
     config: dict | None = Field(None, description=(
         "A transformers config (model_type + sizes) built with random weights from the seed."))
     dtype: Literal[tuple(DTYPES)] = Field("float32", description="Weights and compute dtype.")

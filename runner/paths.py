@@ -3,8 +3,8 @@
 Which manifest values are input files is marked in the schema (`json_schema_extra={"input_file": KIND}`):
   prompts  a prompts_file (.txt or .jsonl): read whole by its step, so it must be UTF-8 and bounded in size;
   text     an evaluation text (cache_quality_data, bench data) unless it is a builtin name or `hf:...`;
-  model    a model id that is plainly a path: starts with `.`, `/` or `~`, or ends in `.gguf` (a bare
-           `owner/name` is a hub id).
+  model    a model id that is plainly a path: starts with `.`, `/` or `~`, or ends in `.gguf` or `.json` (a
+           bare `owner/name` is a hub id).
 A path is resolved once, here: `~` expanded, relative to the manifest's folder, symlinks followed (a loop
 is an error, not a traceback). Text inputs are hashed streaming (never held whole), checked as UTF-8 in
 the same pass, and refused beyond MAX_INPUT_MB; a model folder is fingerprinted by its files' names,
@@ -45,7 +45,7 @@ def is_input(kind: str, value) -> bool:
     if not isinstance(value, str) or not value:
         return False
     if kind == "model":
-        return value[0] in "./~" or value.endswith(".gguf")
+        return value[0] in "./~" or value.endswith((".gguf", ".json"))
     if kind == "text":
         return value not in BUILTIN_TEXTS and not value.startswith("hf:")
     return True
