@@ -33,13 +33,14 @@ from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import estimate_cache_bytes  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import Stopwatch, TokenTiming, copy_bandwidth, on_device, time_interleaved, time_once  # noqa: E402
+from runner.infer.timing import (Stopwatch, TokenTiming, copy_bandwidth, on_device, time_interleaved,  # noqa: E402
+                                 time_once)
 
 VARIANTS = ("compiled", "eager", "hf", "hf-compiled")
 
 
 def real_prompts(n: int) -> list[str]:
-    """Different paragraphs of Python's reference manual (stdlib, offline)."""
+    """Different paragraphs of Python's reference manual (stdlib, offline): real English of mixed length."""
     from pydoc_data.topics import topics
 
     texts = [t.split("\n\n")[1] for t in topics.values() if t.count("\n\n") > 2]

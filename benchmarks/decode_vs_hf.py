@@ -18,19 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
+
 from runner.infer.config import DTYPES, KIND_NAMES, GenerateConfig  # noqa: E402
 from runner.infer.generator import Generator  # noqa: E402
 from runner.infer.kvcache import make_cache  # noqa: E402
 from runner.infer.models import load_model  # noqa: E402
 from runner.infer.timing import on_device, time_interleaved  # noqa: E402
-
-
-def real_prompts(n: int) -> list[str]:
-    """Different paragraphs of Python's reference manual (stdlib, offline): real English of mixed length."""
-    from pydoc_data.topics import topics
-
-    texts = [t.split("\n\n")[1] for t in topics.values() if t.count("\n\n") > 2]
-    return [" ".join(texts[i * 7].split()[:24 + 4 * i]) for i in range(n)]
 
 
 def main() -> None:

@@ -128,9 +128,7 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
         folder = zoo_model_dir(source)
         identity = {"source": source, "content_sha256": zoo_entry(source).sha256}
         return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), identity
-    path = Path(source).expanduser()
-    if base_dir is not None and not path.is_absolute():
-        path = base_dir / path
+    path = _local_path(source, base_dir)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
@@ -156,11 +154,15 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
     return model, tokenizer, {"source": source, "revision": revision or commit}
 
 
+def _local_path(source: str, base_dir: Path | None) -> Path:
+    """`source` as a local path: `~` expanded, relative to `base_dir` (the manifest's folder) when given."""
+    path = Path(source).expanduser()
+    return base_dir / path if base_dir is not None and not path.is_absolute() else path
+
+
 def _config_file(source: str, base_dir: Path | None) -> dict:
     """A `.json` source: a transformers config (model_type + sizes) for `_from_config`."""
-    path = Path(source).expanduser()
-    if base_dir is not None and not path.is_absolute():
-        path = base_dir / path
+    path = _local_path(source, base_dir)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
