@@ -34,7 +34,7 @@ if (( SMOKE )); then
   SPEC_ARGS=(--target "$LARGE" --draft "$SMALL")
 else
   DEVICE=cuda DTYPE=bfloat16 BATCHES="1 8 32" CONTEXTS="4096 16384" KINDS="bf16 fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2"
-  STEPS=64 TOKENS=128 REPEATS=5 LIMIT=240
+  STEPS=64 TOKENS=128 REPEATS=5 LIMIT=${LIMIT:-240}
   source_of() {  # the zoo model when it is here, else a random model of its shape
     if "$PY" -c "import sys; from runner.infer.zoo import zoo_cached; sys.exit(not zoo_cached('zoo:$1'))"; then
       echo "zoo:$1"; else echo "benchmarks/shapes/$1.json"; fi
@@ -56,15 +56,16 @@ start=$(date +%s)
 for model in $DECODE_MODELS; do
   timeout "$LIMIT" "$PY" benchmarks/compiled_vs_hf.py --model "$model" --device "$DEVICE" --dtypes "$DTYPE" \
     --batch-sizes $BATCHES --new-tokens "$TOKENS" --repeats "$REPEATS" --variants compiled hf hf-compiled \
-    --markdown "$OUT"
+    --markdown "$OUT" || echo "compiled_vs_hf on $model stopped (exit $?; rows so far are kept)"
 done
 for context in $CONTEXTS; do
   timeout "$LIMIT" "$PY" benchmarks/compiled_kinds.py --model "$SMALL" --device "$DEVICE" --dtype "$DTYPE" \
-    --context "$context" --steps "$STEPS" --repeats "$REPEATS" --engines compiled --kinds $KINDS --markdown "$OUT"
+    --context "$context" --steps "$STEPS" --repeats "$REPEATS" --engines compiled --kinds $KINDS --markdown "$OUT" \
+    || echo "compiled_kinds at $context stopped (exit $?; rows so far are kept)"
 done
 if (( ${#SPEC_ARGS[@]} )); then
   timeout "$LIMIT" "$PY" benchmarks/speculative.py "${SPEC_ARGS[@]}" --dtype "$DTYPE" --device "$DEVICE" \
-    --engine compiled --k 4 --batch $BATCHES --new-tokens "$TOKENS" --repeats "$REPEATS" --hf --markdown "$OUT"
+    --engine compiled --k 4 --batch $BATCHES --new-tokens "$TOKENS" --repeats "$REPEATS" --hf --markdown "$OUT" || echo "speculative stopped (exit $?)"
 else
   echo "| speculative | $LARGE ← $SMALL | $DTYPE | - | - | skipped: the Qwen pair's weights are not on this machine | - | - | - | - | - | - | - |" >> "$OUT"
 fi
