@@ -43,16 +43,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.autocache import select_cache_kind  # noqa: E402
-from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
-from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.config import parse_kind  # noqa: E402
-from runner.infer.kvcache import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.quality import (build_probe, compare, kl_divergence, run_probe,  # noqa: E402
-                                  teacher_forced_logprobs)
-from runner.infer.speed import greedy_prefill, greedy_steps  # noqa: E402
-from runner.infer.timing import on_device, time_interleaved, time_once  # noqa: E402
+from runner.infer.cache.layers import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
+from runner.infer.config.decoding import (
+    GenerateConfig,  # noqa: E402
+    parse_kind,  # noqa: E402
+)
+from runner.infer.config.kinds import DTYPES
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
+from runner.infer.measure.quality import build_probe, compare, kl_divergence, run_probe, teacher_forced_logprobs  # noqa: E402
+from runner.infer.measure.timing import on_device, time_interleaved, time_once  # noqa: E402
+from runner.infer.select.autocache import select_cache_kind  # noqa: E402
+from runner.infer.select.speed import greedy_prefill, greedy_steps  # noqa: E402
 
 KINDS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi3", "kivi2"]
 # The schemes of issue 18's reference table (its "2 % largest per token" is o2 here: per chunk of g tokens).

@@ -1,6 +1,7 @@
 """Decode speed of every cache kind at a long context, compiled engine vs eager, against fp16: one process.
 
-    python benchmarks/compiled_kinds.py [--context 4096] [--kinds fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2] [--engines compiled eager]
+    python benchmarks/compiled_kinds.py [--context 4096] [--kinds fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2]
+        [--engines compiled eager]
 
 Each (engine, kind) prefills the same --context tokens of real text once (untimed), then every timed repeat rolls
 its cache back to the prompt and decodes --steps greedy tokens from it (runner's harness: warm-up, variants
@@ -19,17 +20,16 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
-
-from runner.infer.compiled import engine_for  # noqa: E402
-from runner.infer.config import DTYPES  # noqa: E402
-from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.kvcache import make_cache  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.speculative import crop_to, feed  # noqa: E402
-from runner.infer.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
+from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.compiled.engine import engine_for  # noqa: E402
+from runner.infer.config.decoding import DTYPES  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
+from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
+from runner.infer.speculative.generator import crop_to, feed  # noqa: E402
 
 
 def prefilled(model, engine: str, kind: str, prompt: torch.Tensor, steps: int):

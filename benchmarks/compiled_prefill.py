@@ -21,19 +21,19 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from compiled_kinds import model_parser  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from compiled_kinds import model_parser  # noqa: E402  (benchmarks/ is the script's directory)
+from runner.infer.compiled.engine import engine_for
+from runner.infer.compiled.state import PREFILL_MAX  # noqa: E402
+from runner.infer.config.decoding import GenerateConfig  # noqa: E402
+from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
+from runner.infer.measure.timing import on_device, time_interleaved  # noqa: E402
 
-from runner.infer.compiled import engine_for
-from runner.infer.static_state import PREFILL_MAX  # noqa: E402
-from runner.infer.config import GenerateConfig  # noqa: E402
-from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.generator import Generator  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import on_device, time_interleaved  # noqa: E402
-
-VARIANTS = {"eager": ("eager", "eager"), "compiled": ("compiled", "eager"), "compiled-prefill": ("compiled", "compiled")}
+VARIANTS = {"eager": ("eager", "eager"), "compiled": ("compiled", "eager"),
+            "compiled-prefill": ("compiled", "compiled")}
 
 
 def first_token(model, ids: torch.Tensor, engine: str, prefill: str, outs: dict, name: str):

@@ -27,14 +27,14 @@ from transformers import CompileConfig  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.cells import bandwidth_fraction  # noqa: E402
-from runner.infer.compiled import engine_for, use_compile_cache  # noqa: E402
-from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
-from runner.infer.generator import Generator  # noqa: E402
-from runner.infer.kvcache import estimate_cache_bytes  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import (Stopwatch, TokenTiming, copy_bandwidth, on_device, time_interleaved,  # noqa: E402
-                                 time_once)
+from runner.infer.bench.cells import bandwidth_fraction  # noqa: E402
+from runner.infer.cache.layers import estimate_cache_bytes  # noqa: E402
+from runner.infer.compiled.engine import engine_for, use_compile_cache  # noqa: E402
+from runner.infer.config.decoding import GenerateConfig  # noqa: E402
+from runner.infer.config.kinds import DTYPES
+from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.measure.timing import Stopwatch, TokenTiming, copy_bandwidth, on_device, time_interleaved, time_once  # noqa: E402
 
 VARIANTS = ("compiled", "eager", "hf", "hf-compiled")
 
@@ -129,7 +129,8 @@ def main() -> None:
                 if name in chosen:
                     before = engine_for(model).stats.total_s
                     seconds = time_once(lambda: chosen[name](lambda: None), **on_device(device))
-                    detail = (f", of which compiling (or loading) the step {engine_for(model).stats.total_s - before:.1f} s"
+                    compiling_s = engine_for(model).stats.total_s - before
+                    detail = (f", of which compiling (or loading) the step {compiling_s:.1f} s"
                               if name == "compiled" else " (compile and one generation)")
                     print(f"compile {name} batch={batch}: first call {seconds:.1f} s{detail}", flush=True)
             watch = Stopwatch()
@@ -156,7 +157,8 @@ def main() -> None:
                     append_row(args.markdown, ["decode", args.model, dtype, batch, prompt_len, name,
                                                f"{timing.decode_tokens_per_s.median:.1f}",
                                                f"{timing.decode_tokens_per_s.spread:.1f}",
-                                               *(f"{ratio[b]:.3f}" if b in ratio else "-" for b in ("hf", "hf-compiled")),
+                                               *(f"{ratio[b]:.3f}" if b in ratio else "-"
+                                                 for b in ("hf", "hf-compiled")),
                                                "-", f"{bw:.2f}", same])
         del lm, model
 

@@ -16,15 +16,15 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
-
-from runner.infer.config import DTYPES, KIND_NAMES, GenerateConfig  # noqa: E402
-from runner.infer.generator import Generator  # noqa: E402
-from runner.infer.kvcache import make_cache  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import on_device, time_interleaved  # noqa: E402
+from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.config.decoding import GenerateConfig  # noqa: E402
+from runner.infer.config.kinds import DTYPES, KIND_NAMES
+from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.measure.timing import on_device, time_interleaved  # noqa: E402
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ else
   DEVICE=cuda DTYPE=bfloat16 BATCHES="1 8 32" CONTEXTS="4096 16384" KINDS="bf16 fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2"
   STEPS=64 TOKENS=128 REPEATS=5 LIMIT=${LIMIT:-240}
   source_of() {  # the zoo model when it is here, else a random model of its shape
-    if "$PY" -c "import sys; from runner.infer.zoo import zoo_cached; sys.exit(not zoo_cached('zoo:$1'))"; then
+    if "$PY" -c "import sys; from runner.infer.loading.zoo import zoo_cached; sys.exit(not zoo_cached('zoo:$1'))"; then
       echo "zoo:$1"; else echo "benchmarks/shapes/$1.json"; fi
   }
   SMALL=$(source_of qwen2.5-coder-0.5b) LARGE=$(source_of qwen2.5-coder-1.5b) DECODE_MODELS="$SMALL $LARGE"

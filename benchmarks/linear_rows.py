@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from runner.infer import cpu_linear  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import copy_bandwidth, time_interleaved  # noqa: E402
+from runner.infer.kernels import cpu_linear  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.measure.timing import copy_bandwidth, time_interleaved  # noqa: E402
 
 
 def main() -> None:

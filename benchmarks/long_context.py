@@ -26,14 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.config import DTYPES  # noqa: E402
-from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.forward import positions_for, prefill  # noqa: E402
-from runner.infer.kvcache import make_cache  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.quality import planned_nll  # noqa: E402
-from runner.infer.timing import on_device, time_interleaved  # noqa: E402
-from runner.infer.window import DecodePlan  # noqa: E402
+from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.cache.window import DecodePlan  # noqa: E402
+from runner.infer.config.decoding import DTYPES  # noqa: E402
+from runner.infer.decode.forward import positions_for, prefill  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
+from runner.infer.measure.quality import planned_nll  # noqa: E402
+from runner.infer.measure.timing import on_device, time_interleaved  # noqa: E402
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 

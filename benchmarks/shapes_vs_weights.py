@@ -18,15 +18,15 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
-
-from runner.infer.compiled import engine_for, use_compile_cache  # noqa: E402
-from runner.infer.config import DTYPES, GenerateConfig  # noqa: E402
-from runner.infer.generator import Generator  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
+from runner.infer.compiled.engine import engine_for, use_compile_cache  # noqa: E402
+from runner.infer.config.decoding import GenerateConfig  # noqa: E402
+from runner.infer.config.kinds import DTYPES
+from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
 
 
 def decode(model, ids: torch.Tensor, new_tokens: int, engine: str):

@@ -7,9 +7,9 @@
                                                                        # another tokenizer: proposals as text
 
 Greedy, one process. Per batch size every method runs once as warm-up, then --repeats times in alternating
-order (runner.infer.timing.time_interleaved); we print the median new tokens/s of each (all rows' tokens over
+order (runner.infer.measure.timing.time_interleaved); we print the median new tokens/s of each (all rows' tokens over
 the wall time), its spread (max − min) and the ratio to our target-only batched decode. Methods:
-    ours target-only    runner.infer.generator.Generator on the left-padded batch
+    ours target-only    runner.infer.generation.generator.Generator on the left-padded batch
     ours spec batched   SpeculativeGenerator: every round drafts and verifies all live rows at once
     ours spec rows      SpeculativeGenerator(batched=False): rows one after another (the previous behaviour)
     hf generate         model.generate(do_sample=False) on the same batch (--hf)
@@ -26,16 +26,16 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
-
-from runner.infer.config import DTYPES, GenerateConfig, SpeculativeConfig  # noqa: E402
-from runner.infer.generator import Generator  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.spec_text import same_tokenizer  # noqa: E402
-from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
-from runner.infer.timing import on_device, time_interleaved  # noqa: E402
+from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig  # noqa: E402
+from runner.infer.config.kinds import DTYPES
+from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.measure.timing import on_device, time_interleaved  # noqa: E402
+from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerator  # noqa: E402
+from runner.infer.speculative.text import same_tokenizer  # noqa: E402
 
 LOOKUP_PROMPTS = [
     "Python lists: a = [1, 2, 3]; b = [1, 2, 3]; c = [1, 2, 3]; d = [1,",

@@ -4,7 +4,7 @@
         [--variants none int8 int8-dynamic int4:g32 int4:g64] [--cache-kinds q8_0 q4_0]
         [--quality-only | --speed-only] [--engines eager compiled] [--batches 1 8] [--steps 32] [--repeats 5]
 
-Quality (runner.infer.quality, the cache gates' harness): every weight variant with the model-dtype cache, then
+Quality (runner.infer.measure.quality, the cache gates' harness): every weight variant with the model-dtype cache, then
 with each of --cache-kinds, against the unquantized model with its own-dtype cache: ΔNLL (nats/token), PPL ratio,
 mean KL(full ‖ quantized), top-1 agreement, needle. Bytes are measured from the stored tensors; `× bf16` is over
 the same model's bfloat16 weights (computed from its parameter count, whatever --dtype is).
@@ -26,13 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.compiled import engine_for  # noqa: E402
-from runner.infer.data import load_text, token_windows  # noqa: E402
-from runner.infer.models import load_model  # noqa: E402
-from runner.infer.quality import build_probe, compare, run_probe  # noqa: E402
-from runner.infer.speed import greedy_run  # noqa: E402
-from runner.infer.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
-from runner.infer.weights import quantize_model, weight_bytes  # noqa: E402
+from runner.infer.compiled.engine import engine_for  # noqa: E402
+from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
+from runner.infer.measure.quality import build_probe, compare, run_probe  # noqa: E402
+from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved  # noqa: E402
+from runner.infer.quant.weights import quantize_model, weight_bytes  # noqa: E402
+from runner.infer.select.speed import greedy_run  # noqa: E402
 
 MIB = 2**20
 

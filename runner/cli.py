@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(command: str, argv: list[str]) -> int:
     if command == "schema":
         _parse(_parser("schema", "Print the manifest's JSON Schema (for editor completion).", manifest=False), argv)
-        from runner.manifest import json_schema
+        from runner.manifest.schema import json_schema
 
         print(json.dumps(json_schema(), indent=2))
         return 0
@@ -54,8 +54,8 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "plan": "Print the plan: one line per step, with its content hash.",
     }
     args = _parse(_parser(command, descriptions[command]), argv, intermixed=True)
-    from runner.compose import load_manifest
-    from runner.sweep import is_hydra_override, split_sweep
+    from runner.execute.sweep import is_hydra_override, split_sweep
+    from runner.manifest.compose import load_manifest
 
     path = Path(args.manifest)
     hydra_args = [o for o in args.overrides if is_hydra_override(o)]
@@ -73,7 +73,7 @@ def _dispatch(command: str, argv: list[str]) -> int:
 
 
 def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
-    from runner.plan import make_plan
+    from runner.manifest.plan import make_plan
 
     plan = make_plan(manifest, path.parent)
     if command == "check":
@@ -82,8 +82,8 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
     if command == "plan":
         print(plan.describe())
         return 0
-    from runner.engine import execute
-    from runner.tracking import RunFolder
+    from runner.execute.executor import execute
+    from runner.execute.tracking import RunFolder
 
     previous = _resume_folder(args, manifest, "status.json")
     folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
@@ -103,7 +103,7 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
 
 def _browse(command: str, argv: list[str]) -> int:
     """`run results` and `run compare`: read-only views of the MLflow store."""
-    from runner import results
+    from runner.execute import results
 
     if command == "results":
         parser = _parser("results", "A table of past runs (steps) from MLflow, newest first.", manifest=False)
@@ -145,9 +145,8 @@ def _browse(command: str, argv: list[str]) -> int:
 
 
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
-    from runner import sweep
-
-    from runner.sources import read_sources
+    from runner.execute import sweep
+    from runner.manifest.sources import read_sources
 
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
@@ -158,8 +157,8 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
         return 0
     if command == "plan":
-        from runner.compose import load_manifest
-        from runner.plan import make_plan
+        from runner.manifest.compose import load_manifest
+        from runner.manifest.plan import make_plan
 
         for point in points:
             print(f"point {point.index}: {point.label}")
@@ -178,7 +177,7 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
 
 def _resume_folder(args, manifest, record: str) -> Path | None:
     """--resume-from FOLDER, or --resume: the newest unfinished folder of this manifest's name."""
-    from runner.tracking import latest_unfinished
+    from runner.execute.tracking import latest_unfinished
 
     if args.resume_from:
         folder = Path(args.resume_from)

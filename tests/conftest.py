@@ -33,21 +33,21 @@ def one_thread():
 @pytest.fixture(scope="session")
 def draft_lm():
     """A second tiny model with other random weights: a draft unrelated to tiny_lm."""
-    from runner.infer.models import load_model
+    from runner.infer.loading.models import load_model
 
     return load_model(config=TINY_LLAMA, device="cpu", seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_lm():
-    from runner.infer.models import load_model
+    from runner.infer.loading.models import load_model
 
     return load_model(config=TINY_LLAMA, device="cpu", seed=0)
 
 
 @pytest.fixture(scope="session")
 def smollm():
-    from runner.infer.models import load_model
+    from runner.infer.loading.models import load_model
 
     return load_model("zoo:smollm2-135m", device="cpu")
 

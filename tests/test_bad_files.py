@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner import paths
 from runner.cli import main
-from runner.compose import load_manifest, load_points
 from runner.errors import InputFileError, ManifestError
-from runner.plan import make_plan
+from runner.manifest import paths
+from runner.manifest.compose import load_manifest, load_points
+from runner.manifest.plan import make_plan
 
 MANIFEST = """targets:
   - name: smol
@@ -103,7 +103,7 @@ def test_the_step_hash_covers_every_input_file_the_step_reads(tmp_path):
 
 
 def test_check_and_the_steps_resolve_home_the_same_way(tmp_path, monkeypatch, capsys):
-    from runner.blocks import GenerateSpec
+    from runner.manifest.blocks import GenerateSpec
     from runner.steps.generate import load_prompts
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -115,7 +115,7 @@ def test_check_and_the_steps_resolve_home_the_same_way(tmp_path, monkeypatch, ca
 
 
 def test_a_prompts_file_broken_after_check_fails_its_step_with_our_error(tmp_path):
-    from runner.blocks import GenerateSpec
+    from runner.manifest.blocks import GenerateSpec
     from runner.steps.generate import load_prompts
 
     (tmp_path / "p.txt").write_bytes(b"caf\xe9\n")

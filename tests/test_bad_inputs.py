@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runner.cli import main
-from runner.compose import load_manifest
 from runner.errors import ManifestError
+from runner.manifest.compose import load_manifest
 from tests.test_cli import run_cli
 
 HERE = Path(__file__).parent / "bad_inputs"

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from runner.infer.cache_plans import PlanStore
+from runner.infer.select.cache_plans import PlanStore
 from tests.conftest import TINY_LLAMA
 
 PROCESSES = 8
@@ -49,7 +49,7 @@ def test_eight_concurrent_selections_leave_every_plan_and_run_intact(tmp_path):
     for folder in folders:
         assert json.loads((folder / "status.json").read_text())["state"] == "finished"
 
-    from runner.results import Store
+    from runner.execute.results import Store
 
     runs = Store(None, str(tmp_path / "runs")).runs("shared")
     assert len(runs) == 2 * PROCESSES and {r.info.status for r in runs} == {"FINISHED"}

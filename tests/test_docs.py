@@ -1,5 +1,5 @@
 """The documentation: every relative link in the README and docs/ resolves (file and anchor), the README stays a
-front door, and docs/manifest.md is what runner.docgen makes of the current schema."""
+front door, and docs/manifest.md is what runner.manifest.docgen makes of the current schema."""
 
 import re
 import subprocess
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner import docgen
-from runner.manifest import Manifest
+from runner.manifest import docgen
+from runner.manifest.schema import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "plans" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -62,7 +62,8 @@ def test_manifest_reference_is_current():
     if current != rendered:
         pairs = zip_longest(current.splitlines(), rendered.splitlines())
         first = next((i for i, (a, b) in enumerate(pairs) if a != b), 0)
-        pytest.fail(f"docs/manifest.md is out of date with runner/manifest.py (first difference at line {first + 1}): "
+        pytest.fail(f"docs/manifest.md is out of date with runner/manifest/schema.py "
+                    f"(first difference at line {first + 1}): "
                     f"regenerate it with `{docgen.COMMAND}`")
 
 
@@ -77,7 +78,7 @@ def test_manifest_reference_has_every_key():
 
 def test_docgen_imports_no_torch():
     """The reference is generated from the schema alone: no torch or transformers import, so it is cheap."""
-    code = ("import sys; from runner import docgen; docgen.render(); "
+    code = ("import sys; from runner.manifest import docgen; docgen.render(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr

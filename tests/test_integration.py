@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.infer.generator import Generator, generate
-from runner.infer.config import DEFAULT_CANDIDATES, GenerateConfig, canonical_kind
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.kinds import DEFAULT_CANDIDATES, canonical_kind
+from runner.infer.generation.generator import Generator, generate
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.slow
@@ -61,8 +62,8 @@ def test_seed_guide_manifest_runs_as_written(tmp_path):
 
 def test_q8_0_cache_keeps_quality_on_the_real_model(smollm):
     """The gate figures on real text: q8_0 costs under 0.01 nats/token; 4-bit costs more than q8_0."""
-    from runner.infer.data import load_text
-    from runner.infer.quality import build_probe, compare, run_probe
+    from runner.infer.loading.texts import load_text
+    from runner.infer.measure.quality import build_probe, compare, run_probe
 
     probe = build_probe(smollm.tokenizer, load_text("pydoc"), prompt_len=256, decode_steps=8, windows=4,
                         ppl_len=512, device=smollm.device)
@@ -80,7 +81,7 @@ def test_speculative_lookup_manifest_runs_and_is_exact(tmp_path):
     (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     result = json.loads((folder / "smollm2" / "lookup" / "results.json").read_text())
     assert result["metrics"]["acceptance_rate"] > 0.2 and result["metrics"]["speedup"] > 0
-    from runner.infer.models import load_model
+    from runner.infer.loading.models import load_model
 
     lm = load_model("zoo:smollm2-135m", device="cpu")
     for record in result["prompts"]:

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from runner.errors import ResourceError
-from runner.tracking import RunFolder
+from runner.execute.tracking import RunFolder
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
 

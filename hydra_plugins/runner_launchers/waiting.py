@@ -107,6 +107,7 @@ class RayLauncher(_RayBase or object):
 
     def launch(self, job_overrides, initial_job_idx):
         import ray
+
         from hydra_plugins.hydra_ray_launcher import _core
 
         refs = []

@@ -12,13 +12,13 @@ from importlib import import_module
 
 _EXPORTS = {
     "GenerateConfig": "runner.infer.config",
-    "Generator": "runner.infer.generator",
-    "generate": "runner.infer.generator",
-    "load_model": "runner.infer.models",
-    "make_cache": "runner.infer.kvcache",
-    "select_cache_kind": "runner.infer.autocache",
+    "Generator": "runner.infer.generation.generator",
+    "generate": "runner.infer.generation.generator",
+    "load_model": "runner.infer.loading.models",
+    "make_cache": "runner.infer.cache.layers",
+    "select_cache_kind": "runner.infer.select.autocache",
     "SpeculativeConfig": "runner.infer.config",
-    "SpeculativeGenerator": "runner.infer.speculative",
+    "SpeculativeGenerator": "runner.infer.speculative.generator",
 }
 
 __all__ = list(_EXPORTS)

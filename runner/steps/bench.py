@@ -4,7 +4,7 @@ inputs and cache (hf_*, ratio_*) and transformers' static cache + compiled forwa
 
 Owns the matrix, real prompts cut from the eval text, failure per cell (recorded with its reason; the others
 go on), the table (CSV, parquet when pyarrow is present, markdown shown at the end), the plots and the
-metrics. Timing itself is runner.infer.cells and runner.infer.timing.
+metrics. Timing itself is runner.infer.bench.cells and runner.infer.measure.timing.
 """
 
 from __future__ import annotations
@@ -19,16 +19,22 @@ import pandas as pd
 import torch
 
 from runner.errors import RunnerError
-from runner.infer.cells import (ASSISTED_NA, measure_hf, measure_hf_assisted, measure_hf_compiled, measure_ours,
-                                measure_speculative)
-from runner.infer.data import load_text, token_windows
-from runner.infer.models import LoadedModel, load_spec
-from runner.infer.weights import weight_bytes
-from runner.infer.config import DTYPES
-from runner.infer.timing import copy_bandwidth
-from runner.blocks import BenchSpec
-from runner.paths import model_source, text_source
-from runner.plan import Step
+from runner.infer.bench.cells import (
+    ASSISTED_NA,
+    measure_hf,
+    measure_hf_assisted,
+    measure_hf_compiled,
+    measure_ours,
+    measure_speculative,
+)
+from runner.infer.config.kinds import DTYPES
+from runner.infer.loading.models import LoadedModel, load_spec
+from runner.infer.loading.texts import load_text, token_windows
+from runner.infer.measure.timing import copy_bandwidth
+from runner.infer.quant.weights import weight_bytes
+from runner.manifest.blocks import BenchSpec
+from runner.manifest.paths import model_source, text_source
+from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.speculative import load_draft
 
@@ -169,7 +175,8 @@ def write_table(table: pd.DataFrame, out_dir: Path) -> None:
 
 def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     """The columns people read first, in the order they read them."""
-    wanted = [*AXES, "weight_mib", "ours_total_mib", "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s", "hfc_tokens_per_s",
+    wanted = [*AXES, "weight_mib", "ours_total_mib", "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s",
+              "hfc_tokens_per_s",
               "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
               "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_acceptance_row_min",
               "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",

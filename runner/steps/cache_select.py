@@ -1,7 +1,7 @@
 """`mode: auto-cache-select`, and `cache_kind: auto` in `generate`: choose, show and record a cache kind.
 
 Owns the step's side of selection: the config from the manifest's block, the table shown, the
-CSV / PNG / plan JSON in the step folder and the metrics. The choosing is runner.infer.autocache.
+CSV / PNG / plan JSON in the step folder and the metrics. The choosing is runner.infer.select.autocache.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 import pandas as pd
 
 from runner.files import atomic_write_json
-from runner.infer.autocache import Selection, select_cache_kind
-from runner.infer.config import GenerateConfig
-from runner.infer.data import load_text
-from runner.infer.jointselect import select_weights_and_cache
-from runner.infer.models import LoadedModel
-from runner.blocks import GenerateSpec, library_config
-from runner.paths import text_source
-from runner.plan import Step
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.loading.models import LoadedModel
+from runner.infer.loading.texts import load_text
+from runner.infer.select.autocache import Selection, select_cache_kind
+from runner.infer.select.joint import select_weights_and_cache
+from runner.manifest.blocks import GenerateSpec, library_config
+from runner.manifest.paths import text_source
+from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     joint = bool(config.weight_candidates)
     log.info("[%s] choosing %s among %s (budget %s, max_seq_len %d, batch %d)", step.key,
              "weights × cache kind" if joint else "a cache kind",
-             " × ".join(", ".join(c) for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
+             " × ".join(", ".join(c)
+                        for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
              _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, spec.batch_size)
     select = select_weights_and_cache if joint else select_cache_kind
     selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,

@@ -1,7 +1,7 @@
 """`mode: generate`: prompts → text, batched, optionally streamed, with timings per prompt.
 
 Owns prompt loading, batching, what is shown (runner.report) and the step's result dict. Decoding itself is
-runner.infer.generator; where results are written is the engine's business.
+runner.infer.generation.generator; where results are written is the engine's business.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from runner.errors import StepError
-from runner.infer.compiled import engine_for
-from runner.infer.config import GenerateConfig
-from runner.infer.generator import Generator
-from runner.infer.models import LoadedModel
-from runner.blocks import GenerateSpec, PromptSource, library_config
-from runner.paths import read_text
-from runner.plan import Step
+from runner.infer.compiled.engine import engine_for
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.generation.generator import Generator
+from runner.infer.loading.models import LoadedModel
+from runner.manifest.blocks import GenerateSpec, PromptSource, library_config
+from runner.manifest.paths import read_text
+from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
 from runner.steps.cache_select import describe, params, select_for
 

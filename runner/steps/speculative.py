@@ -1,7 +1,7 @@
 """`mode: speculative`: the draft proposes, the target verifies; acceptance and speedup measured in one step.
 
 Owns: loading the draft (or prompt lookup), the tokenizer check, the target-only baseline on the same prompts,
-the predicted speedup and the step's metrics. The algorithm itself is runner.infer.speculative.
+the predicted speedup and the step's metrics. The algorithm itself is runner.infer.speculative.generator.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from pathlib import Path
 
 import torch
 
-from runner.infer.compiled import engine_for
-from runner.infer.config import GenerateConfig, SpeculativeConfig
-from runner.infer.generator import Generator
-from runner.infer.models import LoadedModel, load_spec
-from runner.infer.spec_text import same_tokenizer
-from runner.infer.speculative import PROMPT_LOOKUP, SpeculativeGenerator
-from runner.blocks import SpeculativeSpec, library_config
-from runner.infer.speed import time_decode_kinds
-from runner.infer.timing import on_device, time_once
-from runner.paths import model_source
-from runner.plan import Step
+from runner.infer.compiled.engine import engine_for
+from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
+from runner.infer.generation.generator import Generator
+from runner.infer.loading.models import LoadedModel, load_spec
+from runner.infer.measure.timing import on_device, time_once
+from runner.infer.select.speed import time_decode_kinds
+from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerator
+from runner.infer.speculative.text import same_tokenizer
+from runner.manifest.blocks import SpeculativeSpec, library_config
+from runner.manifest.paths import model_source
+from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.generate import load_prompts
 
@@ -71,7 +71,7 @@ def _padded_hists(stats: list[dict]) -> list[tuple[int, ...]]:
 
 def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Path):
     """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
-    A draft with another tokenizer proposes through text (runner.infer.spec_text)."""
+    A draft with another tokenizer proposes through text (runner.infer.speculative.text)."""
     if spec.draft == PROMPT_LOOKUP:
         return PROMPT_LOOKUP, None
     d = spec.draft

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from runner.blocks import BenchSpec
+from runner.manifest.blocks import BenchSpec
 from runner.steps.bench import markdown, matrix, metric_name, metrics, with_spec_speedup
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
@@ -62,7 +62,7 @@ def test_markdown_table_and_plots_are_left(bench_run):
 
 
 def test_metrics_reach_mlflow_with_their_spread(bench_run):
-    from runner.results import Store
+    from runner.execute.results import Store
 
     tmp, _, _ = bench_run
     store = Store(None, str(tmp / "runs"))

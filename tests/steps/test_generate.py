@@ -83,8 +83,8 @@ def test_unknown_strategy_key_names_the_closest(tmp_path):
 def test_a_compiled_step_reports_its_own_compiling_not_the_engines_running_total(tiny_lm, monkeypatch):
     """The engine outlives a step: a second step of a shape already compiled reports 0 s and 0 graphs (seen: every
     later step repeated the earlier steps' seconds and recompiles)."""
-    from runner.blocks import GenerateSpec
-    from runner.infer import compiled
+    from runner.infer.compiled import engine as compiled
+    from runner.manifest.blocks import GenerateSpec
     from runner.report import no_progress
     from runner.steps.generate import _decode_all
 

@@ -1,0 +1,159 @@
+"""Executes a Plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
+
+Each step's result is written as soon as it exists, and `status.json` is updated before and after
+every step, so a crash, Ctrl-C or kill -9 leaves a folder that says what finished; executing the plan
+again into that folder skips the steps that finished with the same hash (`--resume`). A step that
+fails for a user-facing reason (RunnerError) is recorded and the others go on (`on_failure: continue`)
+or the rest are skipped (`on_failure: stop`); a bug is recorded and re-raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from transformers.utils import logging as hf_logging
+
+from runner.errors import ResourceError, RunnerError
+from runner.execute.tracking import RunFolder, Tracker, environment, tracker_for
+from runner.files import atomic_write_json
+from runner.infer.loading.models import load_spec
+from runner.manifest.paths import model_source
+from runner.manifest.plan import Plan, Step
+from runner.manifest.schema import Manifest
+from runner.report import ProgressFactory, no_progress
+from runner.steps import STEP_RUNNERS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    folder: Path
+    failed: dict[str, str] = field(default_factory=dict)  # step key → reason
+    reused: list[str] = field(default_factory=list)  # finished in an earlier (interrupted) invocation
+    skipped: list[str] = field(default_factory=list)  # not run: on_failure: stop after a failure
+
+
+class LoadedModels:
+    """Model reuse across steps and sweep points: holds one model in memory, keyed by its spec; a different spec
+    frees the previous model before loading the next. Passed in explicitly (a sweep shares one across its points)."""
+
+    def __init__(self):
+        self.key: str | None = None
+        self.model = None
+
+    def get(self, step: Step, base_dir: Path):
+        key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
+        if key != self.key:
+            self.key, self.model = None, None  # free the previous model before loading the next
+            spec = step.model
+            log.info("loading %s (%s, %s)", spec.get("id") or "config model", spec["dtype"], spec["device"])
+            self.model, self.key = load_spec(model_source(spec, base_dir), step.model_seed, base_dir), key
+        return self.model
+
+
+def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path, folder: RunFolder,
+            mlflow_parent: str | None = None, tags: dict | None = None, run_name: str | None = None,
+            models: LoadedModels | None = None, progress: ProgressFactory = no_progress) -> Outcome:
+    """Run the plan's steps into `folder`, skipping steps that already finished there with the same hash.
+
+    `mlflow_parent`: the sweep's run, when this is one point of a sweep; `tags` go on every MLflow run;
+    `models`: the models already loaded (a sweep's earlier points); `progress`: how long steps report.
+    """
+    hf_logging.disable_progress_bar()
+    folder.write_text("manifest.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    folder.write_json("plan.json", plan.to_json())
+    folder.write_json("env.json", environment())
+    folder.set(name=manifest.name)
+    log.info("run folder: %s", folder.path)
+    outcome, models = Outcome(folder.path), models or LoadedModels()
+    todo = []
+    for step in plan.steps:
+        if folder.finished(step.key, step.hash):
+            outcome.reused.append(step.key)
+            log.info("step %s finished earlier (hash %s): skipped", step.key, step.hash[:12])
+        else:
+            todo.append(step)
+    tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
+    tracker = tracker_for(manifest.tracking, manifest.name)
+    tracker.end_stale("runner.run_folder", tags["runner.run_folder"])  # children of a killed earlier invocation
+    if not todo:  # resumed after its last step finished: its MLflow run may still say RUNNING (or KILLED)
+        tracker.end(folder.status.get("mlflow_run_id"), "FINISHED")
+        folder.finish("finished")
+        return outcome
+    with tracker.run(run_name or manifest.name, tags, parent=mlflow_parent,
+                     resume=folder.status.get("mlflow_run_id")) as parent:
+        folder.set(mlflow_run_id=parent.id)
+        state = "interrupted"
+        try:
+            _run_steps(todo, manifest, manifest_path.parent, folder, tracker, parent.id, tags, models, progress,
+                       outcome)
+            state = "failed" if outcome.failed or outcome.skipped else "finished"
+            parent.state = "FAILED" if state == "failed" else "FINISHED"
+        finally:
+            try:
+                folder.finish(state)
+            except ResourceError as exc:  # the folder stopped taking writes: say so, keep the first error
+                log.error("%s", exc)
+            parent.log(params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
+    return outcome
+
+
+def _run_steps(todo: list[Step], manifest: Manifest, base_dir: Path, folder: RunFolder, tracker: Tracker,
+               parent: str | None, tags: dict, models: LoadedModels, progress: ProgressFactory,
+               outcome: Outcome) -> None:
+    """Each step in its own MLflow run; a RunnerError fails that step alone (on_failure: continue) or skips the rest
+    (on_failure: stop); anything else is recorded in status.json and goes up."""
+    for n, step in enumerate(todo):
+        with tracker.run(step.key, {**tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
+                         parent=parent) as child:
+            folder.set_step(step.key, "running", hash=step.hash, mlflow_run_id=child.id)
+            try:
+                result = _run_step(step, models.get(step, base_dir), base_dir, folder.path / step.key, progress)
+            except RunnerError as exc:
+                outcome.failed[step.key], child.state = str(exc), "FAILED"
+                folder.set_step(step.key, "failed", error=str(exc))
+                log.error("step %s failed: %s", step.key, exc)
+                if manifest.on_failure == "stop":
+                    outcome.skipped = [s.key for s in todo[n + 1:]]
+                    for key in outcome.skipped:
+                        folder.set_step(key, "skipped", reason=f"on_failure: stop after {step.key} failed")
+                    return
+                continue
+            except BaseException as exc:
+                folder.set_step(step.key, "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed",
+                                error=repr(exc))
+                raise
+            params, series = result.pop("params", {}), result.get("series", {})
+            try:
+                folder.write_json(f"{step.key}/results.json", result)
+            except ResourceError as exc:
+                raise ResourceError(f"{exc}; the step's results were saved to {_rescue(step, result)} instead") \
+                    from None
+            folder.set_step(step.key, "finished", metrics=result["metrics"])
+            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.spec, "seed": step.seed,
+                              "model_fingerprint": result["model"], **params},
+                      metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
+
+
+def _rescue(step: Step, result: dict) -> Path:
+    """Where a step's results go when the run folder cannot take them: the system's temporary folder."""
+    handle, name = tempfile.mkstemp(prefix=f"runner-{step.key.replace('/', '-')}-", suffix=".json")
+    os.close(handle)
+    return atomic_write_json(name, result)
+
+
+def _run_step(step: Step, lm, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
+    try:
+        result = STEP_RUNNERS[step.mode](step, lm, base_dir, out_dir, progress)
+    except torch.OutOfMemoryError as exc:
+        raise ResourceError(f"out of memory in step {step.key}: {exc}") from None
+    return {"step": step.key, "mode": step.mode, "hash": step.hash, "seed": step.seed, "model": lm.fingerprint,
+            "spec": step.spec, **result}

@@ -1,0 +1,1 @@
+"""Layer 12: one bench cell measured on runner's engine, transformers, speculative and assisted decoding."""

@@ -1,0 +1,212 @@
+"""One bench cell: a model, a batch of equal-length prompts, a token count and a cache kind, timed three ways.
+
+    measure_ours         our prefill + greedy decode chain (runner.infer.select.speed), a tick per token; with
+                         engine="compiled" the compiled engine's static state (compiled before the timing)
+    measure_hf           transformers' own model.generate() on the same model, inputs and cache kind
+    measure_hf_compiled  transformers' static cache + its compiled forward (cache_implementation="static"), the
+                         fastest thing a transformers user sets up; the model's dtype only; compile timed apart
+    measure_speculative  our SpeculativeGenerator (greedy), whole-generation time only; a batch runs its rounds
+                         together (batched=False: rows one after another, today's baseline)
+    measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way; batch 1
+                         only (ASSISTED_NA says why)
+
+Greedy with EOS ignored, so every repeat of every side makes exactly `new_tokens` tokens. Each side
+returns a flat dict of figures (medians, p90s, spreads, peak memory, measured KV bytes, the fraction
+of the copy-bandwidth bound reached while decoding). Does not know about manifests or tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.compiled.engine import check_compilable, engine_for
+from runner.infer.config.decoding import SpeculativeConfig
+from runner.infer.config.kinds import DTYPES
+from runner.infer.measure.timing import PeakMemory, Summary, TokenTiming, on_device, time_once, time_ticks
+from runner.infer.quant.weights import is_quantized, tensor_bytes, weight_bytes
+from runner.infer.select.speed import greedy_prefill, greedy_steps
+from runner.infer.speculative.generator import SpeculativeGenerator
+
+MIB = 2**20
+ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch size 1 "
+               "(transformers issue #32165, batched assisted generation, is open)")
+
+
+def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                 bandwidth: float | None = None, engine: str = "eager") -> dict:
+    """ids [B,P] (no padding) → figures of our decode chain (engine eager or compiled)."""
+    if engine == "compiled":
+        return _measure_compiled(model, ids, new_tokens, kind, repeats, warmup, bandwidth)
+    last: dict = {}
+
+    @torch.inference_mode()
+    def run_once(tick: Callable[[], None]) -> None:
+        cache, token, mask = greedy_prefill(model, ids, kind)
+        tick()
+        greedy_steps(model, cache, token, mask, new_tokens - 1, tick)
+        last["cache"] = cache
+
+    return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+
+
+def _measure_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                      bandwidth: float | None) -> dict:
+    """The compiled engine on the cell: prefill into a static state, then compiled one-token greedy steps."""
+    check_compilable(model)
+    engine, columns = engine_for(model), ids.shape[1] + new_tokens
+    seconds, _, recompiles = engine.stats.reading()
+    engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing
+    compile_s = engine.stats.total_s - seconds
+    live, last = torch.ones_like(ids[:, 0]), {}
+
+    @torch.inference_mode()
+    def run_once(tick: Callable[[], None]) -> None:
+        state = engine.state(kind, ids.shape[0], columns, columns)
+        logits, _ = state.prefill(model, ids, torch.ones_like(ids))
+        token = logits.argmax(-1)
+        tick()
+        for _ in range(new_tokens - 1):
+            token = state.feed(model, token, live).argmax(-1)
+            tick()
+        last["cache"] = state.cache
+
+    figures = _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    return {**figures, "compile_s": compile_s, "recompiles": engine.stats.recompiles - recompiles}
+
+
+def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+               bandwidth: float | None = None, compiled: bool = False) -> dict:
+    """The same cell through transformers' model.generate(); a streamer ticks per token. `compiled`: through
+    transformers' own static cache and compiled forward (see measure_hf_compiled)."""
+    from transformers import CompileConfig
+    from transformers.generation.streamers import BaseStreamer
+
+    last: dict = {}
+    extra: dict = {}
+    if compiled:
+        if kind is not None and kind != DTYPES[str(model.dtype).removeprefix("torch.")]:
+            raise ValueError(f"hf-compiled uses transformers' static cache in the model's dtype; not {kind}")
+        config = CompileConfig(dynamic=False, fullgraph=False, mode="default")
+        config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+        extra = {"cache_implementation": "static", "compile_config": config}
+
+    class TickStreamer(BaseStreamer):
+        def __init__(self, tick):
+            self.tick, self.prompt_seen = tick, False
+
+        def put(self, value):
+            if self.prompt_seen:  # generate() puts the prompt first, then each new token
+                self.tick()
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    def run_once(tick: Callable[[], None]) -> None:
+        cache = None if compiled else make_cache(kind, model)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, past_key_values=cache,
+                             streamer=TickStreamer(tick), pad_token_id=0, return_dict_in_generate=True, **extra)
+        last["cache"] = out.past_key_values
+
+    if not compiled:
+        return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    compile_s = time_once(lambda: run_once(lambda: None), **on_device(ids.device))  # the first call compiles
+    return {**_measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last), "compile_s": compile_s}
+
+
+def measure_hf_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
+                        bandwidth: float | None = None) -> dict:
+    """The cell through transformers' StaticCache and compiled forward; `compile_s` = its first call (compile
+    included), timed apart."""
+    return measure_hf(model, ids, new_tokens, kind, repeats, warmup, bandwidth, compiled=True)
+
+
+def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
+                        adaptive: bool, repeats: int, warmup: int, engine: str = "eager", batched: bool = True,
+                        tokenizer=None, draft_tokenizer=None) -> dict:
+    """Greedy speculative decoding of the cell: tokens/s, acceptance (overall and the lowest / highest row's) and
+    whether the rounds ran batched (False at batch 1, for KIVI kinds, the compiled engine, or when asked)."""
+    config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
+                               cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2, engine=engine)
+    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched,
+                               tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))
+    rows = gen.stats.row_acceptance
+    return {**figures, "acceptance": gen.stats.acceptance_rate, "acceptance_row_min": min(rows),
+            "acceptance_row_max": max(rows), "batched": gen.stats.batched,
+            "target_forwards": gen.stats.target_forwards}
+
+
+def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
+                        repeats: int, warmup: int, tokenizer=None, draft_tokenizer=None) -> dict:
+    """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens; with
+    both tokenizers given, its universal assisted generation (a draft with another tokenizer)."""
+    if ids.shape[0] != 1:
+        raise ValueError(ASSISTED_NA)
+    drafting = {"prompt_lookup_num_tokens": spec_k} if isinstance(draft, str) else {
+        "assistant_model": draft, "num_assistant_tokens": spec_k}
+    if draft_tokenizer is not None and not isinstance(draft, str):
+        drafting |= {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+    produced = {}
+
+    def run_once() -> None:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             past_key_values=make_cache(kind, model), pad_token_id=0, **drafting)
+        produced["tokens"] = out.shape[1] - ids.shape[1]
+
+    return _measure_whole(run_once, ids, repeats, warmup, lambda: produced["tokens"])
+
+
+def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens: Callable[[], int]) -> dict:
+    """Whole-generation time only (speculative rounds make several tokens at once: no per-token ticks)."""
+    with PeakMemory(ids.device) as peak:
+        marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, **on_device(ids.device))
+    seconds = Summary.of([m[-1] for m in marks])
+    rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
+    return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
+            "total_ms_p90": seconds.p90 * 1e3, "peak_mib": peak.bytes / MIB}
+
+
+def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last) -> dict:
+    with PeakMemory(ids.device) as peak:
+        marks = time_ticks(run_once, repeats, warmup, **on_device(ids.device))
+    timing = TokenTiming.of(marks, ids.shape[0])
+    kv = cache_bytes(last["cache"])
+    figures = {
+        "ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
+        "ttft_ms_spread": timing.ttft_s.spread * 1e3,
+        "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
+        "itl_ms_spread": timing.itl_s.spread * 1e3,
+        "decode_tokens_per_s": timing.decode_tokens_per_s.median,
+        "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
+        "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
+        "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB,
+    }
+    if bandwidth:
+        figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], new_tokens, timing.itl_s.median,
+                                                    bandwidth)
+    return figures
+
+
+def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: int, step_s: float,
+                       bandwidth: float) -> float:
+    """Achieved fraction of the memory-bandwidth bound while decoding: every step reads all the weights and the
+    cache as it stands at mid-decode (measured bytes at the end, scaled by length). An untied input embedding
+    table is not counted: a step reads only its batch's rows of it."""
+    if not step_s or step_s <= 0 or math.isnan(step_s):
+        return math.nan
+    weights = weight_bytes(model)  # measured: quantized weights count their codes and scales
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    plain = head is not None and not is_quantized(head.weight) and not is_quantized(embedding)
+    tied = head is not None and (head.weight is embedding or plain and head.weight.data_ptr() == embedding.data_ptr())
+    if not tied:
+        weights -= tensor_bytes(embedding)
+    kv_mid = kv_bytes_end * (prompt_len + new_tokens / 2) / (prompt_len + new_tokens)
+    return (weights + kv_mid) / step_s / bandwidth
+

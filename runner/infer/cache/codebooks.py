@@ -1,0 +1,87 @@
+"""The fitted codes of the KIVI `nuq` option: per layer, for keys and for values, 2^b levels fitted by Lloyd-Max
+(kvcodes.fit_levels) to the normalized K/V the model itself produces on calibration text, as the KIVI layer will
+quantize them (after the sinks, rotated and with outliers removed when those options are on).
+
+Fitted once per (model, bits, options) and kept as JSON under ~/.cache/runner/codebooks/<content key>.json; the key
+is a sha256 of the model's fingerprint (content hash, dtype), the options and the calibration settings, so another
+model or option never reads it. Calibration: 4 windows of 512 tokens of `pydoc` from the odd eighths of the text
+(the quality probe's 3 windows start at 0, 1/3, 2/3: no overlap). Needs the tokenizer load_model recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from runner.errors import InferenceError
+from runner.files import atomic_write_json
+from runner.infer.loading.models import LOADED
+from runner.infer.loading.pinned import cache_root
+from runner.infer.loading.texts import load_text, token_windows
+from runner.infer.quant.formats import BLOCK
+from runner.infer.quant.kivi_math import fit_levels, normalized, outlier_count, rotate, split_outliers
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # bump when the fit changes: older files are then never read
+CALIBRATION = {"text": "pydoc", "tokens": 512, "slots": 8, "windows": [1, 3, 5, 7], "samples": 1 << 18}
+_FITTED: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def fitted_levels(model, options: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key levels fp16 [2^key_bits], value levels [2^value_bits]) per layer of `model` (options: parse_kind's of a
+    KIVI kind): from this process, the disk cache, or fitted."""
+    if model not in LOADED:
+        raise InferenceError("the nuq cache option fits codes on calibration text with the model's tokenizer: load "
+                             "the model with runner.infer.loading.models.load_model")
+    tokenizer, fingerprint = LOADED[model]
+    fitted = {k: options[k] for k in ("group_size", "sinks", "outlier_percent", "rotate_keys", "rotate_values")}
+    bits = options["key_bits"] if options["key_bits"] == options["value_bits"] else [options["key_bits"],
+                                                                                     options["value_bits"]]
+    if options["value_block"] != BLOCK:  # absent at its default: codebooks fitted before b existed stay valid
+        fitted["value_block"] = options["value_block"]
+    key = hashlib.sha256(json.dumps({"format": FORMAT, "model": fingerprint, "bits": bits, "options": fitted,
+                                     "calibration": CALIBRATION}, sort_keys=True, default=str).encode()).hexdigest()
+    if key not in _FITTED:
+        path = cache_root() / "codebooks" / f"{key}.json"
+        try:
+            layers = json.loads(path.read_text())["levels"]
+        except (OSError, ValueError, KeyError):
+            log.info("fitting %s-bit nuq codes to %s (%s)", bits, fingerprint.get("source", "the model"), path.name)
+            layers = fit_model_levels(model, tokenizer, options)
+            atomic_write_json(path, {"levels": layers, "model": fingerprint, "bits": bits, "options": fitted})
+        device = next(model.parameters()).device
+        _FITTED[key] = [(torch.tensor(k, dtype=torch.float16, device=device),
+                         torch.tensor(v, dtype=torch.float16, device=device)) for k, v in layers]
+    return _FITTED[key]
+
+
+@torch.inference_mode()
+def fit_model_levels(model, tokenizer, options: dict) -> list[list[list[float]]]:
+    """Run the calibration windows through `model`; per layer [key levels, value levels] as plain floats."""
+    windows = token_windows(tokenizer, load_text(CALIBRATION["text"]), CALIBRATION["tokens"], CALIBRATION["slots"])
+    ids = torch.tensor([windows[i] for i in CALIBRATION["windows"]], device=next(model.parameters()).device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [[fit_levels(_samples(layer.keys, options, True), options["key_bits"]).tolist(),
+             fit_levels(_samples(layer.values, options, False), options["value_bits"]).tolist()]
+            for layer in cache.layers]
+
+
+def _samples(x: torch.Tensor, options: dict, keys: bool) -> torch.Tensor:
+    """[W,H,T,D] K or V → the normalized values the KIVI layer would code (sinks dropped, whole groups, rotated,
+    outliers out), at most CALIBRATION["samples"] of them evenly strided."""
+    g = options["group_size"]
+    x = x[..., options["sinks"]:, :].float()
+    x = x[..., :x.shape[-2] // g * g, :]
+    if options["rotate_keys" if keys else "rotate_values"]:
+        x = rotate(x)
+    count = outlier_count(options["outlier_percent"], g, x.shape[-1])
+    if count:
+        x = split_outliers(x, count, g, options["value_block"], per_channel=keys)[0]
+    u = normalized(x, g, dim=-2) if keys else normalized(x, options["value_block"], dim=-1)
+    u = u.flatten()
+    return u[::max(1, u.numel() // CALIBRATION["samples"])]

@@ -1,0 +1,1 @@
+"""Preallocated caches for the compiled engine, each layer with the `attend` the CPU kernel reads it by."""

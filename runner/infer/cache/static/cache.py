@@ -1,0 +1,147 @@
+"""Static caches for the compiled engine: every cache kind preallocated at a fixed number of columns, written in
+place by column, so a compiled decode step sees the same shapes and the same storage at every step.
+
+Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the arithmetic is quant.py's):
+    fp32, fp16, bf16   keys / values [B,H,S,D] in that dtype; attention reads them cast to the compute dtype.
+    q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
+                       its own, so writing a column by index equals the eager layer's append.
+    kivi4 kivi3 kivi2  s sinks (option s, default 0): columns [0, s) as they came, never quantized. Then
+                       kvcache.KiviLayer's six quantized tensors over the S − s columns after them (keys per channel
+                       over groups of g columns at bk bits, values per column at bv bits in blocks of bs channels;
+                       k4v3: bk = 4, bv = 3; b64: bs = 64, else 32) and a ring of R = 2r full-precision columns
+                       (column s + c in slot c mod R) holding the residual: columns [s + Q, T), Q = floor((T − s) /
+                       r)·r. S − s is a multiple of R. A write fills the sinks, appends to the ring and quantizes the
+                       block of r columns it completes (fixed-shape `where`s, no shape ever changes); attention
+                       reads the sinks, the region dequantized below s + Q and the ring above, so it sees what the
+                       eager layer sees at every step (StaticKiviLayer). Every KIVI option: blocks are coded and the
+                       region decoded by kivicodec.KiviCodec, the eager layer's own code; outliers (o) in the
+                       eager layer's [B,H,(S−s)/g,k] values and indices, nuq's levels (fitted as make_cache fits
+                       them) and the rotation matrices (rot, rotv) held by the layer on its device.
+A column is a slot of the cache, not a token position: rows of a left-padded batch share columns, the mask says
+which columns of a row are real. `StaticKVCache.columns` ([T] long) says where the next forward writes and
+`StaticKVCache.end` (0-d) where its padding starts (a compiled prefill pads its last piece on the right); the
+engine sets both before each forward. Attention reads all S columns (the mask hides unwritten ones), so the
+dequantization of a quantized kind is one elementwise expression over fixed shapes (quant.dequantize_expr,
+dequantize_groups_expr: unpacking, scale and minimum). The compiled engine's one-column attention reads it on CPU
+through each layer's `attend` (cpu_attention's kernel over the stored codes: no float K/V at all); elsewhere it
+sums products over that expression (attention.attend_reduced), so inductor computes it inside those sums and no
+full-size float K/V is written (except with KIVI's outliers or rotation: a scatter and a matrix product).
+The layers are static_plain.py's (plain and block kinds) and static_kivi.py's (KIVI).
+Owns: `StaticKVCache`, `make_static_cache`, `static_length` and `STATIC_KINDS`; kvcache.cache_bytes measures the
+layers (`nbytes`). Does not know about compilation, masks, decoding or selection.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from runner.infer.cache.codebooks import fitted_levels
+from runner.infer.cache.layers import STORAGE_DTYPES, _dims
+from runner.infer.cache.static.kivi import StaticKiviLayer
+from runner.infer.cache.static.plain import StaticPlainLayer, StaticQuantLayer
+from runner.infer.config.kinds import KIVI_BITS, parse_kind
+from runner.infer.kernels import cpu_attention
+from runner.infer.quant.formats import CODE_BITS
+
+STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind, every KIVI option
+
+
+class StaticKVCache(Cache):
+    """One static layer per model layer and the columns the next forward writes."""
+
+    def __init__(self, layers: list[StaticPlainLayer], kind: str):
+        super().__init__(layers=layers)
+        self.kind = kind
+        self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
+        self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
+
+    def code_blocks(self, on: bool, views: bool = True) -> None:
+        """Whether the next writes code the blocks they complete and keep the sinks (KIVI; the default). Off, a
+        write fills only the ring, and its graph holds no quantizer and no sink copies: the compiled one-column
+        step of every column that needs neither (`needs_coding`). `views` off, a KIVI write hands attention no K/V
+        (0 columns; decoding the whole region is most of an eager step's time): only when every layer is read by
+        cpu_attention's kernel (`kernel_attends`), which attention then must do."""
+        for layer in self.layers:
+            if isinstance(layer, StaticKiviLayer):
+                layer.code_blocks, layer.views = on, views
+
+    def kernel_attends(self, dtype: torch.dtype) -> bool:
+        """Whether one-column attention in `dtype` reads every layer through cpu_attention's kernel
+        (attention.attend_reduced with this cache handed over)."""
+        return (self.layers[0].device.type == "cpu" and cpu_attention.ready()
+                and all(layer.kernel_reads(dtype) for layer in self.layers))
+
+    def codes_columns(self) -> bool:
+        """Whether writes code blocks or keep sinks (KIVI): a write with `code_blocks` off is then another graph."""
+        return isinstance(self.layers[0], StaticKiviLayer)
+
+    def needs_coding(self, start: int, count: int) -> bool:
+        """Whether writing `count` columns from column `start` completes a KIVI block or writes a sink (never for
+        other kinds): what a write with `code_blocks` off does not do."""
+        layer = self.layers[0]
+        if not self.codes_columns():
+            return False
+        blocks = lambda columns: max(columns - layer.sinks, 0) // layer.residual_len  # noqa: E731
+        return start < layer.sinks or blocks(start + count) > blocks(start)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)
+
+    @property
+    def batch(self) -> int:
+        return self.layers[0].batch_size
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].max_cache_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def rollback(self, kept: int, held: int) -> None:
+        """The write position moved back from `held` to `kept` columns (a speculative crop): layers that keep
+        columns in two forms (KIVI) move the kept ones where a later write expects them."""
+        for layer in self.layers:
+            if hasattr(layer, "rollback"):
+                layer.rollback(kept, held)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows follow [b] parents; dummy rows past b stay where they are."""
+        rest = torch.arange(len(beam_idx), self.batch, device=beam_idx.device)
+        for layer in self.layers:
+            layer.reorder_cache(torch.cat([beam_idx, rest]))
+
+
+def static_length(kind: str | None, length: int) -> int:
+    """Columns a static cache of `kind` holds for `length` wanted: KIVI's sinks and whole rings (2r) after them."""
+    name, options = parse_kind(kind)
+    if name not in KIVI_BITS:
+        return length
+    ring, sinks = 2 * options["residual_len"], options["sinks"]
+    return sinks + -(-max(length - sinks, 1) // ring) * ring
+
+
+def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:
+    """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns
+    (KIVI: `static_length` of them)."""
+    name, options = parse_kind(kind)
+    name = name or {v: k for k, v in STORAGE_DTYPES.items()}.get(model.dtype)
+    if name not in STATIC_KINDS:
+        raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
+                         f"use one of {', '.join(STATIC_KINDS)}")
+    n_layers, heads, head_dim = _dims(model.config)
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        cpu_attention.load()  # attention then reads the cache through the kernel (attention.attend_reduced)
+    common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,
+                  device=device)
+    if name in KIVI_BITS:
+        common["length"] = static_length(kind, length)
+        levels = fitted_levels(model, options) if options["nuq"] else [None] * n_layers  # as kvcache.make_cache
+        layers = [StaticKiviLayer(**common, **options, levels=levels[i]) for i in range(n_layers)]
+    elif name in CODE_BITS:
+        layers = [StaticQuantLayer(**common, kind=name) for _ in range(n_layers)]
+    else:
+        layers = [StaticPlainLayer(**common, storage=STORAGE_DTYPES[name]) for _ in range(n_layers)]
+    return StaticKVCache(layers, name)

@@ -1,0 +1,114 @@
+"""Static layouts of the plain and block kinds (fp32 / fp16 / bf16, q8_0 / q4_0 / q4_1 / nf4) for the compiled
+engine: preallocated at a fixed number of columns and written in place by column (layouts: static.py's docstring).
+Owns: StaticPlainLayer (also the base of static_kivi.StaticKiviLayer) and StaticQuantLayer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import StaticLayer
+
+from runner.infer.kernels import cpu_attention
+from runner.infer.quant.formats import NF4_LEVELS, dequantize_expr, quantize
+
+NF4_KERNEL_LEVELS = cpu_attention.levels16(NF4_LEVELS)  # made once, not at every step
+
+
+class StaticPlainLayer(StaticLayer):
+    """K/V stored as is, in `storage` dtype, [B,H,S,D]."""
+
+    TENSORS: tuple[str, ...] = ("keys", "values")
+
+    def __init__(self, batch: int, heads: int, length: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device, storage: torch.dtype | None = None):
+        super().__init__(max_cache_len=length)
+        self.dtype, self.device, self.batch_size, self.num_heads = dtype, device, batch, heads
+        self.k_head_dim, self.v_head_dim = key_dim, value_dim
+        self.storage = storage or dtype
+        self.allocate()
+        self.is_initialized = True
+
+    def allocate(self) -> None:
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.zeros((*shape, self.k_head_dim), dtype=self.storage, device=self.device)
+        self.values = torch.zeros((*shape, self.v_head_dim), dtype=self.storage, device=self.device)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front: a compiled step must never allocate the cache
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
+        """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in. Columns from `end`
+        (0-d) on are padding of a compiled prefill: written, masked, overwritten later."""
+        self.keys.index_copy_(2, columns, keys.to(self.storage))
+        self.values.index_copy_(2, columns, values.to(self.storage))
+        return self.keys.to(keys.dtype), self.values.to(values.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.TENSORS]
+
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        """Whether cpu_attention's kernel reads this layer as attention in `dtype` does. The kernel attends over
+        the decoded values in float32, where the torch path hands attention K/V rounded to the model's dtype: so
+        a float32 model, or K/V stored in the model's dtype."""
+        return dtype == torch.float32 or self.storage == dtype
+
+    def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
+        """K and V as cpu_attention's kernel reads them."""
+        storage = cpu_attention.STORAGE_FORMATS[self.storage]
+        return (cpu_attention.Side(self.keys, storage, self.k_head_dim),
+                cpu_attention.Side(self.values, storage, self.v_head_dim))
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
+               end: torch.Tensor) -> torch.Tensor:
+        """One query column [B,Hq,1,D] over the columns written so far (after this step's write), [B,S] bool mask
+        → [B,1,Hq,Dv]: cpu_attention's kernel reading the stored K/V (no dequantized copy)."""
+        keys, values = self.sides()
+        return cpu_attention.attend(query, keys, values, mask, scaling, columns[-1] + 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows follow their parent beams, in place (the storage keeps its address)."""
+        for t in self.tensors():
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def get_seq_length(self) -> int:
+        return self.max_cache_len
+
+
+class StaticQuantLayer(StaticPlainLayer):
+    """codes + scales of K and V per column (quant.quantize along D); attention reads them dequantized."""
+
+    TENSORS = ("key_codes", "key_scales", "value_codes", "value_scales")
+    kind: str = "q8_0"
+
+    def __init__(self, *args, kind: str = "q8_0", **kwargs):
+        self.kind = kind
+        super().__init__(*args, **kwargs)
+
+    def allocate(self) -> None:
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)):
+            codes, scales = quantize(torch.zeros(*shape, dim, device=self.device), self.kind)
+            setattr(self, f"{side}_codes", codes)
+            setattr(self, f"{side}_scales", scales)
+        self.keys = self.values = None
+
+    def kernel_reads(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32  # decoded values, never stored in the model's dtype
+
+    def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
+        levels = NF4_KERNEL_LEVELS if self.kind == "nf4" else None
+        return tuple(cpu_attention.Side(getattr(self, f"{side}_codes"), self.kind, dim,
+                                        scales=getattr(self, f"{side}_scales"), levels=levels)
+                     for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)))
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
+        """Quantize the new [B,H,T,D] K/V into `columns` [T] → all [B,H,S,D] K/V dequantized."""
+        for side, new in (("key", keys), ("value", values)):
+            codes, scales = quantize(new, self.kind)  # [B,H,T,C], [B,H,T,NB]
+            getattr(self, f"{side}_codes").index_copy_(2, columns, codes)
+            getattr(self, f"{side}_scales").index_copy_(2, columns, scales)
+        return (dequantize_expr(self.key_codes, self.key_scales, self.kind, self.k_head_dim, keys.dtype),
+                dequantize_expr(self.value_codes, self.value_scales, self.kind, self.v_head_dim, values.dtype))

@@ -1,0 +1,90 @@
+"""runner's C++ kernels (a few-row product, attention over a cache in its stored format, the two selections of
+KIVI's outliers), built once per machine with the system's compiler into one library of torch ops, and loaded.
+
+    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices}
+             exist in this process
+
+The library goes to ~/.cache/runner/kernels/runner_kernels-<hash>.so; the hash covers the sources, the flags, the
+compiler, this CPU (-march=native: a home directory shared by other CPUs gets one build each) and torch's version
+(the ops are built against its headers, as torch.utils.cpp_extension would). No compiler, or a failed build: load()
+is False, logged once, and callers keep their torch expressions.
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py and
+kvcodes.py do).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runner.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / "csrc" / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
+                                         "outlier_ops.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+_STATE: dict[str, bool] = {}
+
+
+def _machine() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "\n".join(sorted({line for line in info.splitlines() if line.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _torch_flags() -> list[str]:
+    """Compile and link flags for sources that include torch's headers."""
+    from torch.utils import cpp_extension
+
+    library_dir = Path(torch.__file__).parent / "lib"
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{path}" for path in cpp_extension.include_paths()),
+            f"-L{library_dir}", f"-Wl,-rpath,{library_dir}", "-lc10", "-ltorch_cpu"]
+
+
+def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> Path:
+    """The shared library of `sources`, compiled now unless this machine already has it."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or $CXX) found")
+    flags = [*FLAGS, *_torch_flags()]
+    digest = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), " ".join(flags).encode(),
+                                        compiler.encode(), _machine().encode(), torch.__version__.encode()]))
+    target = KERNEL_DIR / f"{name}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        built = Path(tmp) / f"{name}.so"
+        compiled = [str(s) for s in sources if s.suffix == ".cpp"]
+        run = subprocess.run([compiler, *compiled, "-o", str(built), *flags], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed on {', '.join(s.name for s in sources)}:\n{run.stderr[-2000:]}")
+        atomic_write(target, built.read_bytes())
+    log.info("built %s", target)
+    return target
+
+
+def load() -> bool:
+    """Build (first time on this machine) and load the ops; False when they cannot be (logged once)."""
+    if "loaded" not in _STATE:
+        try:
+            torch.ops.load_library(str(build()))
+            _STATE["loaded"] = True
+        except (OSError, RuntimeError) as error:
+            _STATE["loaded"] = False
+            log.warning("runner's C++ kernels unavailable, products and attention stay torch expressions: %s", error)
+    return _STATE["loaded"]

@@ -1,0 +1,249 @@
+"""Input files: the one resolver that `run check`, the step hash and the steps all use.
+
+Which manifest values are input files is marked in the schema (`json_schema_extra={"input_file": KIND}`):
+  prompts  a prompts_file (.txt or .jsonl): read whole by its step, so it must be UTF-8 and bounded in size;
+  text     an evaluation text (cache_quality_data, bench data) unless it is a builtin name or `hf:...`;
+  model    a model id that is plainly a path: starts with `.`, `/` or `~`, or ends in `.gguf` or `.json` (a
+           bare `owner/name` is a hub id).
+A path is resolved once, here: `~` expanded, relative to the manifest's folder, symlinks followed (a loop
+is an error, not a traceback). Text inputs are hashed streaming (never held whole), checked as UTF-8 in
+the same pass, and refused beyond MAX_INPUT_MB; a model folder is fingerprinted by its files' names,
+sizes and modification times (weights are hashed at load time, not at check). Results are memoised by
+(path, size, mtime), so a sweep of a thousand points reads each file once.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from runner.errors import InputFileError
+from runner.infer.loading.texts import BUILTIN_TEXTS  # torch-free, like everything `run check` imports
+
+MAX_INPUT_MB = int(os.environ.get("RUNNER_MAX_INPUT_MB", "256"))  # a prompts file or eval text, in MiB
+CHUNK = 1 << 20
+MAX_FOLDER_FILES = 10_000
+_MEMO: dict[tuple, InputFile] = {}
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path  # resolved
+    kind: str  # prompts | text | model
+    digest: str  # sha256 of the content (text kinds) or of the folder listing (model)
+
+
+def is_input(kind: str, value) -> bool:
+    """Whether a marked field's value names a local file (builtin texts, hf: and hub ids do not)."""
+    if not isinstance(value, str) or not value:
+        return False
+    if kind == "model":
+        return value[0] in "./~" or value.endswith((".gguf", ".json"))
+    if kind == "text":
+        return value not in BUILTIN_TEXTS and not value.startswith("hf:")
+    return True
+
+
+def resolve(name: str, base_dir: Path) -> Path:
+    """`~` expanded, relative to `base_dir` (the manifest's folder), symlinks followed."""
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else Path(base_dir).absolute() / path
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # a symlink loop (RuntimeError before Python 3.13)
+        raise InputFileError(f"{name!r} is a symlink loop (looked for {path})") from None
+
+
+def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
+    """The input file `name` resolved, checked and fingerprinted; InputFileError says what is wrong."""
+    path = resolve(name, base_dir)
+    what = {"prompts": "prompts file", "text": "text file", "model": "model path"}[kind]
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise InputFileError(f"{what} {name!r} does not exist (looked for {path})") from None
+    except OSError as exc:
+        raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror} (looked for {path})") from None
+    if kind == "model" and stat.S_ISDIR(info.st_mode) and path.suffix != ".gguf":
+        return InputFile(path, kind, _folder_digest(path, name))  # a folder's own time misses edits inside
+    key = (str(path), kind, info.st_size, info.st_mtime_ns)
+    if key not in _MEMO:
+        if not stat.S_ISREG(info.st_mode):
+            raise InputFileError(f"{what} {name!r} is not a regular file (looked for {path})")
+        elif kind == "model":
+            _readable(path, name, what)
+            _MEMO[key] = InputFile(path, kind, _stat_digest([(path.name, info)]))
+        else:
+            _MEMO[key] = InputFile(path, kind, _text_digest(path, name, what, info.st_size, kind))
+    return _MEMO[key]
+
+
+def read_text(name: str, base_dir: Path, kind: str = "prompts") -> tuple[Path, str]:
+    """(resolved path, text) of a text input, after the same checks as `run check`."""
+    found = input_file(name, base_dir, kind)
+    try:
+        return found.path, found.path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # changed since it was checked
+        raise InputFileError(f"{name!r} cannot be read as UTF-8 text: {exc}") from None
+
+
+def text_source(source: str, base_dir: Path) -> str:
+    """An evaluation text source as the library takes it: a builtin name or hf: unchanged, a file resolved."""
+    return str(input_file(source, base_dir, "text").path) if is_input("text", source) else source
+
+
+def model_source(spec: dict, base_dir: Path) -> dict:
+    """A model spec (plain dict) with a local path id resolved, as the loader takes it."""
+    model_id = spec.get("id")
+    return {**spec, "id": str(input_file(model_id, base_dir, "model").path)} if is_input("model", model_id) else spec
+
+
+def _readable(path: Path, name: str, what: str) -> None:
+    try:
+        path.open("rb").close()
+    except OSError as exc:
+        raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror or exc} (looked for {path})") from None
+
+
+def _text_digest(path: Path, name: str, what: str, size: int, kind: str) -> str:
+    """sha256 of the file, read once in chunks: checked as UTF-8 (and a prompts file's lines) on the way."""
+    if size > MAX_INPUT_MB * 2**20:
+        raise InputFileError(f"{what} {name!r} is {size / 2**20:,.0f} MiB; input text files are limited to "
+                             f"{MAX_INPUT_MB} MiB (set RUNNER_MAX_INPUT_MB to raise the limit)")
+    digest, decoder, offset, line = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), 0, 1
+    lines = _PromptLines(name, path.suffix) if kind == "prompts" else None
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+                try:
+                    text = decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    bad = offset + max(exc.start, 0)
+                    line += chunk[:max(exc.start, 0)].count(b"\n")
+                    raise InputFileError(f"{what} {name!r} is not UTF-8 text (byte 0x{chunk[exc.start]:02x} at "
+                                         f"offset {bad}, line {line})") from None
+                if lines is not None:
+                    lines.feed(text)
+                line += chunk.count(b"\n")
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise InputFileError(f"{what} {name!r} is not UTF-8 text (it ends inside a character)") from None
+    except OSError as exc:
+        raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror or exc} (looked for {path})") from None
+    if lines is not None:
+        lines.close()
+    elif not size:
+        raise InputFileError(f"{what} {name!r} is empty")
+    return digest.hexdigest()
+
+
+class _PromptLines:
+    """A prompts file's lines as they stream by: a .jsonl line is an object with a "prompt"; one prompt at least."""
+
+    def __init__(self, name: str, suffix: str):
+        self.name, self.jsonl, self.rest, self.number, self.prompts = name, suffix == ".jsonl", "", 0, 0
+
+    def feed(self, text: str) -> None:
+        *complete, self.rest = (self.rest + text).split("\n")
+        for line in complete:
+            self._line(line)
+
+    def close(self) -> None:
+        self._line(self.rest)
+        if not self.prompts:
+            raise InputFileError(f"prompts file {self.name!r} holds no prompts (every line is blank)")
+
+    def _line(self, line: str) -> None:
+        self.number += 1
+        if not line.strip():
+            return
+        if self.jsonl:
+            try:
+                value = json.loads(line)
+                value["prompt"]  # the key must be there
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise InputFileError(f"prompts file {self.name!r}, line {self.number}: expected a JSON object with "
+                                     'a "prompt" key, e.g. {"prompt": "Hello"}') from None
+        self.prompts += 1
+
+
+def _folder_digest(path: Path, name: str) -> str:
+    """The files directly in a model folder (where transformers looks), at most MAX_FOLDER_FILES of them."""
+    try:
+        entries = []
+        for child in path.iterdir():
+            if len(entries) >= MAX_FOLDER_FILES:
+                raise InputFileError(f"model folder {name!r} holds more than {MAX_FOLDER_FILES:,} files: is it a "
+                                     f"model folder? (looked for {path})")
+            if child.is_file():
+                entries.append((child.name, child.stat()))
+    except OSError as exc:
+        raise InputFileError(f"model folder {name!r} cannot be listed: {exc.strerror or exc} (looked for {path})"
+                             ) from None
+    if "config.json" not in {n for n, _ in entries}:
+        raise InputFileError(f"model folder {name!r} has no config.json: not a transformers model folder "
+                             f"(looked for {path})")
+    return _stat_digest(sorted(entries))
+
+
+def _stat_digest(entries: list) -> str:
+    """A fingerprint of files by name, size and modification time: cheap for gigabytes of weights."""
+    digest = hashlib.sha256()
+    for name, info in entries:
+        digest.update(f"{name}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def marked_inputs(obj, loc: tuple = ()) -> list[tuple[tuple, str, str]]:
+    """(key path, kind, value) of every input-file field set in a validated schema object, found by its mark."""
+    out = []
+    if isinstance(obj, BaseModel):
+        for name, field in type(obj).model_fields.items():
+            value = getattr(obj, name)
+            kind = (field.json_schema_extra or {}).get("input_file") if isinstance(field.json_schema_extra,
+                                                                                   dict) else None
+            if kind and is_input(kind, value):
+                out.append((loc + (name,), kind, value))
+            elif not kind:
+                out += marked_inputs(value, loc + (name,))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            out += marked_inputs(item, loc + (i,))
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            out += marked_inputs(item, loc + (key,))
+    return out
+
+
+def input_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
+    """(key path, message) for every input file that is missing, unreadable, not UTF-8 or too large.
+
+    The `models:` templates are skipped: the ones in use are checked where targets use them."""
+    problems = []
+    for loc, kind, value in marked_inputs(manifest.targets, ("targets",)):
+        try:
+            input_file(value, base_dir, kind)
+        except InputFileError as exc:
+            problems.append((loc, str(exc)))
+    return problems
+
+
+def input_digests(obj, base_dir: Path) -> dict:
+    """Key path → sha256 of every input file `obj` (a target's model, a run's block) reads; the step hash
+    covers them. An input that cannot be read hashes as None (`run check` reports it; the step fails)."""
+    out = {}
+    for loc, kind, value in marked_inputs(obj):
+        try:
+            out[".".join(map(str, loc))] = input_file(value, base_dir, kind).digest
+        except InputFileError:
+            out[".".join(map(str, loc))] = None
+    return out

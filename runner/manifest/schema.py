@@ -1,0 +1,184 @@
+"""The manifest schema: the single source of truth for what a manifest may say (its blocks: blocks.py).
+
+Every model forbids unknown keys and every field has a description and bounds; the JSON Schema
+printed by `run schema` is exported from these classes. Validators check and normalise only:
+they never touch torch, devices or disk (paths are resolved later, relative to the manifest).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from runner.infer.loading.zoo import DEFAULT_MODEL
+from runner.manifest.blocks import (
+    MAX_SEED,
+    NAME_MAX,
+    NAME_PATTERN,
+    BenchSpec,
+    GenerateSpec,
+    ModelSpec,
+    SpeculativeSpec,
+    Strict,
+)
+
+MODES = ("generate", "auto-cache-select", "speculative", "bench")
+BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
+          "bench": "bench"}  # mode → its block
+
+
+class Run(Strict):
+    id: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
+        "Unique within its target; names the results folder."))
+    mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
+    generate: GenerateSpec | None = Field(None, description=(
+        "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
+    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding: the draft and its settings.")
+    bench: BenchSpec | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_block(cls, data):
+        """generate, auto-cache-select and bench may leave their block out (all defaults); speculative needs its
+        draft."""
+        block = BLOCKS.get(data.get("mode")) if isinstance(data, dict) and isinstance(data.get("mode"), str) else None
+        if block in ("generate", "bench") and block not in data:
+            return {**data, block: {}}
+        return data
+
+    @model_validator(mode="after")
+    def _auto_only_where_it_means_something(self) -> Run:
+        block = BLOCKS.get(self.mode)
+        others = [name for name in ("generate", "speculative", "bench")
+                  if name != block and getattr(self, name) is not None]
+        if others:
+            raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
+        if getattr(self, block) is None:
+            raise ValueError(f"mode {self.mode} needs a '{block}' block")
+        if self.mode == "generate" and self.generate.weight_candidates:
+            raise ValueError("weight_candidates is read by mode auto-cache-select (it chooses the weights and the "
+                             "cache kind together): remove it, or use mode: auto-cache-select")
+        if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
+            raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
+                             f"{self.generate.cache_kind} (or use mode: generate)")
+        return self
+
+
+class Target(Strict):
+    type: Literal["experiment"] = Field("experiment", description="Kind of target (only 'experiment' for now).")
+    name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description="Unique within the manifest.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model; omitted = " + DEFAULT_MODEL + ".")
+    runs: list[Run] = Field(min_length=1, description="Runs on this target's model, in order.")
+
+    @field_validator("runs")
+    @classmethod
+    def _unique_run_ids(cls, runs: list[Run]) -> list[Run]:
+        _reject_duplicates([r.id for r in runs], "run id")
+        return runs
+
+    @model_validator(mode="after")
+    def _weights_chosen_from_full_precision(self) -> Target:
+        joint = [r for r in self.runs if r.generate is not None and r.generate.weight_candidates]
+        if joint and self.model.quantization != "none":
+            raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
+                             f"model: remove model.quantization ({self.model.quantization})")
+        bench = [q for r in self.runs if r.bench is not None for q in r.bench.quantizations or []]
+        int4 = [q for r in joint for q in r.generate.weight_candidates] + bench
+        int4 = [q for q in int4 if q.startswith("int4")]
+        if int4 and self.model.dtype != "bfloat16" and not any(r.bench and r.bench.dtypes for r in self.runs):
+            raise ValueError(f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 takes a path "
+                             "hundreds of times slower): set model.dtype: bfloat16, or leave int4 out")
+        return self
+
+
+URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not use `uri` (an unknown scheme), or None; checked before any run folder exists."""
+    if "://" not in uri:
+        return None if ":" not in uri.split("/")[0] else f"tracking URI {uri!r} has no '//' after its scheme"
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme in URI_SCHEMES or scheme.startswith("databricks"):
+        return None
+    close = difflib.get_close_matches(scheme, URI_SCHEMES, n=1)
+    hint = f"did you mean '{close[0]}://'? " if close else ""
+    return (f"unknown tracking URI scheme {scheme!r}: {hint}MLflow takes "
+            + ", ".join(f"{s}://" for s in URI_SCHEMES) + " or a folder")
+
+
+class Tracking(Strict):
+    mlflow: bool = Field(True, description="Mirror results to MLflow.")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the manifest's name.")
+    tracking_uri: str | None = Field(None, min_length=1, description=(
+        "MLflow store; default sqlite:///<runs_dir>/mlflow.db. " + ", ".join(f"{s}://" for s in URI_SCHEMES)
+        + " or a folder."))
+    runs_dir: str = Field("runs", min_length=1, description="Where run folders go (relative to the working directory).")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str | None) -> str | None:
+        problem = tracking_uri_problem(uri) if uri is not None else None
+        if problem:
+            raise ValueError(problem)
+        return uri
+
+
+class Manifest(Strict):
+    version: int = Field(1, description="Manifest format version (this runner reads 1).")
+    name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
+        "Names the run folder; default: the file's stem."))
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds weights of config models and every sampler.")
+    tracking: Tracking = Field(default_factory=Tracking, description="Where results are mirrored.")
+    models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
+        "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
+    targets: list[Target] = Field(min_length=1, description="Models and the runs to do on each.")
+    on_failure: Literal["continue", "stop"] = Field("continue", description=(
+        "When a step (or a sweep point) fails: continue with the others and report failures at the end, "
+        "or stop at the first."))
+    sweep: dict[str, list[str | int | float | bool | None] | str] = Field(default_factory=dict, description=(
+        "Sweep: key path → values, a list or Hydra's sweep grammar ('0.1,0.5', 'range(1,4)', 'choice(a,b)'); "
+        "every combination runs as one point (e.g. targets.0.runs.0.generate.temperature: [0.0, 0.7])."))
+    sweep_max_points: int = Field(1000, ge=1, le=1_000_000, description=(
+        "Most points a sweep may have (a guard against a typo such as range(0,100000)); raise it to run more."))
+
+    @field_validator("sweep", mode="before")
+    @classmethod
+    def _sweep_values(cls, sweep):
+        for key, values in sweep.items() if isinstance(sweep, dict) else ():
+            if not isinstance(key, str) or not re.match(r"^[\w-]+(\.[\w-]+)*$", key):
+                raise ValueError(f"sweep key {key!r} is not a key path: names and list indices joined by dots "
+                                 "(e.g. targets.0.runs.0.generate.temperature)")
+            if isinstance(values, list) and not values:
+                raise ValueError(f"sweep key {key!r} has no values")
+            if not isinstance(values, (list, str)) or any(isinstance(v, (list, dict)) for v in values if
+                                                          isinstance(values, list)):
+                raise ValueError(f"sweep key {key!r}: expected a list of values or a string in Hydra's sweep grammar "
+                                 f"('0.1,0.5', 'range(1,4)'), got {type(values).__name__}")
+        return sweep
+
+    @field_validator("version")
+    @classmethod
+    def _supported_version(cls, version: int) -> int:
+        if version != 1:
+            raise ValueError(f"unsupported manifest version {version}: this runner reads version 1")
+        return version
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_target_names(cls, targets: list[Target]) -> list[Target]:
+        _reject_duplicates([t.name for t in targets], "target name")
+        return targets
+
+
+def _reject_duplicates(names: list[str], what: str) -> None:
+    seen = {n for n in names if names.count(n) > 1}
+    if seen:
+        raise ValueError(f"duplicate {what}: {', '.join(sorted(seen))}")
+
+
+def json_schema() -> dict:
+    return Manifest.model_json_schema()

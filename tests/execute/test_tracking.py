@@ -1,0 +1,55 @@
+"""MLflow runs as context managers, on a real sqlite store: how the block exits decides how the run ends."""
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.execute.tracking import MlflowMirror, NoTracking, default_tracking_uri
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    return MlflowMirror(default_tracking_uri(tmp_path), "tracking-test", tmp_path / "mlartifacts")
+
+
+def _status(mirror: MlflowMirror, run_id: str) -> str:
+    return MlflowClient(tracking_uri=mirror.client.tracking_uri).get_run(run_id).info.status
+
+
+def test_a_block_that_ends_normally_finishes_its_run_with_what_was_logged(mirror):
+    with mirror.run("parent", {"runner.manifest": "m.yaml"}) as parent:
+        with mirror.run("step", {}, parent=parent.id) as child:
+            child.log(params={"mode": "generate"}, metrics={"tokens_per_s": 12.5})
+    run = MlflowClient(tracking_uri=mirror.client.tracking_uri).get_run(child.id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"tokens_per_s": 12.5}
+    assert run.data.tags["mlflow.parentRunId"] == parent.id and _status(mirror, parent.id) == "FINISHED"
+
+
+def test_a_failure_recorded_without_raising_ends_failed(mirror):
+    with mirror.run("step", {}) as run:
+        run.state = "FAILED"
+    assert _status(mirror, run.id) == "FAILED"
+
+
+@pytest.mark.parametrize("exc, state", [(KeyboardInterrupt, "KILLED"), (ValueError, "FAILED")])
+def test_an_exception_ends_the_run_and_goes_on_up(mirror, exc, state):
+    with pytest.raises(exc):
+        with mirror.run("step", {}) as run:
+            raise exc()
+    assert _status(mirror, run.id) == state
+
+
+def test_a_resumed_run_is_reopened_not_duplicated(mirror):
+    with mirror.run("folder", {}) as first:
+        first.state = "FAILED"
+    with mirror.run("folder", {}, resume=first.id) as again:
+        pass
+    assert again.id == first.id and _status(mirror, first.id) == "FINISHED"
+    with mirror.run("folder", {}, resume="0" * 32) as fresh:  # a run this store does not have: a new one
+        pass
+    assert fresh.id != first.id
+
+
+def test_no_tracking_takes_the_same_calls_and_keeps_nothing():
+    with NoTracking().run("step", {}) as run:
+        run.log(metrics={"x": 1.0})
+    assert run.id is None and NoTracking().end_stale("tag", "value") == []

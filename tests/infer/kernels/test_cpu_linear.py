@@ -1,0 +1,86 @@
+"""runner::linear_rows (cpu_linear): few-row products against float64 within their dtype's rounding, its errors, and
+OwnProducts, the pass that rewrites aten's few-row products on row-major weights into it (and nothing else)."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from runner.infer.kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="no C++ compiler, or no AVX2/FMA: products stay aten's")
+
+SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails of 8 rows and of 16 columns
+
+
+@pytest.mark.parametrize("dtype, widest", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
+    """float32: float32 sums of K products, |error| ≤ 1e-5·Σ|x·w|; bfloat16: those sums rounded to bfloat16 once,
+    |error| ≤ 2⁻⁸·|y| (half an ulp is 2⁻⁹) + 1e-5·Σ|x·w|. bfloat16 both ways: `widest` (vdpbf16ps where the CPU has
+    AVX-512 BF16) and the AVX2 path every x86-64 CPU with AVX2 takes."""
+    generator = torch.Generator().manual_seed(rows)
+    for n, k in SHAPES:
+        x, w, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((rows, k), (n, k), (n,)))
+        for b in (None, bias):
+            got = torch.ops.runner.linear_rows(x, w.t(), b, widest)
+            want = x.double() @ w.double().t() + (0 if b is None else b.double())
+            magnitude = x.double().abs() @ w.double().abs().t()
+            bound = 1e-5 * magnitude + (2**-8 * want.abs() if dtype == torch.bfloat16 else 0)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert ((got.double() - want).abs() <= bound).all(), (n, k, b is None)
+
+
+@pytest.mark.parametrize("case", ["nine rows", "input-major weight", "dtypes differ", "float16"])
+def test_what_it_does_not_serve_is_an_error_saying_so(case):
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    wt = {"input-major weight": w.t().contiguous()}.get(case, w.t())
+    x = {"nine rows": torch.randn(9, 64), "dtypes differ": x.bfloat16(), "float16": x.half()}.get(case, x)
+    if case == "float16":
+        wt = wt.half()
+    with pytest.raises(RuntimeError, match="linear_rows: .*(rows|row-major|dtype|float32 or bfloat16)"):
+        torch.ops.runner.linear_rows(x, wt, None)
+
+
+def _rewritten(fn, *args) -> tuple[torch.fx.GraphModule, int]:
+    """fn traced to aten (fake tensors: each node's meta holds shapes and strides), then OwnProducts → (graph,
+    products rewritten)."""
+    module = make_fx(fn, tracing_mode="fake")(*args)
+    before = cpu_linear.OwnProducts.replaced
+    cpu_linear.OwnProducts()(module.graph)
+    module.recompile()
+    return module, cpu_linear.OwnProducts.replaced - before
+
+
+def _targets(module: torch.fx.GraphModule) -> list:
+    return [node.target for node in module.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pass_rewrites_few_row_products_on_stored_weights(dtype):
+    """Two Linears as a model has them (one with a bias, inputs [B,T,K]): both rewritten at B·T ≤ 8, the result
+    aten's within rounding."""
+    def two_linears(x, w1, b1, w2):
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1).relu(), w2)
+
+    generator = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=generator).to(dtype) for s in ((2, 1, 48), (40, 48), (40,), (24, 40))]
+    module, replaced = _rewritten(two_linears, *args)
+    assert replaced == 2 and _targets(module).count(torch.ops.runner.linear_rows.default) == 2
+    assert torch.ops.aten.mm.default not in _targets(module) and torch.ops.aten.addmm.default not in _targets(module)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(module(*args), two_linears(*args), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("case", ["sixteen rows", "bfloat16, eight rows", "input-major weight", "float16"])
+def test_the_pass_leaves_what_the_kernel_does_not_serve_to_aten(case):
+    """Past MAX_ROWS (float32 16 rows; bfloat16 8, where aten's product was as fast), other layouts and dtypes."""
+    x = torch.randn({"sixteen rows": 16, "bfloat16, eight rows": 8}.get(case, 1), 48)
+    w = torch.randn(40, 48)
+    if case == "bfloat16, eight rows":
+        x, w = x.bfloat16(), w.bfloat16()
+    if case == "input-major weight":
+        w = w.t().contiguous().t()  # same values, transposed storage (what input_major_weights makes)
+    if case == "float16":
+        x, w = x.half(), w.half()
+    module, replaced = _rewritten(lambda x, w: torch.nn.functional.linear(x, w), x, w)
+    assert replaced == 0 and torch.ops.aten.mm.default in _targets(module)

