@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The compiled engine on one GPU, in one markdown table (issue 16). NOT YET RUN ON A GPU: no session has been lent
-# one. `--smoke` runs the same steps on CPU with a tiny random model and small sizes (tests/test_gpu_suite.py).
+# The compiled engine on one GPU, in one markdown table (issue 16). First run on an H200: docs/performance.md, "GPU".
+# `--smoke` runs the same steps on CPU with a tiny random model and small sizes (tests/test_gpu_suite.py).
 #
 #   bash benchmarks/gpu_suite.sh [OUT.md]            # on cuda:0; default OUT: runs/gpu_suite.md
 #   bash benchmarks/gpu_suite.sh --smoke [OUT.md]    # CPU, tiny model: checks the suite's plumbing, not speed
@@ -19,8 +19,9 @@
 # machine that reaches no registry gets its files from the working tree, 64 MiB a call: 1.6 GB of weights cannot
 # travel, so there the shapes stand in. Speculative decoding needs the real pair (acceptance depends on the
 # weights): without it that step is skipped, and the table says so.
-# Budget: under 8 minutes on an H100-class GPU; compile seconds are printed on their own lines and cached under
-# ~/.cache/runner/inductor. Each script also prints its own table; the suite's table is printed last.
+# Budget: on a bare H200 each shape compiles in 26-54 s (5-7 s with inductor's cache warm), so the whole suite takes
+# well over 15 minutes: split it across device calls (LIMIT=300 per script) or trim BATCHES/KINDS. Compile seconds
+# are printed on their own lines and cached under ~/.cache/runner/inductor. Each script also prints its own table; the suite's table is printed last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=0
