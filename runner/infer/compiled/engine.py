@@ -2,32 +2,28 @@
 per shape, so a generation never recompiles.
 
 In call order (shapes in comments; b real rows, B = bucket(b) ≥ b rows, S columns, T new columns):
-    engine_for(model) → CompiledEngine.state(kind, b, columns) → static_state.StaticDecodeState.prefill (eager; or
-    compiled in `prefill_pieces`, the last padded on the right) → .feed → CompiledEngine.call → decode_step
+    engine_for(model) → CompiledEngine.state(kind, b, columns) → StaticDecodeState.prefill (eager, or compiled
+    `prefill_pieces`) → .feed → CompiledEngine.call → decode_step
     (compiled: [B,T] ids, [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V])
 Speculative verification of k+1 tokens is one compiled step of T = spec_k + 1; other chunk lengths run the same
-static forward eagerly. A KIVI cache's one-column step is two graphs: one without a quantizer for most columns, one
-for the column in r that completes a block (or a sink).
+static forward eagerly. A KIVI cache's one-column step is two graphs: one without a quantizer, one for the column
+that completes a block (or a sink).
+
 Compilation: inductor, `dynamic=False`. On CPU the step's few-row products run on runner's kernel
-(cpu_linear.OwnProducts rewrites them); where it cannot be built, the step reads the Linear weights from an
-input-major copy (`input_major_weights`: where measured faster, per shape and dtype) through
-torch.func.functional_call. Inductor's freezing was no faster here (mode "freezing" still selects it). On CUDA,
-mode "reduce-overhead" (CUDA graphs) with the cache at a static address and the model's own weights; a graph's
-logits are cloned, since its next replay overwrites them (all of this written without a GPU: never run). The first
-call of a shape is timed apart (`compile_s`, logged on its own line) by a warm-up step (two on CUDA: one warms up,
-one records the graph), never inside a decode timing; inductor's caches live under ~/.cache/runner/inductor, so a
-second process starts faster. `compiles` counts graphs dynamo made, `recompiles` those beyond one per shape (a
-generation that recompiles is a bug this number shows).
-Guards: each graph (shape × coding) is decode_step under a code object of its own (`_own_step`), so dynamo holds
-one graph per function and never has to choose among graphs. A graph's first call after its warm-up evaluates
-its guards (a mismatch recompiles and is counted); later calls skip them (dynamo's skip_guard_eval_unsafe),
-which cost 2.4 ms of a 30 ms SmolLM2 step (fp16 cache, 1k columns, measured on this project's 2-core CPU). Safe
-because a function only ever sees its own shape: the engine picks it by key. Should its inputs still differ in
-what guards check (a tensor made outside inference mode, a strided view), dynamo refuses to run; the step then
-recompiles, counted and logged, and checks its guards on every later call.
-The engine keeps its MAX_CACHES most recently used static caches (a long bench matrix does not hold one per cell).
-Owns: the engine registry, buckets, static caches, the compiled steps and what compiling cost. Does not know
-about sampling, stop rules, timing harnesses or manifests.
+(cpu_linear.OwnProducts); where it cannot be built, the step reads input-major weight copies where those are faster.
+On CUDA, mode "reduce-overhead" (CUDA graphs) with the cache at a static address; a graph's logits are cloned, since
+its next replay overwrites them. A shape's first call is a warm-up timed apart (`compile_s`; two calls on CUDA: warm
+up, then record), never inside a decode timing; inductor's caches live under the cache folder, so a second process
+starts faster. `compiles` counts graphs dynamo made, `recompiles` those beyond one per shape.
+
+Guards: each graph (shape × coding) is decode_step under a code object of its own (`_own_step`), so dynamo holds one
+graph per function. A graph's first call after its warm-up evaluates its guards (a mismatch recompiles and is
+counted); later calls skip them (skip_guard_eval_unsafe), which is safe because a function only ever sees its own
+shape. Should its inputs still differ in what guards check, dynamo refuses to run; the step then recompiles, counted
+and logged, and checks its guards on every later call.
+
+Owns: the engine registry, buckets, the MAX_CACHES most recently used static caches, the compiled steps and what
+compiling cost. Does not know about sampling, stop rules, timing harnesses or manifests.
 """
 
 from __future__ import annotations
@@ -84,8 +80,7 @@ def use_compile_cache() -> None:
 def input_major_weights(model, repeats: int = 5) -> dict[str, torch.Tensor]:
     """The Linear weights [out,in] that a one-row product reads faster from an input-major copy (same values,
     transposed storage), as views of such copies; the others are left out (functional_call keeps the model's).
-    Which layout wins depends on shape, dtype and CPU (measured here: float32's 49k-row head 1.7× faster input-major,
-    bfloat16's head and down projection 0.6×), so each distinct (shape, dtype) is timed both ways once, with the
+    Which layout wins depends on shape, dtype and CPU, so each distinct (shape, dtype) is timed both ways once, with the
     one harness, and the copy kept where its median is ≥ 5 % faster. Costs the copied weights' bytes; a tied
     embedding reads its rows from the same copy. Quantized weights (tensor subclasses, runner.infer.quant.weights) keep
     their own layout."""
@@ -289,9 +284,8 @@ _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def compile_options(mode: str, own_products: bool = False) -> dict:
     """Inductor's options for `mode` ("default", "reduce-overhead", "freezing"), with `emulate_precision_casts`:
     without it inductor drops a float → fp16 → float round trip inside a fused kernel, so a quantizer that rounds
-    its scale or minimum to fp16 and then codes against it coded against the unrounded value: the compiled engine
-    stored other KIVI codes than the eager one (one layer, 312 columns written one by one: 12 % of kivi2's scales
-    differed), and greedy text parted from eager's after 141 tokens with kivi2:g128:r128:s4:o2:b64:nuq on SmolLM2."""
+    its scale or minimum to fp16 and then codes against it would code against the unrounded value, and the compiled
+    engine would store other KIVI codes than the eager one."""
     extra = {"freezing": True} if mode == "freezing" else torch._inductor.list_mode_options(mode)
     if own_products:  # few-row products on runner's kernel (cpu_linear)
         extra["post_grad_custom_post_pass"] = cpu_linear.OwnProducts()

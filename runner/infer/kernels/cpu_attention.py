@@ -2,10 +2,10 @@
 (attention_ops.cpp), so a compiled decode step calls them as opaque kernels, as cheaply as aten's.
 
 Why a hand-written kernel: inductor's code for attention over a dequantized cache decodes every column once per
-query head of its KV head (G = 3 on SmolLM2) and ends every column's product in its own horizontal sum; a packed
-4-bit cache then decoded at 0.64–0.80× of fp16 at 4096 columns, KIVI at 0.22–0.40× (docs/performance.md). The
-kernel decodes each column once into a float row (a few vector instructions, L1-resident) and takes it against
-all G query heads; it reads fp32 / fp16 / bf16 caches the same way, so every kind is timed through the same code.
+query head of its KV head and ends every column's product in its own horizontal sum, so a packed cache decoded far
+slower than fp16 at long context (figures: docs/performance.md). The kernel decodes each column once into a float
+row (a few vector instructions, L1-resident) and takes it against all G query heads; it reads fp32 / fp16 / bf16
+caches the same way, so every kind is timed through the same code.
     cache_scores(queries, segments…)  [Q,B,H,G,D] → [B,H,G,S] scaled scores, -inf where no segment holds a
                                       column or the mask is 0
     cache_weighted(probs, segments…)  [B,H,G,S] → [O,B,H,G,Dv], columns whose probabilities are all 0 not read

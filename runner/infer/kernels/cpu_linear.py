@@ -1,9 +1,9 @@
 """Few-row products on runner's own CPU kernel: linear_rows.cpp, registered as the torch op runner::linear_rows, and
 `OwnProducts`, the inductor pass that puts it in a compiled decode step in place of aten's mm.
 
-Why: a decode step at a small batch is a chain of few-row products that stream every weight once; aten's one-row
-product read SmolLM2's weights at about 11 GB/s on a 2-core Zen 4 (copy: 32 GB/s), this kernel at 18 (bfloat16)
-and 25 (float32) GB/s (benchmarks/linear_rows.py, docs/performance.md). The pass rewrites, in the graph inductor
+Why: a decode step at a small batch is a chain of few-row products that stream every weight once, and aten's
+one-row product reads weights well below the machine's copy bandwidth; this kernel reads them faster
+(benchmarks/linear_rows.py; figures in docs/performance.md). The pass rewrites, in the graph inductor
 is about to lower,
     mm(x [M,K], wt [K,N])  and  addmm(bias, x, wt)
 where M ≤ MAX_ROWS (8 in float32, 4 in bfloat16), both float32 or both bfloat16, and wt is a row-major weight
