@@ -41,3 +41,10 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
 def atomic_write_json(path: str | Path, data, **dumps) -> Path:
     """`atomic_write` of `json.dumps(data, indent=2, default=str)` plus a final newline."""
     return atomic_write(path, json.dumps(data, **{"indent": 2, "default": str, **dumps}) + "\n")
+
+
+def cache_dir() -> Path:
+    """runner's one cache folder, for everything it keeps between runs (models, texts, codebooks, plans' memos, the
+    C++ kernels, inductor's caches): `$RUNNER_CACHE` when set, else ~/.cache/runner. Read at each call, not import."""
+    chosen = os.environ.get("RUNNER_CACHE")
+    return Path(chosen) if chosen else Path.home() / ".cache" / "runner"

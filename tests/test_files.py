@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,33 @@ def test_an_unwritable_folder_raises_oserror(tmp_path):
     blocked.write_text("")
     with pytest.raises(OSError):
         atomic_write(blocked / "x.json", "{}")  # a file where the folder should be
+
+
+def test_runner_cache_moves_every_cache_folder(tmp_path, monkeypatch):
+    """One cache folder: $RUNNER_CACHE moves the downloads, the codebooks, the C++ kernels and inductor's caches."""
+    import torch._inductor.config as inductor_config
+
+    from runner.files import cache_dir
+    from runner.infer.compiled import engine
+    from runner.infer.kernels import native
+    from runner.infer.loading import pinned, zoo
+
+    monkeypatch.delenv("RUNNER_CACHE", raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "runner"
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_dir() == tmp_path / "elsewhere"
+    assert pinned.cache_root() == tmp_path / "elsewhere"  # zoo models, GGUF files, texts, codebooks, content hashes
+    assert zoo._model_dir(zoo.zoo_entry("zoo:smollm2-135m")).parent == tmp_path / "elsewhere" / "models"
+    assert native.kernel_dir() == tmp_path / "elsewhere" / "kernels"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
+    engine.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere" / "inductor")
+
+
+def test_no_module_names_the_cache_folder_itself():
+    """Every cache path comes from runner.files.cache_dir: no other module spells ~/.cache."""
+    root = Path(__file__).parents[1] / "runner"
+    spelt = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if p.name != "files.py" and re.search(r"""["']\.cache["']""", p.read_text())]
+    assert spelt == []

@@ -35,11 +35,11 @@ import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from runner.errors import InferenceError
+from runner.files import cache_dir
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.attention import reduced_attention
 from runner.infer.compiled.state import StaticDecodeState, decode_step, prefill_pieces, set_writes
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_COLUMNS = 256  # length buckets: powers of two from here, capped by the caller's max_seq_len
 MAX_CACHES = 3  # static caches an engine keeps (target and draft of a self-drafting model, and one more)
-CACHE_DIR = Path.home() / ".cache" / "runner" / "inductor"
 
 
 def batch_bucket(batch: int) -> int:
@@ -70,8 +69,9 @@ def length_bucket(columns: int, max_seq_len: int) -> int:
 
 
 def use_compile_cache() -> None:
-    """Point inductor's on-disk caches (FX graphs, kernels) at ~/.cache/runner/inductor unless the user chose."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    """Point inductor's on-disk caches (FX graphs, kernels) at the cache folder's inductor/ (runner.files.cache_dir)
+    unless the user chose."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True

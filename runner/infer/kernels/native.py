@@ -4,10 +4,11 @@ KIVI's outliers), built once per machine with the system's compiler into one lib
     load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices}
              exist in this process
 
-The library goes to ~/.cache/runner/kernels/runner_kernels-<hash>.so; the hash covers the sources, the flags, the
-compiler, this CPU (-march=native: a home directory shared by other CPUs gets one build each) and torch's version
-(the ops are built against its headers, as torch.utils.cpp_extension would). No compiler, or a failed build: load()
-is False, logged once, and callers keep their torch expressions.
+The library goes to <cache folder>/kernels/runner_kernels-<hash>.so (runner.files.cache_dir: $RUNNER_CACHE or
+~/.cache/runner); the hash covers the sources, the flags, the compiler, this CPU (-march=native: a home directory
+shared by other CPUs gets one build each) and torch's version (the ops are built against its headers, as
+torch.utils.cpp_extension would). No compiler, or a failed build: load() is False, said once at warning level with the
+reason, and callers keep their torch expressions.
 Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py and
 kvcodes.py do).
 """
@@ -25,16 +26,20 @@ from pathlib import Path
 
 import torch
 
-from runner.files import atomic_write
+from runner.files import atomic_write, cache_dir
 
 log = logging.getLogger(__name__)
 
-KERNEL_DIR = Path.home() / ".cache" / "runner" / "kernels"
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / "csrc" / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
                                          "outlier_ops.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
+
+
+def kernel_dir() -> Path:
+    """Where built libraries are kept: the cache folder's kernels/ (read at each call: $RUNNER_CACHE may change)."""
+    return cache_dir() / "kernels"
 
 
 def _machine() -> str:
@@ -64,7 +69,7 @@ def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> 
     flags = [*FLAGS, *_torch_flags()]
     digest = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), " ".join(flags).encode(),
                                         compiler.encode(), _machine().encode(), torch.__version__.encode()]))
-    target = KERNEL_DIR / f"{name}-{digest.hexdigest()[:16]}.so"
+    target = kernel_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,11 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runner.files import cache_dir
+
 log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RUNNER_CACHE", Path.home() / ".cache" / "runner"))
+    """runner's cache folder (runner.files.cache_dir: `$RUNNER_CACHE` or ~/.cache/runner)."""
+    return cache_dir()
 
 
 def pip_download(packages: list[str] | tuple[str, ...], dest: Path, error: type[Exception], what: str,
