@@ -75,7 +75,10 @@ def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> 
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / f"{name}.so"
         compiled = [str(s) for s in sources if s.suffix == ".cpp"]
-        run = subprocess.run([compiler, *compiled, "-o", str(built), *flags], capture_output=True, text=True)
+        try:
+            run = subprocess.run([compiler, *compiled, "-o", str(built), *flags], capture_output=True, text=True)
+        except OSError as error:  # $CXX names no file, or one that cannot be run
+            raise RuntimeError(f"the C++ compiler {compiler} cannot be run ({error.strerror or error})") from error
         if run.returncode:
             raise RuntimeError(f"{compiler} failed on {', '.join(s.name for s in sources)}:\n{run.stderr[-2000:]}")
         atomic_write(target, built.read_bytes())
