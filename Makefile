@@ -4,13 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: quickstart test test-cluster setup bench clean
+.PHONY: quickstart test test-fast cpu test-cluster setup bench clean
 
 quickstart: setup
 	$(BIN)/run manifests/quickstart.yaml
 
+# The whole suite (what CI runs). Tiers (pyproject.toml's markers): slow = a real model from the zoo (or building
+# the package), compile = torch.compile of real shapes, gpu = needs CUDA (skipped without it).
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Everyday work: the suite without slow, compile and gpu tests (under 3 minutes on 2 cores).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not compile and not gpu"
+
+# The CPU the tests run on: its model and the vector extensions runner's kernels and aten choose paths by.
+cpu:
+	@grep -m1 '^model name' /proc/cpuinfo 2>/dev/null || uname -m
+	@echo "vector extensions: $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(sse4_2|avx|avx2|fma|f16c|avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*)$$' | tr '\n' ' ')"
+	@$(BIN)/python -c "import torch; print('aten CPU capability:', torch.backends.cpu.get_cpu_capability())" 2>/dev/null || true
 
 # Sweeps on real clusters on this machine (Ray, SLURM, submitit local, an MLflow server, the UI in chromium):
 # docs/clusters.md. Needs root; 6-11 minutes on 2 cores once installed (bounded at 30).

@@ -13,6 +13,18 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped, saying why, where this machine has no CUDA device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
+            for item in gpu:
+                item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _console():
     """The library's messages shown as the CLI shows them (status and warnings on stderr, results on stdout)."""

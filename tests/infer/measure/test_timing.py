@@ -140,7 +140,7 @@ def test_on_device_times_cpu_work_on_the_wall_clock():
     assert 0.05 <= seconds < 0.5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+@pytest.mark.gpu  # CUDA events: skipped without a GPU (tests/conftest.py)
 def test_cuda_event_clock_measures_queued_gpu_work():
     """Events time the GPU's work, not the host's launches: a queue of products launched in microseconds measures
     as long as the wall clock that waits for it (within 20 %), and the event clock gives 0 < seconds."""
