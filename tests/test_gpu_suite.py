@@ -17,7 +17,7 @@ def table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows[1:]]  # the first is the header
 
 
-@pytest.mark.slow  # compiles a tiny model's steps: about a minute on 2 cores
+@pytest.mark.compile  # compiles a tiny model's steps: about a minute on 2 cores
 def test_smoke_suite_fills_one_table_with_every_benchmark(tmp_path):
     out = tmp_path / "suite.md"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -2,10 +2,11 @@
 
 Most tests run the engine's static path uncompiled (CompiledEngine(compile=False): the same caches, masks, buckets
 and step function, without inductor), so every kind and strategy is checked in seconds. The tests that really
-compile are few and marked slow.
+compile are few and marked compile.
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -46,6 +47,12 @@ def static_lm(tiny_lm, monkeypatch, tmp_path):
     monkeypatch.setattr(codebooks, "_FITTED", {})
     monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
     return tiny_lm
+
+
+def _graph_breaks() -> Counter:
+    """Dynamo's graph breaks so far in this process, by reason: a compiled step must have none (each one a return to
+    Python in the middle of a step, and a graph more)."""
+    return Counter(torch._dynamo.utils.counters["graph_break"])
 
 
 def _generate(lm, prompts, engine, **settings):
@@ -232,7 +239,7 @@ def test_what_the_compiled_engine_cannot_serve_is_a_config_error_naming_the_key(
         GenerateConfig(engine="compiled", **settings)
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
     """Compiles five shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32, nf4 and KIVI (blocks
     completed every 16 columns) padded, and the last one's compiled prefill piece (20 prompt columns → 32). nf4
@@ -241,6 +248,7 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
     from tests.conftest import TINY_LLAMA
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=1)  # its own model object: its own compiled engine
+    breaks = _graph_breaks()
     for kind, prompts, prefill in (("fp32", PROMPTS[:1], "eager"), ("fp32", PROMPTS, "eager"),
                                    ("nf4", PROMPTS, "eager"), ("kivi4:g8:r16", PROMPTS, "compiled")):
         eager, _ = _generate(lm, prompts, "eager", cache_kind=kind, max_new_tokens=24, temperature=0)
@@ -251,6 +259,7 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
         assert torch.equal(ours, eager) and torch.equal(again, eager)
     stats = compiled.engine_for(lm.model).stats
     assert sorted(key[-1] for key in stats.compile_s) == [1, 1, 1, 1, 32] and stats.recompiles == 0  # 17..32 columns
+    assert not _graph_breaks() - breaks, list(_graph_breaks() - breaks)  # each step is one whole graph
     # each step function holds one graph (KIVI's one-column step: two functions), so skipping guards after a
     # step's first call never runs a graph made for another shape
     steps = compiled.engine_for(lm.model).steps
@@ -265,7 +274,7 @@ def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
         assert calls == 3 * linears  # the prompt's feed makes the first token; three steps the others
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_a_trusted_step_meeting_other_inputs_recompiles_once_instead_of_failing():
     """After its first call a step skips dynamo's guards. Seen failing with 'Recompilation triggered with
     skip_guard_eval_unsafe stance': a cache made outside inference mode (speculative's target-only timing) and a
@@ -275,11 +284,13 @@ def test_a_trusted_step_meeting_other_inputs_recompiles_once_instead_of_failing(
     from tests.conftest import TINY_LLAMA
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=2)
+    breaks = _graph_breaks()
     prompts = PROMPTS[:2]
     eager, _ = _generate(lm, prompts, "eager", max_new_tokens=6, temperature=0)
     ours, _ = _generate(lm, prompts, "compiled", max_new_tokens=6, temperature=0)
     engine = compiled.engine_for(lm.model)
     assert torch.equal(ours, eager) and engine.trusted and engine.stats.recompiles == 0
+    assert not _graph_breaks() - breaks, list(_graph_breaks() - breaks)  # the step is one whole graph
     state = engine.state(None, 2, 16, 2048, slot="other")  # a new cache, made outside inference mode
     enc = lm.tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.inference_mode():
@@ -295,7 +306,7 @@ def test_a_trusted_step_meeting_other_inputs_recompiles_once_instead_of_failing(
     assert engine.stats.recompiles == 1
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.parametrize("kind", ["q4_0", "kivi2:g32:r32:s4:o2:b64:nuq"])
 def test_a_compiled_write_stores_the_codes_an_uncompiled_one_stores(kind):
     """One static layer fed 100 columns one at a time (a block completed every 32), once as is and once through

@@ -225,7 +225,7 @@ def test_the_speed_pick_times_on_the_engine_the_run_decodes_with(tiny_lm, tmp_pa
     assert all("compile_s" not in row for row in eager.rows)
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 def test_the_speed_pick_on_the_compiled_engine_compiles_before_timing_and_never_recompiles(tmp_path):
     """Really compiles two shapes (fp32 and q8_0 at batch 1): about a minute each on two loaded cores."""
     from runner.infer.compiled import engine as compiled
