@@ -6,13 +6,27 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from runner.infer.kernels import cpu_linear
+from tests.machine import missing
 
-pytestmark = pytest.mark.skipif(not cpu_linear.load(), reason="no C++ compiler, or no AVX2/FMA: products stay aten's")
+pytestmark = pytest.mark.skipif(  # the product is served only by its vectorized paths (cpu_linear.load)
+    not cpu_linear.load(), reason=f"{missing('avx2', 'fma') or 'no C++ compiler'}: products stay aten's")
 
 SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails of 8 rows and of 16 columns
 
 
-@pytest.mark.parametrize("dtype, widest", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+# The kernel is built for this CPU (-march=native): each path runs where the CPU has its instructions, and a path
+# it lacks is skipped saying so. bfloat16 `widest` takes vdpbf16ps with AVX-512 BF16, else falls back to AVX2.
+DPBF16 = missing("avx512f", "avx512_bf16")
+PATHS = [pytest.param(torch.float32, True, id="float32-avx2"),
+         pytest.param(torch.bfloat16, False, id="bfloat16-avx2"),
+         pytest.param(torch.bfloat16, True, id="bfloat16-avx512_bf16",
+                      marks=pytest.mark.skipif(bool(DPBF16), reason=f"{DPBF16}: the vdpbf16ps path is not built")),
+         pytest.param(torch.bfloat16, True, id="bfloat16-widest-falls-back-to-avx2",
+                      marks=pytest.mark.skipif(not DPBF16, reason="this CPU has AVX-512 BF16: widest takes vdpbf16ps "
+                                                                  "(tested as bfloat16-avx512_bf16)"))]
+
+
+@pytest.mark.parametrize("dtype, widest", PATHS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
     """float32: float32 sums of K products, |error| ≤ 1e-5·Σ|x·w|; bfloat16: those sums rounded to bfloat16 once,
