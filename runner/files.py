@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import suppress
+from importlib import metadata
 from pathlib import Path
 
 
@@ -41,3 +42,11 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
 def atomic_write_json(path: str | Path, data, **dumps) -> Path:
     """`atomic_write` of `json.dumps(data, indent=2, default=str)` plus a final newline."""
     return atomic_write(path, json.dumps(data, **{"indent": 2, "default": str, **dumps}) + "\n")
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of `package` (its distribution metadata), or None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

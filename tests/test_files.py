@@ -39,3 +39,12 @@ def test_an_unwritable_folder_raises_oserror(tmp_path):
     blocked.write_text("")
     with pytest.raises(OSError):
         atomic_write(blocked / "x.json", "{}")  # a file where the folder should be
+
+
+def test_package_version_is_the_installed_one_or_none():
+    from importlib import metadata
+
+    from runner.files import package_version
+
+    assert package_version("pytest") == metadata.version("pytest")
+    assert package_version("no-such-package-runner-test") is None

@@ -15,10 +15,10 @@ import platform
 import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 from runner import __version__
+from runner.files import package_version
 from runner.manifest.paths import input_digests
 from runner.manifest.schema import BLOCKS, Manifest
 
@@ -89,15 +89,9 @@ def environment_fingerprint() -> dict:
     for path in sorted(source.rglob("*.py")):
         code.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes())
     return {"runner": __version__, "code": code.hexdigest()[:16], "python": sys.version.split()[0],
-            "torch": _version("torch"), "transformers": _version("transformers"),
+            "torch": package_version("torch"), "transformers": package_version("transformers"),
             "system": f"{platform.system()}-{platform.machine()}"}
 
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _block_of(mode: str) -> str:

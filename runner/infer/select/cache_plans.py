@@ -74,14 +74,11 @@ class PlanStore:
         plan = self.get(key)
         if plan is None:
             return None, "missing"
-        if not probe:
-            return plan, "fresh (probe off)"
+        now = time.time() if now is None else now  # one clock reading for the verdict and its reason
         age = _age(plan, now)
-        if age is None:
-            return None, "stale (no creation time)"
-        if age < interval_sec:
-            return plan, f"fresh (age {age:.0f} s < {interval_sec:g} s)"
-        return None, f"stale (age {age:.0f} s >= {interval_sec:g} s)"
+        if not self.is_fresh(plan, probe, interval_sec, now):
+            return None, "stale (no creation time)" if age is None else f"stale (age {age:.0f} s >= {interval_sec:g} s)"
+        return plan, "fresh (probe off)" if not probe else f"fresh (age {age:.0f} s < {interval_sec:g} s)"
 
     # -- the file ---------------------------------------------------------------------------------------------------
 

@@ -16,10 +16,10 @@ Does not print tables or know about manifests (the auto-cache-select step does).
 from __future__ import annotations
 
 import copy
-from importlib import metadata
 from pathlib import Path
 
 from runner.errors import InferenceError
+from runner.files import package_version
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.quantization import canonical_quantization
 from runner.infer.loading.texts import EvalText, load_text
@@ -139,12 +139,6 @@ def joint_fields(model, config: GenerateConfig, identity: dict, batch_size: int,
     """Cache selection's fields, plus what only the joint choice depends on."""
     fields = plan_fields(model, config, identity, batch_size, text)
     fields["settings"] |= {"weight_candidates": weight_candidates(config), "memory_budget_mb": config.memory_budget_mb}
-    fields["torchao"] = _version("torchao")
+    fields["torchao"] = package_version("torchao")
     return fields
 
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
