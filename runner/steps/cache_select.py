@@ -78,7 +78,7 @@ def describe(selection: Selection) -> dict:
     weights = {} if selection.weights is None else {"weights": selection.weights}
     return {**weights, "kind": selection.kind, "source": selection.source, "reused": selection.reused,
             "reason": selection.reason, "key": selection.key,
-            "plan_path": selection.plan_path, "plan_saved": not selection.persist_error,
+            "plan_path": selection.cache_plan_path, "plan_saved": not selection.persist_error,
             "plan_error": selection.persist_error or None, "seconds": selection.seconds, "candidates": selection.rows,
             "fields": selection.fields}
 
