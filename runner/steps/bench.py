@@ -36,7 +36,7 @@ from runner.manifest.blocks import BenchSpec
 from runner.manifest.paths import model_source, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.speculative import load_draft
+from runner.steps.shared import load_draft
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
