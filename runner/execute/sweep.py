@@ -260,7 +260,7 @@ def run_point(context: dict, cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from runner.execute.executor import execute
+    from runner.execute.executor import ParentRun, execute
     from runner.manifest.plan import make_plan
 
     hydra = HydraConfig.get()
@@ -281,10 +281,9 @@ def run_point(context: dict, cfg) -> dict:
     tags = {**context["tags"], "runner.sweep_point": point.index, **{f"sweep.{k}": v for k, v in point.values.items()}}
     try:
         manifest = Manifest.model_validate(raw)  # validated before the launch; again where the job runs
-        outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
-                          mlflow_parent=context["sweep_run"], tags=tags,
-                          run_name=f"{manifest.name}[{point.index}] {point.label}", models=context["models"],
-                          progress=context["progress"])
+        parent = ParentRun(context["sweep_run"], tags, f"{manifest.name}[{point.index}] {point.label}")
+        outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder, parent,
+                          models=context["models"], progress=context["progress"])
         failed = bool(outcome.failed)
     except (RunnerError, ValueError) as exc:  # a point that cannot start fails alone; the others go on
         log.error("point %d failed: %s", point.index, exc)
