@@ -1,4 +1,4 @@
-"""Executes a Plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
+"""Executes a step plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
 
 Each step's result is written as soon as it exists, and `status.json` is updated before and after
 every step, so a crash, Ctrl-C or kill -9 leaves a folder that says what finished; executing the plan
@@ -23,9 +23,9 @@ from transformers.utils import logging as hf_logging
 from runner.errors import ResourceError, RunnerError
 from runner.execute.tracking import RunFolder, Tracker, environment, tracker_for
 from runner.files import atomic_write_json
-from runner.infer.loading.models import load_spec
+from runner.infer.loading.models import load_model_block
 from runner.manifest.paths import model_source
-from runner.manifest.plan import Plan, Step
+from runner.manifest.plan import Step, StepPlan
 from runner.manifest.schema import Manifest
 from runner.report import ProgressFactory, no_progress
 from runner.steps import STEP_RUNNERS
@@ -42,7 +42,7 @@ class Outcome:
 
 
 class LoadedModels:
-    """Model reuse across steps and sweep points: holds one model in memory, keyed by its spec; a different spec
+    """Model reuse across steps and sweep points: holds one model in memory, keyed by its block; a different block
     frees the previous model before loading the next. Passed in explicitly (a sweep shares one across its points)."""
 
     def __init__(self):
@@ -53,9 +53,9 @@ class LoadedModels:
         key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
         if key != self.key:
             self.key, self.model = None, None  # free the previous model before loading the next
-            spec = step.model
-            log.info("loading %s (%s, %s)", spec.get("id") or "config model", spec["dtype"], spec["device"])
-            self.model, self.key = load_spec(model_source(spec, base_dir), step.model_seed, base_dir), key
+            block = step.model
+            log.info("loading %s (%s, %s)", block.get("id") or "config model", block["dtype"], block["device"])
+            self.model, self.key = load_model_block(model_source(block, base_dir), step.model_seed, base_dir), key
         return self.model
 
 
@@ -83,7 +83,7 @@ class RunContext:
     progress: ProgressFactory
 
 
-def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path, folder: RunFolder,
+def execute(manifest: Manifest, resolved: dict, plan: StepPlan, manifest_path: Path, folder: RunFolder,
             parent: ParentRun | None = None, models: LoadedModels | None = None,
             progress: ProgressFactory = no_progress) -> Outcome:
     """Run the plan's steps into `folder`, skipping steps that already finished there with the same hash.
@@ -164,7 +164,7 @@ def _run_steps(todo: list[Step], context: RunContext, outcome: Outcome) -> None:
                 raise ResourceError(f"{exc}; the step's results were saved to {_rescue(step, result)} instead") \
                     from None
             folder.set_step(step.key, "finished", metrics=result["metrics"])
-            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.spec, "seed": step.seed,
+            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.block, "seed": step.seed,
                               "model_fingerprint": result["model"], **params},
                       metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
 
@@ -182,4 +182,4 @@ def _run_step(step: Step, lm, base_dir: Path, out_dir: Path, progress: ProgressF
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory in step {step.key}: {exc}") from None
     return {"step": step.key, "mode": step.mode, "hash": step.hash, "seed": step.seed, "model": lm.fingerprint,
-            "spec": step.spec, **result}
+            "spec": step.block, **result}

@@ -12,15 +12,15 @@ from pathlib import Path
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.loading.models import LoadedModel
 from runner.infer.select.autocache import Selection
-from runner.manifest.blocks import GenerateSpec, library_config
+from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory
 from runner.steps.shared import describe_selection, select_for, selection_params
 
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = GenerateSpec.model_validate(step.spec)
-    selection = select_for(step, spec, library_config(spec, GenerateConfig), lm, base_dir, out_dir, progress)
+    block = GenerateBlock.model_validate(step.block)
+    selection = select_for(step, block, library_config(block, GenerateConfig), lm, base_dir, out_dir, progress)
     return {"selection": describe_selection(selection), "metrics": selection_metrics(selection),
             "params": selection_params(selection)}
 

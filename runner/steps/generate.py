@@ -18,7 +18,7 @@ from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator
 from runner.infer.loading.models import LoadedModel
-from runner.manifest.blocks import GenerateSpec, library_config
+from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
 from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params
@@ -27,18 +27,18 @@ log = logging.getLogger(__name__)
 
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = GenerateSpec.model_validate(step.spec)
-    configs = spec.strategy_configs(seed=step.seed)
+    block = GenerateBlock.model_validate(step.block)
+    configs = block.strategy_configs(seed=step.seed)
     extra = {}
     if any(config.cache_kind == "auto" for config in configs.values()):
-        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir,
-                               progress)
+        selection_config = library_config(block, GenerateConfig, seed=step.seed)
+        selection = select_for(step, block, selection_config, lm, base_dir, out_dir, progress)
         configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
         extra = {"cache_selection": describe_selection(selection), "params": selection_params(selection)}
-    prompts = load_prompts(spec, base_dir)
-    if not spec.strategies:
-        return {**_decode_all(spec, configs[""], prompts, lm, step.key, progress), **extra}
-    results = {name: _decode_all(spec, config, prompts, lm, f"{step.key}/{name}", progress)
+    prompts = load_prompts(block, base_dir)
+    if not block.strategies:
+        return {**_decode_all(block, configs[""], prompts, lm, step.key, progress), **extra}
+    results = {name: _decode_all(block, config, prompts, lm, f"{step.key}/{name}", progress)
                for name, config in configs.items()}
     side_by_side = [{"prompt": prompt, "outputs": {name: r["prompts"][i]["output"] for name, r in results.items()}}
                     for i, prompt in enumerate(prompts)]
@@ -47,21 +47,21 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, pro
     return {"prompts": side_by_side, "strategies": results, "metrics": metrics, **extra}
 
 
-def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
+def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
                 progress: ProgressFactory) -> dict:
     """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
     rng = torch.Generator(lm.device).manual_seed(config.seed)
     before = engine_for(lm.model).stats.reading() if config.engine == "compiled" else None
-    bar = None if spec.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
+    bar = None if block.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
     records, batches, plans = [], [], []
-    for start in range(0, len(prompts), spec.batch_size):
-        batch = prompts[start:start + spec.batch_size]
+    for start in range(0, len(prompts), block.batch_size):
+        batch = prompts[start:start + block.batch_size]
         generator = Generator(lm.model, config=config, tokenizer=lm.tokenizer, generator=rng)
         with warnings.catch_warnings():  # the plan is printed below, once per distinct plan
             warnings.simplefilter("ignore")
             if config.num_beams > 1:
                 records += _beam_batch(generator, lm.tokenizer, batch, config, bar)
-            elif spec.stream:
+            elif block.stream:
                 records += _stream_one(generator, lm.tokenizer, batch[0], config)
             else:
                 records += _generate_batch(generator, lm.tokenizer, batch, config, bar)

@@ -16,13 +16,13 @@ import pandas as pd
 from runner.errors import StepError
 from runner.files import atomic_write_json
 from runner.infer.config.decoding import GenerateConfig
-from runner.infer.loading.models import LoadedModel, load_spec
+from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text
 from runner.infer.select.autocache import Selection, select_cache_kind
 from runner.infer.select.joint import select_weights_and_cache
 from runner.infer.speculative.generator import PROMPT_LOOKUP
 from runner.infer.speculative.text import same_tokenizer
-from runner.manifest.blocks import DraftSource, GenerateSpec, PromptSource
+from runner.manifest.blocks import DraftSource, GenerateBlock, PromptSource
 from runner.manifest.paths import model_source, read_text, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
@@ -41,13 +41,13 @@ JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib":
 
 # -- prompts and the draft --------------------------------------------------------------------------------------------
 
-def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
-    if spec.prompts is not None:
-        return list(spec.prompts)
-    if spec.prompts_file is None:
+def load_prompts(block: PromptSource, base_dir: Path) -> list[str]:
+    if block.prompts is not None:
+        return list(block.prompts)
+    if block.prompts_file is None:
         log.info("no prompts given: using %s", DEFAULT_PROMPTS)
         return list(DEFAULT_PROMPTS)
-    path, text = read_text(spec.prompts_file, base_dir, "prompts")
+    path, text = read_text(block.prompts_file, base_dir, "prompts")
     lines = text.splitlines()
     if path.suffix == ".txt":
         prompts = [line for line in lines if line.strip()]
@@ -65,14 +65,14 @@ def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
     return prompts
 
 
-def load_draft(spec: DraftSource, lm: LoadedModel, step: Step, base_dir: Path):
+def load_draft(block: DraftSource, lm: LoadedModel, step: Step, base_dir: Path):
     """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
     A draft with another tokenizer proposes through text (runner.infer.speculative.text)."""
-    if spec.draft == PROMPT_LOOKUP:
+    if block.draft == PROMPT_LOOKUP:
         return PROMPT_LOOKUP, None
-    d = spec.draft
+    d = block.draft
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
-    draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
+    draft = load_model_block(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if same_tokenizer(draft.tokenizer, lm.tokenizer):
         return draft.model, None
     log.info("the draft %s has another tokenizer (%d vs %d tokens): its proposals reach the target as text",
@@ -82,7 +82,7 @@ def load_draft(spec: DraftSource, lm: LoadedModel, step: Step, base_dir: Path):
 
 # -- a cache selection -----------------------------------------------------------------------------------------------
 
-def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
+def select_for(step: Step, block: GenerateBlock, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
                out_dir: Path, progress: ProgressFactory) -> Selection:
     """Select (or reuse a plan), show the table, and leave it in the step folder as CSV, PNG and JSON."""
     joint = bool(config.weight_candidates)
@@ -90,9 +90,9 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
              "weights × cache kind" if joint else "a cache kind",
              " × ".join(", ".join(c)
                         for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
-             _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, spec.batch_size)
+             _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, block.batch_size)
     select = select_weights_and_cache if joint else select_cache_kind
-    selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,
+    selection = select(lm.model, lm.tokenizer, config, batch_size=block.batch_size, identity=lm.fingerprint,
                        progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
     table = candidates_table(selection.rows, joint)
     how = selection.source + (", reused" if selection.reused else "")

@@ -19,7 +19,7 @@ from runner.infer.loading.models import LoadedModel
 from runner.infer.measure.timing import on_device, time_once
 from runner.infer.select.speed import time_decode_kinds
 from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerator
-from runner.manifest.blocks import SpeculativeSpec, library_config
+from runner.manifest.blocks import SpeculativeBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
 from runner.steps.shared import load_draft, load_prompts
@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = SpeculativeSpec.model_validate(step.spec)
-    config = library_config(spec, SpeculativeConfig, seed=step.seed)
-    draft, draft_tokenizer = load_draft(spec, lm, step, base_dir)
-    prompts = load_prompts(spec, base_dir)
+    block = SpeculativeBlock.model_validate(step.block)
+    config = library_config(block, SpeculativeConfig, seed=step.seed)
+    draft, draft_tokenizer = load_draft(block, lm, step, base_dir)
+    prompts = load_prompts(block, base_dir)
     records, spec_s, base_s, stats = [], 0.0, 0.0, []
-    for start in range(0, len(prompts), spec.batch_size):
-        enc = lm.tokenizer(prompts[start:start + spec.batch_size], return_tensors="pt", padding=True).to(lm.device)
+    for start in range(0, len(prompts), block.batch_size):
+        enc = lm.tokenizer(prompts[start:start + block.batch_size], return_tensors="pt", padding=True).to(lm.device)
         rng = torch.Generator(lm.device).manual_seed(config.seed)
         gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng,
                                    tokenizer=lm.tokenizer, draft_tokenizer=draft_tokenizer)
@@ -42,13 +42,13 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, 
         spec_s += gen.stats.seconds
         stats.append(gen.stats.as_dict())
         new = out[:, enc.input_ids.shape[1]:]
-        for row, prompt in enumerate(prompts[start:start + spec.batch_size]):
+        for row, prompt in enumerate(prompts[start:start + block.batch_size]):
             tokens = new[row, : gen.stats.new_tokens[row]].tolist()
             records.append({"prompt": prompt, "output": lm.tokenizer.decode(tokens, skip_special_tokens=True),
                             "token_ids": tokens, "stop_reason": gen.stats.stop_reasons[row]})
-        if spec.compare_target_only:
+        if block.compare_target_only:
             base_s += _target_only_seconds(lm, enc, config)
-        log.info("[%s] batch %d: acceptance %.2f, mean accepted %.2f", step.key, start // spec.batch_size + 1,
+        log.info("[%s] batch %d: acceptance %.2f, mean accepted %.2f", step.key, start // block.batch_size + 1,
                  gen.acceptance_rate, gen.stats.mean_accepted_length)
     for r in records:
         show(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}")

@@ -127,7 +127,7 @@ def test_schema_is_json_and_describes_every_generate_field():
     from runner.manifest.schema import json_schema
 
     schema = json.loads(json.dumps(json_schema()))
-    generate = schema["$defs"]["GenerateSpec"]["properties"]
+    generate = schema["$defs"]["GenerateBlock"]["properties"]
     assert {"max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "eos_token_id", "max_seq_len",
             "cache_kind", "prompts", "batch_size", "stop_strings", "stream"} <= set(generate)
     assert all("description" in field for field in generate.values())
