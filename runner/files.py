@@ -1,6 +1,7 @@
-"""The one atomic write: a reader sees the old file or the new one, never half of one.
+"""Files runner writes and keeps: the one atomic write (a reader sees the old file or the new one, never half of
+one), the one cache folder, installed versions.
 
-Write to a temporary file beside the target, fsync it, os.replace it over the target, then fsync the folder so the
+The atomic write writes to a temporary file beside the target, fsync it, os.replace it over the target, then fsync the folder so the
 rename itself survives a crash. Raises OSError; callers turn it into the error their user needs (naming the file).
 Imports nothing of runner: every layer may use it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import suppress
+from importlib import metadata
 from pathlib import Path
 
 
@@ -48,3 +50,11 @@ def cache_dir() -> Path:
     C++ kernels, inductor's caches): `$RUNNER_CACHE` when set, else ~/.cache/runner. Read at each call, not import."""
     chosen = os.environ.get("RUNNER_CACHE")
     return Path(chosen) if chosen else Path.home() / ".cache" / "runner"
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of `package` (its distribution metadata), or None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

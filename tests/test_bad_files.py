@@ -103,24 +103,24 @@ def test_the_step_hash_covers_every_input_file_the_step_reads(tmp_path):
 
 
 def test_check_and_the_steps_resolve_home_the_same_way(tmp_path, monkeypatch, capsys):
-    from runner.manifest.blocks import GenerateSpec
-    from runner.steps.generate import load_prompts
+    from runner.manifest.blocks import GenerateBlock
+    from runner.steps.shared import load_prompts
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "p.txt").write_text("from home\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     assert main(["check", str(manifest(elsewhere, "{prompts_file: ~/p.txt}"))]) == 0
-    assert load_prompts(GenerateSpec(prompts_file="~/p.txt"), elsewhere) == ["from home"]
+    assert load_prompts(GenerateBlock(prompts_file="~/p.txt"), elsewhere) == ["from home"]
 
 
 def test_a_prompts_file_broken_after_check_fails_its_step_with_our_error(tmp_path):
-    from runner.manifest.blocks import GenerateSpec
-    from runner.steps.generate import load_prompts
+    from runner.manifest.blocks import GenerateBlock
+    from runner.steps.shared import load_prompts
 
     (tmp_path / "p.txt").write_bytes(b"caf\xe9\n")
     with pytest.raises(InputFileError, match="is not UTF-8 text"):  # a RunnerError: the engine records the step
-        load_prompts(GenerateSpec(prompts_file="p.txt"), tmp_path)
+        load_prompts(GenerateBlock(prompts_file="p.txt"), tmp_path)
 
 
 def test_valid_inputs_still_pass(tmp_path, capsys):

@@ -1,11 +1,11 @@
-"""Eight processes choosing cache kinds at once, sharing one plan file and one MLflow store."""
+"""Eight processes choosing cache kinds at once, sharing one cache-plan file and one MLflow store."""
 
 import json
 import os
 import subprocess
 import sys
 
-from runner.infer.select.cache_plans import PlanStore
+from runner.infer.select.cache_plans import CachePlanStore
 from tests.conftest import TINY_LLAMA
 
 PROCESSES = 8
@@ -38,8 +38,8 @@ def test_eight_concurrent_selections_leave_every_plan_and_run_intact(tmp_path):
         assert "Traceback" not in err
 
     plans = json.loads((tmp_path / "plans" / "shared.json").read_text())  # valid JSON
-    assert len(plans["plans"]) == PROCESSES  # one per batch size: no writer lost another's plan
-    store = PlanStore(tmp_path / "plans" / "shared.json")
+    assert len(plans["plans"]) == PROCESSES  # one per batch size: no writer lost another's cache plan
+    store = CachePlanStore(tmp_path / "plans" / "shared.json")
     for key in plans["plans"]:
         assert store.get(key)["kind"] in ("fp16", "q8_0")
     assert not list((tmp_path / "plans").glob("*.tmp")) and not list((tmp_path / "plans").glob("*.corrupt-*"))

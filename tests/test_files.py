@@ -71,3 +71,12 @@ def test_no_module_names_the_cache_folder_itself():
     spelt = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.name != "files.py" and re.search(r"""["']\.cache["']""", p.read_text())]
     assert spelt == []
+
+
+def test_package_version_is_the_installed_one_or_none():
+    from importlib import metadata
+
+    from runner.files import package_version
+
+    assert package_version("pytest") == metadata.version("pytest")
+    assert package_version("no-such-package-runner-test") is None

@@ -77,6 +77,19 @@ def test_imports_go_downward_only():
     assert not problems, "\n".join(problems)
 
 
+def test_steps_import_no_other_step():
+    """A mode's module imports no other mode's: what modes share is in steps/shared.py (the registry,
+    steps/__init__.py, imports them all)."""
+    problems = []
+    for path in sorted((RUNNER / "steps").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for name, line, _ in _runner_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if name.startswith("runner.steps.") and not name.startswith("runner.steps.shared."):
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
 def test_bottom_utilities_import_nothing_of_runner():
     for name in BOTTOM:
         imports = _runner_imports(ast.parse((RUNNER / f"{name}.py").read_text(encoding="utf-8")))

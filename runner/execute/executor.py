@@ -1,4 +1,4 @@
-"""Executes a Plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
+"""Executes a step plan: run folder, MLflow mirror, model reuse between steps, failure policy, resume.
 
 Each step's result is written as soon as it exists, and `status.json` is updated before and after
 every step, so a crash, Ctrl-C or kill -9 leaves a folder that says what finished; executing the plan
@@ -23,9 +23,9 @@ from transformers.utils import logging as hf_logging
 from runner.errors import ResourceError, RunnerError
 from runner.execute.tracking import RunFolder, Tracker, environment, tracker_for
 from runner.files import atomic_write_json
-from runner.infer.loading.models import load_spec
+from runner.infer.loading.models import load_model_block
 from runner.manifest.paths import model_source
-from runner.manifest.plan import Plan, Step
+from runner.manifest.plan import Step, StepPlan
 from runner.manifest.schema import Manifest
 from runner.report import ProgressFactory, no_progress
 from runner.steps import STEP_RUNNERS
@@ -42,7 +42,7 @@ class Outcome:
 
 
 class LoadedModels:
-    """Model reuse across steps and sweep points: holds one model in memory, keyed by its spec; a different spec
+    """Model reuse across steps and sweep points: holds one model in memory, keyed by its block; a different block
     frees the previous model before loading the next. Passed in explicitly (a sweep shares one across its points)."""
 
     def __init__(self):
@@ -53,19 +53,43 @@ class LoadedModels:
         key = json.dumps([step.model, step.model_seed, str(base_dir.resolve())], sort_keys=True)
         if key != self.key:
             self.key, self.model = None, None  # free the previous model before loading the next
-            spec = step.model
-            log.info("loading %s (%s, %s)", spec.get("id") or "config model", spec["dtype"], spec["device"])
-            self.model, self.key = load_spec(model_source(spec, base_dir), step.model_seed, base_dir), key
+            block = step.model
+            log.info("loading %s (%s, %s)", block.get("id") or "config model", block["dtype"], block["device"])
+            self.model, self.key = load_model_block(model_source(block, base_dir), step.model_seed, base_dir), key
         return self.model
 
 
-def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path, folder: RunFolder,
-            mlflow_parent: str | None = None, tags: dict | None = None, run_name: str | None = None,
-            models: LoadedModels | None = None, progress: ProgressFactory = no_progress) -> Outcome:
+@dataclass(frozen=True)
+class ParentRun:
+    """The MLflow run an execution hangs under (a sweep's, for one of its points): its id, the tags that go on every
+    run of the execution, and the name of the execution's own run."""
+
+    id: str
+    tags: dict
+    name: str
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every step of one execution shares: where it runs and records, and what it reuses."""
+
+    manifest: Manifest
+    base_dir: Path  # the manifest's folder: where its relative input files are
+    folder: RunFolder
+    tracker: Tracker
+    parent: str | None  # the execution's MLflow run: each step's run is its child
+    tags: dict  # on every step's MLflow run
+    models: LoadedModels
+    progress: ProgressFactory
+
+
+def execute(manifest: Manifest, resolved: dict, plan: StepPlan, manifest_path: Path, folder: RunFolder,
+            parent: ParentRun | None = None, models: LoadedModels | None = None,
+            progress: ProgressFactory = no_progress) -> Outcome:
     """Run the plan's steps into `folder`, skipping steps that already finished there with the same hash.
 
-    `mlflow_parent`: the sweep's run, when this is one point of a sweep; `tags` go on every MLflow run;
-    `models`: the models already loaded (a sweep's earlier points); `progress`: how long steps report.
+    `parent`: the sweep's run, when this is one point of a sweep; `models`: the models already loaded (a sweep's
+    earlier points); `progress`: how long steps report.
     """
     hf_logging.disable_progress_bar()
     folder.write_text("manifest.resolved.yaml", yaml.safe_dump(resolved, sort_keys=False))
@@ -73,7 +97,7 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path,
     folder.write_json("env.json", environment())
     folder.set(name=manifest.name)
     log.info("run folder: %s", folder.path)
-    outcome, models = Outcome(folder.path), models or LoadedModels()
+    outcome = Outcome(folder.path)
     todo = []
     for step in plan.steps:
         if folder.finished(step.key, step.hash):
@@ -81,47 +105,49 @@ def execute(manifest: Manifest, resolved: dict, plan: Plan, manifest_path: Path,
             log.info("step %s finished earlier (hash %s): skipped", step.key, step.hash[:12])
         else:
             todo.append(step)
-    tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path), **(tags or {})}
+    tags = {"runner.run_folder": str(folder.path.resolve()), "runner.manifest": str(manifest_path),
+            **(parent.tags if parent else {})}
     tracker = tracker_for(manifest.tracking, manifest.name)
     tracker.end_stale("runner.run_folder", tags["runner.run_folder"])  # children of a killed earlier invocation
     if not todo:  # resumed after its last step finished: its MLflow run may still say RUNNING (or KILLED)
         tracker.end(folder.status.get("mlflow_run_id"), "FINISHED")
         folder.finish("finished")
         return outcome
-    with tracker.run(run_name or manifest.name, tags, parent=mlflow_parent,
-                     resume=folder.status.get("mlflow_run_id")) as parent:
-        folder.set(mlflow_run_id=parent.id)
+    with tracker.run(parent.name if parent else manifest.name, tags, parent=parent.id if parent else None,
+                     resume=folder.status.get("mlflow_run_id")) as run:
+        folder.set(mlflow_run_id=run.id)
         state = "interrupted"
         try:
-            _run_steps(todo, manifest, manifest_path.parent, folder, tracker, parent.id, tags, models, progress,
-                       outcome)
+            context = RunContext(manifest, manifest_path.parent, folder, tracker, run.id, tags,
+                                 models or LoadedModels(), progress)
+            _run_steps(todo, context, outcome)
             state = "failed" if outcome.failed or outcome.skipped else "finished"
-            parent.state = "FAILED" if state == "failed" else "FINISHED"
+            run.state = "FAILED" if state == "failed" else "FINISHED"
         finally:
             try:
                 folder.finish(state)
             except ResourceError as exc:  # the folder stopped taking writes: say so, keep the first error
                 log.error("%s", exc)
-            parent.log(params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
+            run.log(params={"manifest": manifest.name, "seed": manifest.seed}, artifacts=folder.path)
     return outcome
 
 
-def _run_steps(todo: list[Step], manifest: Manifest, base_dir: Path, folder: RunFolder, tracker: Tracker,
-               parent: str | None, tags: dict, models: LoadedModels, progress: ProgressFactory,
-               outcome: Outcome) -> None:
+def _run_steps(todo: list[Step], context: RunContext, outcome: Outcome) -> None:
     """Each step in its own MLflow run; a RunnerError fails that step alone (on_failure: continue) or skips the rest
     (on_failure: stop); anything else is recorded in status.json and goes up."""
+    folder = context.folder
     for n, step in enumerate(todo):
-        with tracker.run(step.key, {**tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
-                         parent=parent) as child:
+        with context.tracker.run(step.key, {**context.tags, "runner.step_hash": step.hash, "runner.mode": step.mode},
+                                 parent=context.parent) as child:
             folder.set_step(step.key, "running", hash=step.hash, mlflow_run_id=child.id)
             try:
-                result = _run_step(step, models.get(step, base_dir), base_dir, folder.path / step.key, progress)
+                result = _run_step(step, context.models.get(step, context.base_dir), context.base_dir,
+                                   folder.path / step.key, context.progress)
             except RunnerError as exc:
                 outcome.failed[step.key], child.state = str(exc), "FAILED"
                 folder.set_step(step.key, "failed", error=str(exc))
                 log.error("step %s failed: %s", step.key, exc)
-                if manifest.on_failure == "stop":
+                if context.manifest.on_failure == "stop":
                     outcome.skipped = [s.key for s in todo[n + 1:]]
                     for key in outcome.skipped:
                         folder.set_step(key, "skipped", reason=f"on_failure: stop after {step.key} failed")
@@ -138,7 +164,7 @@ def _run_steps(todo: list[Step], manifest: Manifest, base_dir: Path, folder: Run
                 raise ResourceError(f"{exc}; the step's results were saved to {_rescue(step, result)} instead") \
                     from None
             folder.set_step(step.key, "finished", metrics=result["metrics"])
-            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.spec, "seed": step.seed,
+            child.log(params={"mode": step.mode, "model": step.model, step.mode: step.block, "seed": step.seed,
                               "model_fingerprint": result["model"], **params},
                       metrics=result["metrics"], artifacts=folder.path / step.key, series=series)
 
@@ -156,4 +182,4 @@ def _run_step(step: Step, lm, base_dir: Path, out_dir: Path, progress: ProgressF
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory in step {step.key}: {exc}") from None
     return {"step": step.key, "mode": step.mode, "hash": step.hash, "seed": step.seed, "model": lm.fingerprint,
-            "spec": step.spec, **result}
+            "spec": step.block, **result}

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from runner.errors import ManifestError, Problem, RunnerError
-from runner.execute.tracking import RunFolder, new_folder, tracker_for
+from runner.execute.tracking import RunFolder, new_folder, tracker_for, utc_now
 from runner.files import atomic_write_json
 from runner.manifest.compose import hydra_override, hydra_reason, load_points, override_problem, override_value, shown
 from runner.manifest.schema import Manifest
@@ -209,7 +209,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
     with tracker.run(f"{manifest.name} (sweep)", {**tags, "runner.sweep": "parent"},
                      resume=(record or {}).get("mlflow_run_id")) as sweep_run:
         record = {"name": manifest.name, "manifest": str(path), "state": "running",
-                  "started": (record or {}).get("started") or _now(), "on_failure": manifest.on_failure,
+                  "started": (record or {}).get("started") or utc_now(), "on_failure": manifest.on_failure,
                   "hydra_args": hydra_args, "mlflow_run_id": sweep_run.id,
                   "points": [{"index": p.index, "overrides": list(p.overrides), "values": p.values,
                               "folder": str(p.index)} for p in points]}
@@ -242,7 +242,7 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
             _collect(outcome, points)
             if state == "finished" and outcome.failed:
                 state, sweep_run.state = "failed", "FAILED"
-            record.update(state=state, ended=_now())
+            record.update(state=state, ended=utc_now())
             for entry in record["points"]:
                 entry["state"] = outcome.states.get(entry["index"], "not started")
                 if entry["state"] == "running":  # its worker was stopped before it could say so
@@ -260,7 +260,7 @@ def run_point(context: dict, cfg) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from runner.execute.executor import execute
+    from runner.execute.executor import ParentRun, execute
     from runner.manifest.plan import make_plan
 
     hydra = HydraConfig.get()
@@ -281,10 +281,9 @@ def run_point(context: dict, cfg) -> dict:
     tags = {**context["tags"], "runner.sweep_point": point.index, **{f"sweep.{k}": v for k, v in point.values.items()}}
     try:
         manifest = Manifest.model_validate(raw)  # validated before the launch; again where the job runs
-        outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder,
-                          mlflow_parent=context["sweep_run"], tags=tags,
-                          run_name=f"{manifest.name}[{point.index}] {point.label}", models=context["models"],
-                          progress=context["progress"])
+        parent = ParentRun(context["sweep_run"], tags, f"{manifest.name}[{point.index}] {point.label}")
+        outcome = execute(manifest, raw, make_plan(manifest, manifest_path.parent), manifest_path, folder, parent,
+                          models=context["models"], progress=context["progress"])
         failed = bool(outcome.failed)
     except (RunnerError, ValueError) as exc:  # a point that cannot start fails alone; the others go on
         log.error("point %d failed: %s", point.index, exc)
@@ -354,8 +353,3 @@ def _hydra_value(value) -> str:
         return repr(value)
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-
-def _now() -> str:
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -37,7 +37,7 @@ class RunFolder:
 
     @classmethod
     def create(cls, runs_dir: str | Path, name: str) -> RunFolder:
-        return cls(new_folder(runs_dir, name), {"state": "running", "started": _now(), "pid": os.getpid(),
+        return cls(new_folder(runs_dir, name), {"state": "running", "started": utc_now(), "pid": os.getpid(),
                                                 "steps": {}})
 
     @classmethod
@@ -46,10 +46,10 @@ class RunFolder:
         status_file = path / "status.json"
         if status_file.is_file():
             status = json.loads(status_file.read_text(encoding="utf-8"))
-            status.update(state="running", resumed=_now(), pid=os.getpid())
+            status.update(state="running", resumed=utc_now(), pid=os.getpid())
         else:
             path.mkdir(parents=True, exist_ok=True)
-            status = {"state": "running", "started": _now(), "pid": os.getpid(), "steps": {}}
+            status = {"state": "running", "started": utc_now(), "pid": os.getpid(), "steps": {}}
         return cls(path, status)
 
     def finished(self, key: str, step_hash: str) -> bool:
@@ -74,11 +74,11 @@ class RunFolder:
         return target
 
     def set_step(self, key: str, state: str, **info) -> None:
-        self.status["steps"][key] = {**self.status["steps"].get(key, {}), "state": state, "at": _now(), **info}
+        self.status["steps"][key] = {**self.status["steps"].get(key, {}), "state": state, "at": utc_now(), **info}
         self.write_json("status.json", self.status)
 
     def finish(self, state: str) -> None:
-        self.status.update(state=state, ended=_now())
+        self.status.update(state=state, ended=utc_now())
         self.write_json("status.json", self.status)
 
 
@@ -333,5 +333,6 @@ def _git_sha() -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """Now in UTC, to the second, as ISO 8601: the times in status.json and sweep.json."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -62,7 +62,7 @@ class Strict(NumbersNotBooleans):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelSpec(Strict):
+class ModelBlock(Strict):
     """Which model to load: `id` or `config` (not both); neither means the embedded default."""
 
     id: str | None = Field(None, min_length=1, json_schema_extra={"input_file": "model"}, description=(
@@ -91,7 +91,7 @@ class ModelSpec(Strict):
         return data
 
     @model_validator(mode="after")
-    def _one_source(self) -> ModelSpec:
+    def _one_source(self) -> ModelBlock:
         if self.id is not None and self.config is not None:
             raise ValueError("give either 'id' or 'config', not both")
         if self.config is not None and "model_type" not in self.config:
@@ -107,7 +107,7 @@ class ModelSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _device_runs_the_quantization(self) -> ModelSpec:
+    def _device_runs_the_quantization(self) -> ModelBlock:
         name, _ = parse_quantization(self.quantization)
         if name != "none" and self.device == "mps":
             raise ValueError(f"quantization {self.quantization} runs on cpu or cuda (torchao), not mps: use "
@@ -167,7 +167,7 @@ class StrategyError(ValueError):
         super().__init__(f"strategy {name!r}: {message}")
 
 
-class GenerateSpec(GenerateConfig, PromptSource):
+class GenerateBlock(GenerateConfig, PromptSource):
     """The `generate` block: GenerateConfig's seed names plus where prompts come from and how to batch.
 
     `auto-cache-select` reads the same block (the cache_* settings, batch_size, max_seq_len) and no prompts.
@@ -179,7 +179,7 @@ class GenerateSpec(GenerateConfig, PromptSource):
         "side by side in the results and outputs.csv."))
 
     @model_validator(mode="after")
-    def _stream_one_at_a_time(self) -> GenerateSpec:
+    def _stream_one_at_a_time(self) -> GenerateBlock:
         for name, config in self.strategy_configs().items():
             where = f"strategy {name!r}: " if self.strategies else ""
             if self.stream and self.batch_size != 1:
@@ -215,7 +215,7 @@ class GenerateSpec(GenerateConfig, PromptSource):
 class DraftSource(BaseModel):
     """Where draft tokens come from (the speculative block, and a bench matrix's speculative axis)."""
 
-    draft: ModelSpec | Literal["prompt-lookup"] = Field(description=(
+    draft: ModelBlock | Literal["prompt-lookup"] = Field(description=(
         "The draft model, or prompt-lookup: n-gram drafting from the context. A draft with another tokenizer "
         "than the target's proposes through text (decoded, re-encoded for the target; exact all the same)."))
 
@@ -227,10 +227,10 @@ class DraftSource(BaseModel):
         if isinstance(value, str) and difflib.get_close_matches(value.lower(), ["prompt-lookup"], n=1, cutoff=0.8):
             raise ValueError(f"unknown draft {value!r}: did you mean 'prompt-lookup'? (a model id would be "
                              "zoo:NAME, OWNER/NAME or a local path)")
-        return ModelSpec.model_validate(value)
+        return ModelBlock.model_validate(value)
 
 
-class SpeculativeSpec(SpeculativeConfig, PromptSource, DraftSource):
+class SpeculativeBlock(SpeculativeConfig, PromptSource, DraftSource):
     """The `speculative` block: SpeculativeConfig's seed names, the draft, prompts, and the target-only baseline."""
 
     compare_target_only: bool = Field(True, description=(
@@ -244,7 +244,7 @@ class BenchDraft(Strict, DraftSource):
     spec_k_adaptive: bool = Field(False, description="Adapt k to the acceptance rate.")
 
 
-class BenchSpec(Strict):
+class BenchBlock(Strict):
     """The `bench` block: a matrix of cells, each timed with warm-up, repeats and (by default) transformers'
     own generate() beside it. Every list also takes a single value."""
 

@@ -99,10 +99,10 @@ def text_source(source: str, base_dir: Path) -> str:
     return str(input_file(source, base_dir, "text").path) if is_input("text", source) else source
 
 
-def model_source(spec: dict, base_dir: Path) -> dict:
-    """A model spec (plain dict) with a local path id resolved, as the loader takes it."""
-    model_id = spec.get("id")
-    return {**spec, "id": str(input_file(model_id, base_dir, "model").path)} if is_input("model", model_id) else spec
+def model_source(block: dict, base_dir: Path) -> dict:
+    """A model block (plain dict) with a local path id resolved, as the loader takes it."""
+    model_id = block.get("id")
+    return {**block, "id": str(input_file(model_id, base_dir, "model").path)} if is_input("model", model_id) else block
 
 
 def _readable(path: Path, name: str, what: str) -> None:

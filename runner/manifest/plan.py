@@ -1,6 +1,6 @@
-"""Manifest → Plan: an ordered, frozen, printable list of steps, each with a content hash.
+"""Manifest → StepPlan: an ordered, frozen, printable list of steps, each with a content hash.
 
-No torch. The hash covers everything that decides a step's output: the model spec, the run spec,
+No torch. The hash covers everything that decides a step's output: the model block, the mode's block,
 the seeds, every input file the step reads (as runner.manifest.paths resolves and fingerprints them: the content
 of prompts and evaluation text files, a local model's file names, sizes and times), the code (a hash of
 runner's source) and the environment (Python, torch, transformers versions, OS and machine), so equal
@@ -13,12 +13,12 @@ import hashlib
 import json
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 from runner import __version__
+from runner.files import package_version
 from runner.manifest.paths import input_digests
 from runner.manifest.schema import BLOCKS, Manifest
 
@@ -29,8 +29,8 @@ class Step:
     target: str
     run_id: str
     mode: str
-    model: dict  # ModelSpec as a plain dict
-    spec: dict  # the mode's block (e.g. generate) as a plain dict
+    model: dict  # the ModelBlock as a plain dict
+    block: dict  # the mode's block (e.g. generate) as a plain dict; "spec" in plan.json and results.json
     seed: int  # the sampler's
     model_seed: int  # the weights' of a config model: the manifest's seed, shared by its steps
     hash: str
@@ -40,29 +40,35 @@ class Step:
         """Unique within a plan; names the step's results folder."""
         return f"{self.target}/{self.run_id}"
 
+    def to_json(self) -> dict:
+        """The step as plan.json holds it (keys unchanged since the first plan files: the block is "spec")."""
+        return {"index": self.index, "target": self.target, "run_id": self.run_id, "mode": self.mode,
+                "model": self.model, "spec": self.block, "seed": self.seed, "model_seed": self.model_seed,
+                "hash": self.hash}
+
 
 @dataclass(frozen=True)
-class Plan:
+class StepPlan:
     name: str
     steps: tuple[Step, ...]
     environment: dict  # code and environment fingerprint, part of every step's hash
 
     def to_json(self) -> dict:
         return {"name": self.name, "runner_version": __version__, "environment": self.environment,
-                "steps": [asdict(s) for s in self.steps]}
+                "steps": [s.to_json() for s in self.steps]}
 
     def describe(self) -> str:
         lines = [f"plan '{self.name}': {len(self.steps)} step{'s' if len(self.steps) != 1 else ''}"]
         for s in self.steps:
             model = s.model.get("id") or f"config:{s.model['config'].get('model_type')}"
-            details = ", ".join(f"{k}={v}" for k, v in sorted(s.spec.items()) if k != "prompts")
+            details = ", ".join(f"{k}={v}" for k, v in sorted(s.block.items()) if k != "prompts")
             lines.append(f"  {s.index + 1}. {s.key}  [{s.mode}]  model={model} ({s.model['dtype']}, "
                          f"{s.model['device']})  seed={s.seed}  hash={s.hash[:12]}")
             lines.append(f"       {details}")
         return "\n".join(lines)
 
 
-def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> Plan:
+def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> StepPlan:
     """`base_dir`: where the manifest's relative input files are (the manifest's folder)."""
     env = environment_fingerprint()
     steps = []
@@ -70,15 +76,15 @@ def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> Plan:
         model = target.model.model_dump(mode="json")
         model_files = {f"model.{k}": v for k, v in input_digests(target.model, Path(base_dir)).items()}
         for run in target.runs:
-            block = getattr(run, _block_of(run.mode))
-            spec = block.model_dump(mode="json", exclude_none=True)
-            seed = spec.get("seed", manifest.seed)
-            files = model_files | {f"spec.{k}": v for k, v in input_digests(block, Path(base_dir)).items()}
-            content = {"model": model, "mode": run.mode, "spec": spec, "seed": seed, "model_seed": manifest.seed,
-                       "files": files, "environment": env}
+            mode_block = getattr(run, _block_of(run.mode))
+            block = mode_block.model_dump(mode="json", exclude_none=True)
+            seed = block.get("seed", manifest.seed)
+            files = model_files | {f"spec.{k}": v for k, v in input_digests(mode_block, Path(base_dir)).items()}
+            content = {"model": model, "mode": run.mode, "spec": block, "seed": seed, "model_seed": manifest.seed,
+                       "files": files, "environment": env}  # the keys of the first hashes: equal steps keep theirs
             digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-            steps.append(Step(len(steps), target.name, run.id, run.mode, model, spec, seed, manifest.seed, digest))
-    return Plan(manifest.name, tuple(steps), env)
+            steps.append(Step(len(steps), target.name, run.id, run.mode, model, block, seed, manifest.seed, digest))
+    return StepPlan(manifest.name, tuple(steps), env)
 
 
 @lru_cache(maxsize=1)
@@ -89,15 +95,9 @@ def environment_fingerprint() -> dict:
     for path in sorted(source.rglob("*.py")):
         code.update(path.relative_to(source).as_posix().encode() + b"\0" + path.read_bytes())
     return {"runner": __version__, "code": code.hexdigest()[:16], "python": sys.version.split()[0],
-            "torch": _version("torch"), "transformers": _version("transformers"),
+            "torch": package_version("torch"), "transformers": package_version("transformers"),
             "system": f"{platform.system()}-{platform.machine()}"}
 
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _block_of(mode: str) -> str:

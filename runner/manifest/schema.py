@@ -18,10 +18,10 @@ from runner.manifest.blocks import (
     MAX_SEED,
     NAME_MAX,
     NAME_PATTERN,
-    BenchSpec,
-    GenerateSpec,
-    ModelSpec,
-    SpeculativeSpec,
+    BenchBlock,
+    GenerateBlock,
+    ModelBlock,
+    SpeculativeBlock,
     Strict,
 )
 
@@ -34,10 +34,10 @@ class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
         "Unique within its target; names the results folder."))
     mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
-    generate: GenerateSpec | None = Field(None, description=(
+    generate: GenerateBlock | None = Field(None, description=(
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
-    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding: the draft and its settings.")
-    bench: BenchSpec | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
+    speculative: SpeculativeBlock | None = Field(None, description="Speculative decoding: the draft and its settings.")
+    bench: BenchBlock | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
 
     @model_validator(mode="before")
     @classmethod
@@ -70,7 +70,7 @@ class Run(Strict):
 class Target(Strict):
     type: Literal["experiment"] = Field("experiment", description="Kind of target (only 'experiment' for now).")
     name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description="Unique within the manifest.")
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The model; omitted = " + DEFAULT_MODEL + ".")
+    model: ModelBlock = Field(default_factory=ModelBlock, description="The model; omitted = " + DEFAULT_MODEL + ".")
     runs: list[Run] = Field(min_length=1, description="Runs on this target's model, in order.")
 
     @field_validator("runs")
@@ -133,8 +133,8 @@ class Manifest(Strict):
         "Names the run folder; default: the file's stem."))
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds weights of config models and every sampler.")
     tracking: Tracking = Field(default_factory=Tracking, description="Where results are mirrored.")
-    models: dict[str, ModelSpec] = Field(default_factory=dict, description=(
-        "Named model specs, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
+    models: dict[str, ModelBlock] = Field(default_factory=dict, description=(
+        "Named model blocks, e.g. pulled in by a defaults: list and used as model: ${models.NAME}."))
     targets: list[Target] = Field(min_length=1, description="Models and the runs to do on each.")
     on_failure: Literal["continue", "stop"] = Field("continue", description=(
         "When a step (or a sweep point) fails: continue with the others and report failures at the end, "

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from runner.errors import ManifestError, Problem, format_loc
-from runner.manifest.yamlsafe import load_checked
+from runner.manifest.yamlsafe import load_checked, location
 
 MAX_FILE_BYTES = 4 * 2**20  # a manifest or a fragment: a few KiB in practice
 MAX_DEPTH = 8  # fragments that name fragments
@@ -59,7 +59,7 @@ def read_sources(path: Path) -> Sources:
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(root, yaml.MappingNode):
         raise ManifestError([Problem("", "a manifest is a mapping of keys (version, name, targets, ...)",
-                                     _at(file, root))], file)
+                                     location(file, root.start_mark))], file)
     sources = Sources(file, path.parent, data)
     problems: list[Problem] = []
     own = _locate(root, (), file)
@@ -107,7 +107,7 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
                problems: list, depth: int) -> None:
     """Read every fragment a defaults list names (depth first, as Hydra does), locating their keys."""
     for i, entry in enumerate(defaults.value):
-        where = _at(file, entry)
+        where = location(file, entry.start_mark)
         named = _entry(entry, group)
         if named is None:
             continue
@@ -147,7 +147,7 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
         if root is None:
             continue
         if not isinstance(root, yaml.MappingNode):
-            problems.append(Problem("", "a fragment is a mapping of keys", _at(shown, root)))
+            problems.append(Problem("", "a fragment is a mapping of keys", location(shown, root.start_mark)))
             continue
         pkg = pkg if explicit else _package_header(text, pkg)  # `group@pkg:` wins over `# @package`
         inner = _locate(root, pkg, shown)
@@ -227,11 +227,11 @@ def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode):
-                    out[loc + (key.value,)] = _at(file, key)
+                    out[loc + (key.value,)] = location(file, key.start_mark)
                     stack.append((value, loc + (key.value,)))
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                out[loc + (i,)] = _at(file, item)
+                out[loc + (i,)] = location(file, item.start_mark)
                 stack.append((item, loc + (i,)))
     return out
 
@@ -246,7 +246,7 @@ def _env_problems(root: yaml.Node, file: str) -> list[Problem]:
         seen.add(id(node))
         if isinstance(node, yaml.ScalarNode) and isinstance(node.value, str) and ENV_RESOLVER.search(node.value):
             problems.append((node.start_mark.line, node.start_mark.column,
-                             Problem(format_loc(loc), ENV_MESSAGE, _at(file, node))))
+                             Problem(format_loc(loc), ENV_MESSAGE, location(file, node.start_mark))))
         elif isinstance(node, yaml.MappingNode):
             stack += [(v, loc + (k.value,)) for k, v in node.value if isinstance(k, yaml.ScalarNode)]
         elif isinstance(node, yaml.SequenceNode):
@@ -261,6 +261,3 @@ ENV_MESSAGE = ("${oc.env:...} is not allowed: a manifest says everything that de
 def _node(root: yaml.MappingNode, name: str) -> yaml.Node | None:
     return next((v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == name), None)
 
-
-def _at(file: str, node: yaml.Node) -> str:
-    return f"{file}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"

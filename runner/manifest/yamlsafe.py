@@ -27,7 +27,8 @@ def compose_checked(text: str, file: str) -> yaml.Node | None:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        raise ManifestError([Problem("", f"YAML syntax error: {_reason(exc)}", _at(file, _mark(exc)))], file) from None
+        problem = Problem("", f"YAML syntax error: {_reason(exc)}", location(file, _mark(exc)))
+        raise ManifestError([problem], file) from None
     except RecursionError:  # PyYAML composes recursively
         raise ManifestError([Problem("", "the YAML nests too deep (hundreds of levels of lists or mappings): a "
                                      "manifest is shallow", file)], file) from None
@@ -48,7 +49,7 @@ def load_checked(text: str, file: str):
         reason = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
         if mark is not None and found is not None and found.line != mark.line:
             reason += f" (at line {found.line + 1})"
-        raise ManifestError([Problem("", f"YAML error: {reason}", _at(file, mark or found))], file) from None
+        raise ManifestError([Problem("", f"YAML error: {reason}", location(file, mark or found))], file) from None
 
 
 def _reason(exc: yaml.YAMLError) -> str:
@@ -76,7 +77,7 @@ def _check_size(root: yaml.Node, file: str) -> None:
             return sizes[id(node)]
         if id(node) in open_nodes:
             raise ManifestError([Problem("", "recursive YAML alias: a value contains itself",
-                                         _at(file, node.start_mark))], file)
+                                         location(file, node.start_mark))], file)
         open_nodes.add(id(node))
         children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
             node.value if isinstance(node, yaml.SequenceNode) else []
@@ -85,7 +86,7 @@ def _check_size(root: yaml.Node, file: str) -> None:
             total += size(child)
             if total > MAX_VALUES:
                 raise ManifestError([Problem("", f"the YAML expands to more than {MAX_VALUES:,} values (through "
-                                             "aliases?): a manifest is small", _at(file, node.start_mark))], file)
+                                             "aliases?): a manifest is small", location(file, node.start_mark))], file)
         open_nodes.discard(id(node))
         sizes[id(node)] = total
         return total
@@ -104,24 +105,24 @@ def _check_nodes(root: yaml.Node, file: str) -> None:
         seen.add(id(node))
         if node.tag.endswith(":int") and len(node.value) > MAX_DIGITS:
             raise ManifestError([Problem(format_loc(loc), f"a number with {len(node.value):,} digits: no setting takes "
-                                         "a number that large", _at(file, node.start_mark))], file)
+                                         "a number that large", location(file, node.start_mark))], file)
         if node.tag not in PLAIN_TAGS:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             raise ManifestError([Problem(format_loc(loc), f"YAML tag {tag!r} is not allowed: a manifest holds "
                                          "plain data (strings, numbers, booleans, lists, mappings)",
-                                         _at(file, node.start_mark))], file)
+                                         location(file, node.start_mark))], file)
         if isinstance(node, yaml.MappingNode):
             first: dict = {}
             for key, value in node.value:
                 if key.tag not in (STR, MERGE):
                     raise ManifestError([Problem(format_loc(loc), f"a key must be a name (text), not {_kind(key)}",
-                                                 _at(file, key.start_mark))], file)
+                                                 location(file, key.start_mark))], file)
                 name = key.value if isinstance(key, yaml.ScalarNode) else None
                 if name is not None and name in first:
                     first_line = first[name].start_mark.line + 1
                     raise ManifestError([Problem(
                         format_loc(loc + (name,)), f"duplicate key (first at line {first_line}); YAML would silently "
-                        "keep only the last one", _at(file, key.start_mark))], file)
+                        "keep only the last one", location(file, key.start_mark))], file)
                 if name is not None:
                     first[name] = key
                 stack += [(key, loc), (value, loc + (name,))]
@@ -139,5 +140,6 @@ def _kind(key: yaml.Node) -> str:
     return f"the {key.tag.rsplit(':', 1)[-1]} {key.value} (quote it to use it as a name: '{key.value}':)"
 
 
-def _at(file: str, mark) -> str:
+def location(file: str, mark) -> str:
+    """`file:line:col` of a YAML mark (1-based), or the file alone when there is no mark."""
     return f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file

@@ -28,15 +28,15 @@ from runner.infer.bench.cells import (
     measure_speculative,
 )
 from runner.infer.config.kinds import DTYPES
-from runner.infer.loading.models import LoadedModel, load_spec
+from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text, token_windows
 from runner.infer.measure.timing import copy_bandwidth
 from runner.infer.quant.weights import weight_bytes
-from runner.manifest.blocks import BenchSpec
+from runner.manifest.blocks import BenchBlock
 from runner.manifest.paths import model_source, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.speculative import load_draft
+from runner.steps.shared import load_draft
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
@@ -49,13 +49,13 @@ log = logging.getLogger(__name__)
 
 
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = BenchSpec.model_validate(step.spec)
-    cells = matrix(spec, step.model["dtype"], step.model.get("quantization", "none"))
-    text = load_text(text_source(spec.data, base_dir))
-    bandwidth = copy_bandwidth(lm.device) if spec.roofline else None
+    block = BenchBlock.model_validate(step.block)
+    cells = matrix(block, step.model["dtype"], step.model.get("quantization", "none"))
+    text = load_text(text_source(block.data, base_dir))
+    bandwidth = copy_bandwidth(lm.device) if block.roofline else None
     if bandwidth:
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
-    draft, draft_tokenizer = load_draft(spec.speculative, lm, step, base_dir) if spec.speculative else (None, None)
+    draft, draft_tokenizer = load_draft(block.speculative, lm, step, base_dir) if block.speculative else (None, None)
     tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
     rows, bar = [], progress(step.key, len(cells), "cell")
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))
@@ -69,7 +69,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             continue
         weight_mib = weight_bytes(model) / MIB
         for cell in group:
-            row = run_cell(cell, model, lm.tokenizer, text, spec, draft, bandwidth, tokenizers)
+            row = run_cell(cell, model, lm.tokenizer, text, block, draft, bandwidth, tokenizers)
             row["weight_mib"] = weight_mib
             if "ours_kv_mib" in row:
                 row["ours_total_mib"] = weight_mib + row["ours_kv_mib"]
@@ -91,18 +91,18 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             "metrics": metrics(table, bandwidth), "params": {"bench.cells": len(rows)}}
 
 
-def matrix(spec: BenchSpec, model_dtype: str, model_quantization: str = "none") -> list[dict]:
+def matrix(block: BenchBlock, model_dtype: str, model_quantization: str = "none") -> list[dict]:
     """Every cell, grouped by dtype and weight quantization (one reload each); cache kinds default to the dtype's
     own."""
-    dtypes = spec.dtypes or [model_dtype]
-    speculative = ["off", "on"] if spec.speculative else ["off"]
-    return [dict(zip(AXES, values)) for dtype in dtypes for quantization in spec.quantizations or [model_quantization]
-            for values in itertools.product([dtype], spec.cache_kinds or [DTYPES[dtype]], speculative,
-                                            spec.batch_sizes, spec.prompt_lens, spec.max_new_tokens, spec.engines,
+    dtypes = block.dtypes or [model_dtype]
+    speculative = ["off", "on"] if block.speculative else ["off"]
+    return [dict(zip(AXES, values)) for dtype in dtypes for quantization in block.quantizations or [model_quantization]
+            for values in itertools.product([dtype], block.cache_kinds or [DTYPES[dtype]], speculative,
+                                            block.batch_sizes, block.prompt_lens, block.max_new_tokens, block.engines,
                                             [quantization])]
 
 
-def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwidth: float | None,
+def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandwidth: float | None,
              tokenizers: dict | None = None) -> dict:
     """One row of the table: the cell's axes, our figures (ours_*), the baselines' (hf_*, hfc_*) and the ratios
     (ratio_* = ours / hf, ratio_hfc_* = ours / hf-compiled). A failure (out of memory, an unsupported combination)
@@ -114,16 +114,16 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
         kind, n = cell["cache_kind"], cell["new_tokens"]
         if cell["speculative"] == "on":
-            row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, spec.speculative.spec_k,
-                                                         spec.speculative.spec_k_adaptive, spec.repeats, spec.warmup,
+            row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, block.speculative.spec_k,
+                                                         block.speculative.spec_k_adaptive, block.repeats, block.warmup,
                                                          engine=cell["engine"], **tokenizers))
         else:
-            row |= _prefixed("ours", measure_ours(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth,
+            row |= _prefixed("ours", measure_ours(model, ids, n, kind, block.repeats, block.warmup, bandwidth,
                                                   engine=cell["engine"]))
     except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         return _failed(row, exc)
     for baseline, prefix in (("hf", "hf"), ("hf-compiled", "hfc")):
-        if baseline not in spec.baseline:
+        if baseline not in block.baseline:
             continue
         if baseline == "hf" and cell["speculative"] == "on" and cell["batch"] > 1:
             row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
@@ -132,11 +132,11 @@ def run_cell(cell: dict, model, tokenizer, text, spec: BenchSpec, draft, bandwid
             if cell["speculative"] == "on":
                 if baseline != "hf":
                     continue  # transformers' assisted generation has no static-cache path to compare with
-                figures = measure_hf_assisted(model, draft, ids, n, kind, spec.speculative.spec_k, spec.repeats,
-                                              spec.warmup, **tokenizers)
+                figures = measure_hf_assisted(model, draft, ids, n, kind, block.speculative.spec_k, block.repeats,
+                                              block.warmup, **tokenizers)
             else:
                 measure = measure_hf if baseline == "hf" else measure_hf_compiled
-                figures = measure(model, ids, n, kind, spec.repeats, spec.warmup, bandwidth)
+                figures = measure(model, ids, n, kind, block.repeats, block.warmup, bandwidth)
             row |= _prefixed(prefix, figures)
             ratio = "ratio" if prefix == "hf" else "ratio_hfc"
             row |= {f"{ratio}_{name}": row[f"ours_{name}"] / figures[name] for name in RATIOS
@@ -279,10 +279,10 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
 
 
 def _reload(step: Step, dtype: str, quantization: str, base_dir: Path):
-    spec = step.model
+    block = step.model
     weights = f" with {quantization} weights" if quantization != "none" else ""
-    log.info("[%s] loading %s as %s%s", step.key, spec.get("id") or "config model", dtype, weights)
-    return load_spec(model_source(spec, base_dir), step.model_seed, base_dir, dtype=dtype,
+    log.info("[%s] loading %s as %s%s", step.key, block.get("id") or "config model", dtype, weights)
+    return load_model_block(model_source(block, base_dir), step.model_seed, base_dir, dtype=dtype,
                      quantization=quantization).model
 
 
@@ -303,11 +303,11 @@ def _reason(exc: Exception) -> str:
 
 
 def _label(cell: dict) -> str:
-    spec = " spec" if cell["speculative"] == "on" else ""
-    spec += " compiled" if cell.get("engine") == "compiled" else ""
+    flags = " spec" if cell["speculative"] == "on" else ""
+    flags += " compiled" if cell.get("engine") == "compiled" else ""
     weights = f" w:{cell['quantization']}" if cell.get("quantization", "none") != "none" else ""
     return (f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}"
-            f"{weights}{spec}")
+            f"{weights}{flags}")
 
 
 def _number(value) -> bool:

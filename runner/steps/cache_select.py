@@ -1,86 +1,28 @@
 """`mode: auto-cache-select`, and `cache_kind: auto` in `generate`: choose, show and record a cache kind.
 
-Owns the step's side of selection: the config from the manifest's block, the table shown, the
-CSV / PNG / plan JSON in the step folder and the metrics. The choosing is runner.infer.select.autocache.
+Owns the step's metrics; choosing, showing and recording the selection (the table shown, the CSV / PNG / cache plan JSON
+in the step folder) is runner.steps.shared's, which the generate step shares. The choosing itself is
+runner.infer.select.autocache.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-import pandas as pd
-
-from runner.files import atomic_write_json
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.loading.models import LoadedModel
-from runner.infer.loading.texts import load_text
-from runner.infer.select.autocache import Selection, select_cache_kind
-from runner.infer.select.joint import select_weights_and_cache
-from runner.manifest.blocks import GenerateSpec, library_config
-from runner.manifest.paths import text_source
+from runner.infer.select.autocache import Selection
+from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
-from runner.report import ProgressFactory, show
-
-log = logging.getLogger(__name__)
-
-COLUMNS = {  # row key → table heading
-    "kind": "kind", "estimated_mib": "est MiB", "measured_mib": "meas MiB", "delta_nll": "ΔNLL",
-    "ppl_ratio": "PPL ratio", "mean_kl": "mean KL", "needle_found": "needle", "tokens_per_s": "tok/s",
-    "tokens_per_s_spread": "± tok/s", "timed_on": "timed on", "compile_s": "compile s",
-    "verdict": "verdict",
-}
-JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib": "total MiB"}  # weight_candidates
+from runner.report import ProgressFactory
+from runner.steps.shared import describe_selection, select_for, selection_params
 
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = GenerateSpec.model_validate(step.spec)
-    selection = select_for(step, spec, library_config(spec, GenerateConfig), lm, base_dir, out_dir, progress)
-    return {"selection": describe(selection), "metrics": selection_metrics(selection), "params": params(selection)}
-
-
-def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
-               out_dir: Path, progress: ProgressFactory) -> Selection:
-    """Select (or reuse a plan), show the table, and leave it in the step folder as CSV, PNG and JSON."""
-    joint = bool(config.weight_candidates)
-    log.info("[%s] choosing %s among %s (budget %s, max_seq_len %d, batch %d)", step.key,
-             "weights × cache kind" if joint else "a cache kind",
-             " × ".join(", ".join(c)
-                        for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
-             _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, spec.batch_size)
-    select = select_weights_and_cache if joint else select_cache_kind
-    selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,
-                       progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
-    table = candidates_table(selection.rows, joint)
-    how = selection.source + (", reused" if selection.reused else "")
-    chosen = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
-    show(f"[{step.key}] {'weights × cache' if joint else 'cache'} candidates:\n"
-         f"{table.to_string(index=False, na_rep='-')}\n"
-         f"[{step.key}] → {chosen} ({how}): {selection.reason} [{selection.seconds:.1f} s]")
-    if selection.persist_error:
-        log.warning("[%s] the measurements are kept in %s, but the cache plan was not saved: %s", step.key, out_dir,
-                    selection.persist_error)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out_dir / "cache_candidates.csv", index=False)
-    atomic_write_json(out_dir / "cache_plan.json", describe(selection))
-    plot_candidates(selection, config, out_dir / "cache_candidates.png")
-    return selection
-
-
-def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:
-    columns = {**JOINT_COLUMNS, **COLUMNS} if joint else COLUMNS
-    frame = pd.DataFrame(rows).reindex(columns=list(columns)).rename(columns=columns)
-    return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1,
-                        "± tok/s": 1, "compile s": 1, "weights MiB": 2, "total MiB": 2})
-
-
-def describe(selection: Selection) -> dict:
-    weights = {} if selection.weights is None else {"weights": selection.weights}
-    return {**weights, "kind": selection.kind, "source": selection.source, "reused": selection.reused,
-            "reason": selection.reason, "key": selection.key,
-            "plan_path": selection.plan_path, "plan_saved": not selection.persist_error,
-            "plan_error": selection.persist_error or None, "seconds": selection.seconds, "candidates": selection.rows,
-            "fields": selection.fields}
+    block = GenerateBlock.model_validate(step.block)
+    selection = select_for(step, block, library_config(block, GenerateConfig), lm, base_dir, out_dir, progress)
+    return {"selection": describe_selection(selection), "metrics": selection_metrics(selection),
+            "params": selection_params(selection)}
 
 
 def selection_metrics(selection: Selection) -> dict:
@@ -93,51 +35,3 @@ def selection_metrics(selection: Selection) -> dict:
             if row.get(name) is not None:
                 metrics[f"{prefix}.{name}"] = row[name]
     return metrics
-
-
-def params(selection: Selection) -> dict:
-    weights = {} if selection.weights is None else {"weights.chosen": selection.weights}
-    return {"cache_kind.chosen": selection.kind, "cache_kind.source": selection.source, **weights}
-
-
-def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) -> None:
-    """Per candidate: memory against the budget, ΔNLL against its gate, decode speed; then quality vs memory."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
-
-    rows, joint = selection.rows, selection.weights is not None
-    kinds = [f"{r['weights']}+{r['kind']}" if joint else r["kind"] for r in rows]
-    chosen = [r["kind"] == selection.kind and r.get("weights") == selection.weights for r in rows]
-    colours = ["tab:green" if c else "tab:blue" if r["passed"] else "tab:gray" for r, c in zip(rows, chosen)]
-    size = (("total_mib", "weights + cache MiB at max_seq_len × batch", config.memory_budget_mb) if joint
-            else ("estimated_mib", "cache MiB at max_seq_len × batch", config.cache_budget_mb))
-    panels = [size,
-              ("delta_nll", "ΔNLL (nats/token)", config.cache_quality_max_delta_nll),
-              ("tokens_per_s", "decode tokens/s", None)]
-    fig = Figure(figsize=(16, 3.6))
-    axes = fig.subplots(1, 4)
-    for ax, (name, label, limit) in zip(axes, panels):
-        ax.bar(kinds, [r.get(name) or 0.0 for r in rows], color=colours)
-        if limit is not None:
-            ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1)
-        ax.set_title(label, fontsize=10)
-    if joint:
-        for ax in axes[:3]:
-            ax.tick_params(axis="x", labelrotation=90, labelsize=6)
-    measured = [(r.get(size[0]), r.get("delta_nll"), k, c) for r, k, c in zip(rows, kinds, colours)]
-    measured = [m for m in measured if m[0] is not None and m[1] is not None]
-    ax = axes[3]
-    ax.scatter([m[0] for m in measured], [m[1] for m in measured], c=[m[3] for m in measured])
-    for mib, nll, kind, _ in measured:
-        ax.annotate(kind, (mib, nll), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("weights + cache MiB" if joint else "cache MiB")
-    ax.set_ylabel("ΔNLL")
-    ax.set_title("quality vs memory", fontsize=10)
-    what = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
-    fig.suptitle(f"cache selection: {what} ({selection.source}); green = chosen, grey = dropped",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def _mib(value: float | None) -> str:
-    return "none" if value is None else f"{value:g} MiB"

@@ -1,49 +1,44 @@
 """`mode: generate`: prompts → text, batched, optionally streamed, with timings per prompt.
 
-Owns prompt loading, batching, what is shown (runner.report) and the step's result dict. Decoding itself is
-runner.infer.generation.generator; where results are written is the engine's business.
+Owns batching, what is shown (runner.report) and the step's result dict; prompts are read, and `cache_kind: auto`
+chosen, by runner.steps.shared. Decoding itself is runner.infer.generation.generator; where results are written is
+the executor's business.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import warnings
 from pathlib import Path
 
 import torch
 
-from runner.errors import StepError
 from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator
 from runner.infer.loading.models import LoadedModel
-from runner.manifest.blocks import GenerateSpec, PromptSource, library_config
-from runner.manifest.paths import read_text
+from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
-from runner.steps.cache_select import describe, params, select_for
-
-DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
-
+from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params
 
 log = logging.getLogger(__name__)
 
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = GenerateSpec.model_validate(step.spec)
-    configs = spec.strategy_configs(seed=step.seed)
+    block = GenerateBlock.model_validate(step.block)
+    configs = block.strategy_configs(seed=step.seed)
     extra = {}
     if any(config.cache_kind == "auto" for config in configs.values()):
-        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir,
-                               progress)
+        selection_config = library_config(block, GenerateConfig, seed=step.seed)
+        selection = select_for(step, block, selection_config, lm, base_dir, out_dir, progress)
         configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
-        extra = {"cache_selection": describe(selection), "params": params(selection)}
-    prompts = load_prompts(spec, base_dir)
-    if not spec.strategies:
-        return {**_decode_all(spec, configs[""], prompts, lm, step.key, progress), **extra}
-    results = {name: _decode_all(spec, config, prompts, lm, f"{step.key}/{name}", progress)
+        extra = {"cache_selection": describe_selection(selection), "params": selection_params(selection)}
+    prompts = load_prompts(block, base_dir)
+    if not block.strategies:
+        return {**_decode_all(block, configs[""], prompts, lm, step.key, progress), **extra}
+    results = {name: _decode_all(block, config, prompts, lm, f"{step.key}/{name}", progress)
                for name, config in configs.items()}
     side_by_side = [{"prompt": prompt, "outputs": {name: r["prompts"][i]["output"] for name, r in results.items()}}
                     for i, prompt in enumerate(prompts)]
@@ -52,21 +47,21 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, pro
     return {"prompts": side_by_side, "strategies": results, "metrics": metrics, **extra}
 
 
-def _decode_all(spec: GenerateSpec, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
+def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
                 progress: ProgressFactory) -> dict:
     """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
     rng = torch.Generator(lm.device).manual_seed(config.seed)
     before = engine_for(lm.model).stats.reading() if config.engine == "compiled" else None
-    bar = None if spec.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
+    bar = None if block.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
     records, batches, plans = [], [], []
-    for start in range(0, len(prompts), spec.batch_size):
-        batch = prompts[start:start + spec.batch_size]
+    for start in range(0, len(prompts), block.batch_size):
+        batch = prompts[start:start + block.batch_size]
         generator = Generator(lm.model, config=config, tokenizer=lm.tokenizer, generator=rng)
         with warnings.catch_warnings():  # the plan is printed below, once per distinct plan
             warnings.simplefilter("ignore")
             if config.num_beams > 1:
                 records += _beam_batch(generator, lm.tokenizer, batch, config, bar)
-            elif spec.stream:
+            elif block.stream:
                 records += _stream_one(generator, lm.tokenizer, batch[0], config)
             else:
                 records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
@@ -98,30 +93,6 @@ def _write_outputs_csv(path: Path, side_by_side: list[dict]) -> None:
         writer.writerow(["prompt", *names])
         for row in side_by_side:
             writer.writerow([row["prompt"], *(row["outputs"][n] for n in names)])
-
-
-def load_prompts(spec: PromptSource, base_dir: Path) -> list[str]:
-    if spec.prompts is not None:
-        return list(spec.prompts)
-    if spec.prompts_file is None:
-        log.info("no prompts given: using %s", DEFAULT_PROMPTS)
-        return list(DEFAULT_PROMPTS)
-    path, text = read_text(spec.prompts_file, base_dir, "prompts")
-    lines = text.splitlines()
-    if path.suffix == ".txt":
-        prompts = [line for line in lines if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError):
-                raise StepError(f'{path}:{n}: expected a JSON object with a "prompt" key') from None
-    if not prompts:
-        raise StepError(f"prompts_file {path} holds no prompts")
-    return prompts
 
 
 def _generate_batch(generator: Generator, tokenizer, prompts: list[str], config: GenerateConfig,

@@ -1,7 +1,8 @@
 """`mode: speculative`: the draft proposes, the target verifies; acceptance and speedup measured in one step.
 
-Owns: loading the draft (or prompt lookup), the tokenizer check, the target-only baseline on the same prompts,
-the predicted speedup and the step's metrics. The algorithm itself is runner.infer.speculative.generator.
+Owns: the target-only baseline on the same prompts, the predicted speedup and the step's metrics; the draft (or prompt
+lookup, and the tokenizer check) and the prompts come from runner.steps.shared. The algorithm itself is
+runner.infer.speculative.generator.
 """
 
 from __future__ import annotations
@@ -14,28 +15,26 @@ import torch
 from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.generation.generator import Generator
-from runner.infer.loading.models import LoadedModel, load_spec
+from runner.infer.loading.models import LoadedModel
 from runner.infer.measure.timing import on_device, time_once
 from runner.infer.select.speed import time_decode_kinds
 from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerator
-from runner.infer.speculative.text import same_tokenizer
-from runner.manifest.blocks import SpeculativeSpec, library_config
-from runner.manifest.paths import model_source
+from runner.manifest.blocks import SpeculativeBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.generate import load_prompts
+from runner.steps.shared import load_draft, load_prompts
 
 log = logging.getLogger(__name__)
 
 
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    spec = SpeculativeSpec.model_validate(step.spec)
-    config = library_config(spec, SpeculativeConfig, seed=step.seed)
-    draft, draft_tokenizer = load_draft(spec, lm, step, base_dir)
-    prompts = load_prompts(spec, base_dir)
+    block = SpeculativeBlock.model_validate(step.block)
+    config = library_config(block, SpeculativeConfig, seed=step.seed)
+    draft, draft_tokenizer = load_draft(block, lm, step, base_dir)
+    prompts = load_prompts(block, base_dir)
     records, spec_s, base_s, stats = [], 0.0, 0.0, []
-    for start in range(0, len(prompts), spec.batch_size):
-        enc = lm.tokenizer(prompts[start:start + spec.batch_size], return_tensors="pt", padding=True).to(lm.device)
+    for start in range(0, len(prompts), block.batch_size):
+        enc = lm.tokenizer(prompts[start:start + block.batch_size], return_tensors="pt", padding=True).to(lm.device)
         rng = torch.Generator(lm.device).manual_seed(config.seed)
         gen = SpeculativeGenerator(target_model=lm.model, draft_model=draft, config=config, generator=rng,
                                    tokenizer=lm.tokenizer, draft_tokenizer=draft_tokenizer)
@@ -43,13 +42,13 @@ def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, 
         spec_s += gen.stats.seconds
         stats.append(gen.stats.as_dict())
         new = out[:, enc.input_ids.shape[1]:]
-        for row, prompt in enumerate(prompts[start:start + spec.batch_size]):
+        for row, prompt in enumerate(prompts[start:start + block.batch_size]):
             tokens = new[row, : gen.stats.new_tokens[row]].tolist()
             records.append({"prompt": prompt, "output": lm.tokenizer.decode(tokens, skip_special_tokens=True),
                             "token_ids": tokens, "stop_reason": gen.stats.stop_reasons[row]})
-        if spec.compare_target_only:
+        if block.compare_target_only:
             base_s += _target_only_seconds(lm, enc, config)
-        log.info("[%s] batch %d: acceptance %.2f, mean accepted %.2f", step.key, start // spec.batch_size + 1,
+        log.info("[%s] batch %d: acceptance %.2f, mean accepted %.2f", step.key, start // block.batch_size + 1,
                  gen.acceptance_rate, gen.stats.mean_accepted_length)
     for r in records:
         show(f"\n[{step.key}] {r['prompt']!r} →\n{r['output']}")
@@ -67,21 +66,6 @@ def _padded_hists(stats: list[dict]) -> list[tuple[int, ...]]:
     """Per accepted length n: the counts of every batch (histograms of different lengths aligned)."""
     longest = max((len(s["accepted_hist"]) for s in stats), default=0)
     return list(zip(*[s["accepted_hist"] + [0] * (longest - len(s["accepted_hist"])) for s in stats]))
-
-
-def load_draft(spec: SpeculativeSpec, lm: LoadedModel, step: Step, base_dir: Path):
-    """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
-    A draft with another tokenizer proposes through text (runner.infer.speculative.text)."""
-    if spec.draft == PROMPT_LOOKUP:
-        return PROMPT_LOOKUP, None
-    d = spec.draft
-    log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
-    draft = load_spec(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
-    if same_tokenizer(draft.tokenizer, lm.tokenizer):
-        return draft.model, None
-    log.info("the draft %s has another tokenizer (%d vs %d tokens): its proposals reach the target as text",
-             d.id or "config model", len(draft.tokenizer), len(lm.tokenizer))
-    return draft.model, draft.tokenizer
 
 
 def _target_only_seconds(lm: LoadedModel, enc, config: SpeculativeConfig) -> float:

@@ -12,7 +12,7 @@ from runner.execute.sweep import expand, split_sweep, sweep_arguments, validate_
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMP = "targets.0.runs.0.generate.temperature"
 RUNS = """      - id: g
         mode: generate

@@ -8,7 +8,7 @@ import pytest
 from runner.errors import ManifestError
 from runner.manifest.compose import fields_at, load_manifest
 
-MANIFESTS = sorted(Path(__file__).resolve().parents[1].joinpath("manifests").glob("*.yaml"))
+MANIFESTS = sorted(Path(__file__).resolve().parents[2].joinpath("manifests").glob("*.yaml"))
 GOOD = """\
 name: t
 targets:
@@ -41,7 +41,7 @@ def test_every_example_manifest_validates(path):
 
 
 def test_defaults_fragment_and_interpolation_compose():
-    manifest, raw = load_manifest(Path(__file__).resolve().parents[1] / "manifests" / "tiny.yaml")
+    manifest, raw = load_manifest(Path(__file__).resolve().parents[2] / "manifests" / "tiny.yaml")
     assert manifest.targets[0].model.config["model_type"] == "llama"
     assert raw["targets"][0]["model"] == raw["models"]["tiny"]
 
@@ -127,7 +127,7 @@ def test_schema_is_json_and_describes_every_generate_field():
     from runner.manifest.schema import json_schema
 
     schema = json.loads(json.dumps(json_schema()))
-    generate = schema["$defs"]["GenerateSpec"]["properties"]
+    generate = schema["$defs"]["GenerateBlock"]["properties"]
     assert {"max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "eos_token_id", "max_seq_len",
             "cache_kind", "prompts", "batch_size", "stop_strings", "stream"} <= set(generate)
     assert all("description" in field for field in generate.values())

@@ -57,3 +57,13 @@ def test_hash_changes_with_the_code(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_module, "environment_fingerprint", lambda: other)
     changed = make_plan(load_manifest(path)[0])
     assert all(a.hash != b.hash for a, b in zip(base.steps, changed.steps))
+
+
+def test_plan_json_keeps_its_keys(tmp_path):
+    """plan.json is read by people and by earlier run folders' tools: a step's mode block stays under "spec"."""
+    plan = make_plan(load_manifest(tiny_manifest(tmp_path, RUNS))[0]).to_json()
+    assert list(plan) == ["name", "runner_version", "environment", "steps"]
+    step = plan["steps"][0]
+    assert list(step) == ["index", "target", "run_id", "mode", "model", "spec", "seed", "model_seed", "hash"]
+    assert step["spec"]["prompts"] == ["x"] and step["spec"] == make_plan(load_manifest(
+        tiny_manifest(tmp_path, RUNS))[0]).steps[0].block

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from runner.manifest.blocks import BenchSpec
+from runner.manifest.blocks import BenchBlock
 from runner.steps.bench import markdown, matrix, metric_name, metrics, with_spec_speedup
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
@@ -75,7 +75,7 @@ def test_metrics_reach_mlflow_with_their_spread(bench_run):
 
 
 def test_matrix_groups_cells_by_dtype_and_defaults_to_the_dtype_kind():
-    spec = BenchSpec(batch_sizes=[1, 4], prompt_lens=64, max_new_tokens=[8, 16], dtypes=["bfloat16", "float32"])
+    spec = BenchBlock(batch_sizes=[1, 4], prompt_lens=64, max_new_tokens=[8, 16], dtypes=["bfloat16", "float32"])
     cells = matrix(spec, "float32")
     assert len(cells) == 2 * 2 * 2
     assert [c["dtype"] for c in cells] == ["bfloat16"] * 4 + ["float32"] * 4
@@ -125,14 +125,14 @@ def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
 
 
 def test_engines_are_an_axis_and_engine_is_one_of_them():
-    spec = BenchSpec.model_validate({"engine": "compiled", "cache_kinds": ["fp32", "q8_0"],
+    spec = BenchBlock.model_validate({"engine": "compiled", "cache_kinds": ["fp32", "q8_0"],
                                      "baseline": ["hf", "hf-compiled"]})
     assert spec.engines == ["compiled"] and spec.baseline == ["hf", "hf-compiled"]
-    cells = matrix(BenchSpec.model_validate({"engines": ["eager", "compiled"], "baseline": "none"}), "float32")
+    cells = matrix(BenchBlock.model_validate({"engines": ["eager", "compiled"], "baseline": "none"}), "float32")
     assert [c["engine"] for c in cells] == ["eager", "compiled"]
     with pytest.raises(ValueError, match="not both"):
-        BenchSpec.model_validate({"engine": "compiled", "engines": ["eager"]})
-    assert BenchSpec.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]}).cache_kinds == ["kivi4"]
+        BenchBlock.model_validate({"engine": "compiled", "engines": ["eager"]})
+    assert BenchBlock.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]}).cache_kinds == ["kivi4"]
 
 
 def test_quantizations_are_an_axis_with_weight_and_total_bytes(tmp_path):

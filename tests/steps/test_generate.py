@@ -84,12 +84,12 @@ def test_a_compiled_step_reports_its_own_compiling_not_the_engines_running_total
     """The engine outlives a step: a second step of a shape already compiled reports 0 s and 0 graphs (seen: every
     later step repeated the earlier steps' seconds and recompiles)."""
     from runner.infer.compiled import engine as compiled
-    from runner.manifest.blocks import GenerateSpec
+    from runner.manifest.blocks import GenerateBlock
     from runner.report import no_progress
     from runner.steps.generate import _decode_all
 
     monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, compiled.CompiledEngine(tiny_lm.model, compile=False))
-    spec = GenerateSpec.model_validate({"prompts": ["hello world"], "max_new_tokens": 4, "temperature": 0,
+    spec = GenerateBlock.model_validate({"prompts": ["hello world"], "max_new_tokens": 4, "temperature": 0,
                                         "engine": "compiled"})
     config = spec.strategy_configs(seed=0)[""]
     first, second = (_decode_all(spec, config, ["hello world"], tiny_lm, "t", no_progress) for _ in range(2))

@@ -108,13 +108,13 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
-def load_spec(spec: dict, seed: int, base_dir: Path | None = None, **override) -> LoadedModel:
-    """A manifest's ModelSpec as a plain dict (a Step's `model`) → load_model; `override` replaces fields
+def load_model_block(block: dict, seed: int, base_dir: Path | None = None, **override) -> LoadedModel:
+    """A manifest's ModelBlock as a plain dict (a Step's `model`) → load_model; `override` replaces fields
     (e.g. dtype for a bench's dtype axis, device for a draft that follows its target)."""
-    spec = {**spec, **override}
-    return load_model(spec.get("id"), config=spec.get("config"), dtype=spec["dtype"], device=spec["device"],
-                      revision=spec.get("revision"), trust_remote_code=spec["trust_remote_code"], seed=seed,
-                      base_dir=base_dir, quantization=spec.get("quantization", "none"))
+    block = {**block, **override}
+    return load_model(block.get("id"), config=block.get("config"), dtype=block["dtype"], device=block["device"],
+                      revision=block.get("revision"), trust_remote_code=block["trust_remote_code"], seed=seed,
+                      base_dir=base_dir, quantization=block.get("quantization", "none"))
 
 
 def _quant_method(config) -> str:

@@ -1,14 +1,14 @@
-"""`cache_kind: auto`: budget filter → quality gates → speed pick → persisted plan.
+"""`cache_kind: auto`: budget filter → quality gates → speed pick → persisted cache plan.
 
-    select_cache_kind → lookup plan (fresh: done, nothing measured)
+    select_cache_kind → lookup cache plan (fresh: done, nothing measured)
                       → within_budget (estimated bytes at max_seq_len × batch)
                       → run_probe per kind, compare with the reference → gate_failures
-                      → time_survivors (time_decode_pairs) → choose → PlanStore.put
+                      → time_survivors (time_decode_pairs) → choose → CachePlanStore.put
 The survivors are timed on the engine the run decodes with (`engine`: eager, or compiled with its steps compiled
 first, the seconds that took in each row's `compile_s`, never in a timing); each row says which (`timed_on`) and
-the plan's key includes the engine. The reference is the model's own dtype in transformers' DynamicCache. Every
+the cache plan's key includes the engine. The reference is the model's own dtype in transformers' DynamicCache. Every
 candidate's row (bytes,
-ΔNLL, PPL ratio, KL, needle, tokens/s, verdict) is kept in the plan. Does not print tables, draw
+ΔNLL, PPL ratio, KL, needle, tokens/s, verdict) is kept in the cache plan. Does not print tables, draw
 plots or know about manifests: the auto-cache-select step does that with the rows returned here.
 """
 
@@ -29,14 +29,14 @@ from runner.infer.config.kinds import canonical_kind
 from runner.infer.loading.texts import EvalText, load_text, token_windows
 from runner.infer.measure.quality import build_probe, compare, run_probe
 from runner.infer.measure.timing import Stopwatch, device_name
-from runner.infer.select.cache_plans import PlanStore, plan_key
+from runner.infer.select.cache_plans import CachePlanStore, cache_plan_key
 from runner.infer.select.speed import compile_pairs, time_decode_pairs
 from runner.report import ProgressFactory, no_progress
 
 MIB = 1024 * 1024
-CACHE_FORMAT = 3  # bump when a quantizer, the probe or the rows change: persisted plans then no longer apply
+CACHE_FORMAT = 3  # bump when a quantizer, the probe or the rows change: persisted cache plans then no longer apply
 # (2: *_mib; 3: rows say timed_on and compile_s)
-# Settings that change the answer, hence part of the plan's key (the plan path and probe settings do not).
+# Settings that change the answer, hence part of the cache plan's key (the cache plan path and probe settings do not).
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
                   "cache_quality_windows", "cache_quality_ppl_len", "cache_quality_on_fail", "cache_auto_benchmark",
@@ -49,24 +49,24 @@ KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delt
 class Selection:
     kind: str  # the cache kind to use
     source: str  # measured (a candidate passed) | gate_failed (none did: the reference kind)
-    reused: bool  # taken from a fresh persisted plan, nothing measured
+    reused: bool  # taken from a fresh persisted cache plan, nothing measured
     reason: str  # one line a person can read
     rows: list[dict]  # one per candidate, in candidate order
-    key: str  # the plan's fingerprint: sha256 of `fields`
+    key: str  # the cache plan's fingerprint: sha256 of `fields`
     fields: dict  # everything that could change the answer (model, device, versions, settings, eval text)
-    plan_path: str
-    seconds: float  # how long the selection took (a reused plan: no measurement at all)
-    persist_error: str = ""  # why the plan could not be saved (the measurements are kept all the same)
+    cache_plan_path: str  # where the cache plan is kept
+    seconds: float  # how long the selection took (a reused cache plan: no measurement at all)
+    persist_error: str = ""  # why the cache plan could not be saved (the measurements are kept all the same)
     weights: str | None = None  # joint selection (weight_candidates): the chosen weight quantization
 
 
 def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: int, identity: dict | None = None,
                       text: EvalText | None = None, base_dir: Path | None = None,
                       progress: ProgressFactory = no_progress) -> Selection:
-    """Choose a cache kind for `model` under `config`'s budget and gates, reusing a fresh persisted plan."""
+    """Choose a cache kind for `model` under `config`'s budget and gates, reusing a fresh persisted cache plan."""
     watch = Stopwatch()  # how long the selection took (no device work to sync: the measurements sync their own)
     text = text or load_text(config.cache_quality_data, base_dir)
-    fields = plan_fields(model, config, identity or model_identity(model), batch_size, text)
+    fields = cache_plan_fields(model, config, identity or model_identity(model), batch_size, text)
 
     def measure_and_choose() -> dict:
         rows = measure_candidates(model, tokenizer, config, batch_size, text, progress)
@@ -78,22 +78,23 @@ def select_cache_kind(model, tokenizer, config: GenerateConfig, *, batch_size: i
 
 
 def planned_selection(fields: dict, config: GenerateConfig, measure_and_choose, watch: Stopwatch) -> Selection:
-    """The persisted plan of `fields` while fresh (nothing measured); else `measure_and_choose()` → a plan
-    ({kind, source, reason, rows}, joint selection: weights too), persisted under the fields' key."""
-    key, store = plan_key(fields), PlanStore(Path(config.cache_plan_path))
-    plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
-    if plan is not None:
-        return Selection(plan["kind"], plan["source"], True, f"reused plan {key[:12]} ({why}): {plan['reason']}",
-                         plan["rows"], key, fields, str(store.path), watch.lap(), weights=plan.get("weights"))
-    plan = measure_and_choose()
+    """The persisted cache plan of `fields` while fresh (nothing measured); else `measure_and_choose()` → a cache
+    plan ({kind, source, reason, rows}, joint selection: weights too), persisted under the fields' key."""
+    key, store = cache_plan_key(fields), CachePlanStore(Path(config.cache_plan_path))
+    cache_plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
+    if cache_plan is not None:
+        return Selection(cache_plan["kind"], cache_plan["source"], True,
+                         f"reused cache plan {key[:12]} ({why}): {cache_plan['reason']}", cache_plan["rows"], key,
+                         fields, str(store.path), watch.lap(), weights=cache_plan.get("weights"))
+    cache_plan = measure_and_choose()
     try:
-        store.put(key, plan, fields)
+        store.put(key, cache_plan, fields)
         persist_error = ""
     except RunnerError as exc:  # the measurements stay: the caller records them and says what was not saved
         persist_error = str(exc)
-    return Selection(plan["kind"], plan["source"], False, f"{plan['reason']} (plan {key[:12]} was {why})",
-                     plan["rows"], key, fields, str(store.path), watch.lap(), persist_error,
-                     weights=plan.get("weights"))
+    return Selection(cache_plan["kind"], cache_plan["source"], False,
+                     f"{cache_plan['reason']} (cache plan {key[:12]} was {why})", cache_plan["rows"], key, fields,
+                     str(store.path), watch.lap(), persist_error, weights=cache_plan.get("weights"))
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText,
@@ -269,7 +270,7 @@ def reference_kind(model) -> str:
     return {dtype: name for name, dtype in STORAGE_DTYPES.items()}[model.dtype]
 
 
-def plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
+def cache_plan_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
     """Everything that could change the answer: model, dtype, device, versions, batch, settings, eval text."""
     device = next(model.parameters()).device
     return {

@@ -1,10 +1,11 @@
-"""The cache-plan store: `plans/cache_plans.json`, one plan per fingerprint of everything that could change the answer.
+"""The cache-plan store: `plans/cache_plans.json`, one cache plan per fingerprint of everything that could change
+the answer.
 
-Owns the file: its format (`{"version": 1, "plans": {key: plan}}`), the key (sha256 of the canonical JSON of the
-caller's fields, which are kept in the plan so a human can see why two keys differ), freshness, atomic writes (temp
-file, fsync, os.replace) under a cross-process lock on `<path>.lock` so concurrent writers lose nothing, and setting a
-corrupt file aside (never overwriting it silently). Does not know what a plan means, how candidates are measured, or
-which fields matter: auto-cache-select decides those.
+Owns the file: its format (`{"version": 1, "plans": {key: cache plan}}`), the key (sha256 of the canonical JSON of
+the caller's fields, which are kept in the cache plan so a human can see why two keys differ), freshness, atomic
+writes (temp file, fsync, os.replace) under a cross-process lock on `<path>.lock` so concurrent writers lose nothing,
+and setting a corrupt file aside (never overwriting it silently). Does not know what a cache plan means, how
+candidates are measured, or which fields matter: auto-cache-select decides those.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ DEFAULT_PATH = Path("plans") / "cache_plans.json"
 LOCK_TIMEOUT_SEC = 120.0
 
 
-def plan_key(fields: dict) -> str:
+def cache_plan_key(fields: dict) -> str:
     """sha256 hex of the canonical JSON of `fields`: the same fields in any order give the same key."""
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-class PlanStore:
-    """Plans in one JSON file. Reads need no lock (writes replace the file whole); writes hold `<path>.lock`."""
+class CachePlanStore:
+    """Cache plans in one JSON file. Reads need no lock (writes replace the file whole); writes hold `<path>.lock`."""
 
     def __init__(self, path: str | Path = DEFAULT_PATH):
         self.path = Path(path)
@@ -47,14 +48,15 @@ class PlanStore:
     def get(self, key: str) -> dict | None:
         return self._read().get(key)
 
-    def put(self, key: str, plan: dict, fields: dict) -> dict:
-        """Store `plan` under `key` (which must be `plan_key(fields)`), adding fields, creation time and version."""
-        if key != plan_key(fields):
-            raise ValueError(f"plan key {key} is not plan_key(fields) = {plan_key(fields)}")
+    def put(self, key: str, cache_plan: dict, fields: dict) -> dict:
+        """Store `cache_plan` under `key` (which must be `cache_plan_key(fields)`), adding fields, creation time and
+        version."""
+        if key != cache_plan_key(fields):
+            raise ValueError(f"cache plan key {key} is not cache_plan_key(fields) = {cache_plan_key(fields)}")
         now = time.time()
-        stored = {**plan, "fields": fields, "created": datetime.fromtimestamp(now, timezone.utc).isoformat(),
+        stored = {**cache_plan, "fields": fields, "created": datetime.fromtimestamp(now, timezone.utc).isoformat(),
                   "created_unix": now, "runner_version": __version__}
-        stored = json.loads(json.dumps(stored))  # fails here, before the file is touched, if the plan is not JSON
+        stored = json.loads(json.dumps(stored))  # fails here, before the file is touched, if it is not JSON
         with self._locked():
             plans = self._load()
             plans[key] = stored
@@ -62,26 +64,24 @@ class PlanStore:
         return stored
 
     @staticmethod
-    def is_fresh(plan: dict, probe: bool, interval_sec: float, now: float | None = None) -> bool:
-        """Fresh when probing is off, or when the plan is younger than `interval_sec`."""
+    def is_fresh(cache_plan: dict, probe: bool, interval_sec: float, now: float | None = None) -> bool:
+        """Fresh when probing is off, or when the cache plan is younger than `interval_sec`."""
         if not probe:
             return True
-        age = _age(plan, now)
+        age = _age(cache_plan, now)
         return age is not None and age < interval_sec
 
     def lookup(self, key: str, probe: bool, interval_sec: float, now: float | None = None) -> tuple[dict | None, str]:
-        """The plan if it may be reused (else None: re-measure), and why: "fresh ...", "stale ..." or "missing"."""
-        plan = self.get(key)
-        if plan is None:
+        """The cache plan if it may be reused (else None: re-measure), and why: "fresh ...", "stale ..." or
+        "missing"."""
+        cache_plan = self.get(key)
+        if cache_plan is None:
             return None, "missing"
-        if not probe:
-            return plan, "fresh (probe off)"
-        age = _age(plan, now)
-        if age is None:
-            return None, "stale (no creation time)"
-        if age < interval_sec:
-            return plan, f"fresh (age {age:.0f} s < {interval_sec:g} s)"
-        return None, f"stale (age {age:.0f} s >= {interval_sec:g} s)"
+        now = time.time() if now is None else now  # one clock reading for the verdict and its reason
+        age = _age(cache_plan, now)
+        if not self.is_fresh(cache_plan, probe, interval_sec, now):
+            return None, "stale (no creation time)" if age is None else f"stale (age {age:.0f} s >= {interval_sec:g} s)"
+        return cache_plan, "fresh (probe off)" if not probe else f"fresh (age {age:.0f} s < {interval_sec:g} s)"
 
     # -- the file ---------------------------------------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ class PlanStore:
             return None, 'not {"version": ..., "plans": {...}}'
         if doc.get("version") != FORMAT_VERSION:
             return None, f"version {doc.get('version')!r}, this runner reads version {FORMAT_VERSION}"
-        if not all(isinstance(plan, dict) for plan in doc["plans"].values()):
+        if not all(isinstance(cache_plan, dict) for cache_plan in doc["plans"].values()):
             return None, "a plan that is not an object"
         return doc["plans"], ""
 
@@ -155,8 +155,8 @@ class PlanStore:
             self._lock.release()
 
 
-def _age(plan: dict, now: float | None) -> float | None:
-    created = plan.get("created_unix")
+def _age(cache_plan: dict, now: float | None) -> float | None:
+    created = cache_plan.get("created_unix")
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         return None
     return (time.time() if now is None else now) - created

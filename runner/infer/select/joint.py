@@ -1,25 +1,26 @@
 """`weight_candidates`: choose the weights' quantization and the cache kind together, under one memory budget.
 
-    select_weights_and_cache → lookup plan (fresh: done, nothing measured)
+    select_weights_and_cache → lookup cache plan (fresh: done, nothing measured)
                              → pair_budget for every (weights, cache kind): weight bytes (estimated from the shapes,
                                equal to the measured ones) + cache bytes at max_seq_len × batch
                              → per weight candidate with a fitting pair: quantize a copy, run_probe per fitting kind,
                                compare with the reference → gate_failures
                              → time the survivors interleaved (each on its own model, on the run's engine, as
-                               cache selection does) → fastest → PlanStore.put
+                               cache selection does) → fastest → CachePlanStore.put
 The reference is the unquantized model with its own-dtype cache (transformers' DynamicCache), as in cache selection; a
-candidate is (weights, cache kind). Every pair's row is kept in the plan; the key is cache selection's fields plus the
-weight candidates, the memory budget and torchao's version, so plans without weight_candidates keep their keys.
+candidate is (weights, cache kind). Every pair's row is kept in the cache plan; the key is cache selection's fields plus
+the weight candidates, the memory budget and torchao's version, so cache plans without weight_candidates keep their
+keys.
 Does not print tables or know about manifests (the auto-cache-select step does).
 """
 
 from __future__ import annotations
 
 import copy
-from importlib import metadata
 from pathlib import Path
 
 from runner.errors import InferenceError
+from runner.files import package_version
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.quantization import canonical_quantization
 from runner.infer.loading.texts import EvalText, load_text
@@ -29,13 +30,13 @@ from runner.infer.quant.weights import estimate_weight_bytes, quantize_model, we
 from runner.infer.select.autocache import (
     MIB,
     Selection,
+    cache_plan_fields,
     candidates,
     check_lengths,
     choose_row,
     config_probe,
     gate_failures,
     model_identity,
-    plan_fields,
     planned_selection,
     reference_kind,
     time_survivors,
@@ -48,7 +49,7 @@ def select_weights_and_cache(model, tokenizer, config: GenerateConfig, *, batch_
                              identity: dict | None = None, text: EvalText | None = None, base_dir: Path | None = None,
                              progress: ProgressFactory = no_progress) -> Selection:
     """Choose (weights, cache kind) for the unquantized `model` under `config`'s budgets and gates; reuse a fresh
-    plan. `Selection.weights` is the chosen quantization, `Selection.kind` the cache kind."""
+    cache plan. `Selection.weights` is the chosen quantization, `Selection.kind` the cache kind."""
     watch = Stopwatch()
     text = text or load_text(config.cache_quality_data, base_dir)
     fields = joint_fields(model, config, identity or model_identity(model), batch_size, text)
@@ -137,14 +138,8 @@ def choose_pair(rows: list[dict], config: GenerateConfig, reference: dict) -> tu
 
 def joint_fields(model, config: GenerateConfig, identity: dict, batch_size: int, text: EvalText) -> dict:
     """Cache selection's fields, plus what only the joint choice depends on."""
-    fields = plan_fields(model, config, identity, batch_size, text)
+    fields = cache_plan_fields(model, config, identity, batch_size, text)
     fields["settings"] |= {"weight_candidates": weight_candidates(config), "memory_budget_mb": config.memory_budget_mb}
-    fields["torchao"] = _version("torchao")
+    fields["torchao"] = package_version("torchao")
     return fields
 
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None

@@ -1,7 +1,7 @@
 """Speculative decoding (Leviathan et al. 2023, Chen et al. 2023): a draft proposes, the target verifies.
 
 Owns: draft → verify → accept → roll back, per round, for a draft model or prompt lookup; the adaptive draft
-length, the fallback to target-only decoding, and the counts in `SpecStats`. A draft with another tokenizer
+length, the fallback to target-only decoding, and the counts in `SpeculativeStats`. A draft with another tokenizer
 (`draft_tokenizer=`, `tokenizer=` the target's) proposes through text (`spec_text.TextDraft`), verified as prompt
 lookup is. Does not know about manifests, tracking or timing beyond wall-clock.
 
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SpecStats:
+class SpeculativeStats:
     """Counts of the last `.generate()` call, summed over rows."""
 
     rounds: int = 0  # rounds that drafted ≥ 1 token
@@ -189,7 +189,7 @@ class SpeculativeGenerator:
         self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         self.vocab = target_model.get_output_embeddings().weight.shape[0]
         self.eos_ids = eos_ids(target_model)
-        self.stats = SpecStats()
+        self.stats = SpeculativeStats()
 
     @property
     def acceptance_rate(self) -> float:
@@ -201,7 +201,7 @@ class SpeculativeGenerator:
         ids = input_ids.to(self.device)
         mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         batch, k_max = ids.shape[0], 2 * self.config.spec_k if self.config.spec_k_adaptive else self.config.spec_k
-        self.stats = SpecStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
+        self.stats = SpeculativeStats(accepted_hist=[0] * (k_max + 1), k_history=[[] for _ in range(batch)],
                                fallback_round=[None] * batch, new_tokens=[0] * batch, stop_reasons=[""] * batch,
                                row_drafted=[0] * batch, row_accepted=[0] * batch)
         for r, real in enumerate(mask.sum(-1).tolist()):  # before any compiling

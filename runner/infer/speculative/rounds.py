@@ -68,7 +68,7 @@ def accept_exact(draft: torch.Tensor, p: torch.Tensor, greedy: bool, rng: torch.
 
 
 def count_round(stats, r: int, drafted: int, accepted: int) -> None:
-    """Add a round of row r that drafted `drafted` tokens and accepted `accepted` to a SpecStats."""
+    """Add a round of row r that drafted `drafted` tokens and accepted `accepted` to a SpeculativeStats."""
     stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, stats.accepted + accepted
     if accepted >= len(stats.accepted_hist):
         stats.accepted_hist.extend([0] * (accepted + 1 - len(stats.accepted_hist)))

@@ -12,7 +12,7 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.loading.texts import load_text
 from runner.infer.measure.timing import Summary
 from runner.infer.quant.weights import estimate_weight_bytes, weight_bytes
-from runner.infer.select.autocache import plan_fields, select_cache_kind
+from runner.infer.select.autocache import cache_plan_fields, select_cache_kind
 from runner.infer.select.joint import choose_pair, pair_budget, select_weights_and_cache
 
 MIB = 2**20
@@ -133,7 +133,7 @@ def test_choose_pair_without_benchmark_takes_the_first_survivor():
 def test_the_key_covers_the_weight_candidates_and_cache_keys_stay_as_they_were(tiny_lm, tmp_path, monkeypatch):
     text = load_text("pydoc")
     plain = _config(tmp_path)
-    fields = plan_fields(tiny_lm.model, plain, tiny_lm.fingerprint, 1, text)
+    fields = cache_plan_fields(tiny_lm.model, plain, tiny_lm.fingerprint, 1, text)
     assert "weight_candidates" not in fields["settings"] and "torchao" not in fields  # cache-only plans: same key
     joint = jointselect.joint_fields(tiny_lm.model, _config(tmp_path, weight_candidates=["int4"]),
                                      tiny_lm.fingerprint, 1, text)
