@@ -42,15 +42,27 @@ def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path,
 def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: LoadedModel, base_dir: Path,
                out_dir: Path, progress: ProgressFactory) -> Selection:
     """Select (or reuse a plan), show the table, and leave it in the step folder as CSV, PNG and JSON."""
+    announce(step, spec, config)
+    select = select_weights_and_cache if config.weight_candidates else select_cache_kind
+    selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,
+                       progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
+    record(step, selection, config, out_dir)
+    return selection
+
+
+def announce(step: Step, spec: GenerateSpec, config: GenerateConfig) -> None:
+    """Say what is about to be chosen, among what, under which budget."""
     joint = bool(config.weight_candidates)
     log.info("[%s] choosing %s among %s (budget %s, max_seq_len %d, batch %d)", step.key,
              "weights × cache kind" if joint else "a cache kind",
              " × ".join(", ".join(c)
                         for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
              _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, spec.batch_size)
-    select = select_weights_and_cache if joint else select_cache_kind
-    selection = select(lm.model, lm.tokenizer, config, batch_size=spec.batch_size, identity=lm.fingerprint,
-                       progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
+
+
+def record(step: Step, selection: Selection, config: GenerateConfig, out_dir: Path) -> None:
+    """Show the candidates' table and the choice; leave them in the step folder as CSV, PNG and JSON."""
+    joint = bool(config.weight_candidates)
     table = candidates_table(selection.rows, joint)
     how = selection.source + (", reused" if selection.reused else "")
     chosen = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
@@ -64,7 +76,6 @@ def select_for(step: Step, spec: GenerateSpec, config: GenerateConfig, lm: Loade
     table.to_csv(out_dir / "cache_candidates.csv", index=False)
     atomic_write_json(out_dir / "cache_plan.json", describe(selection))
     plot_candidates(selection, config, out_dir / "cache_candidates.png")
-    return selection
 
 
 def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:

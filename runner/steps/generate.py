@@ -19,11 +19,13 @@ from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator
 from runner.infer.loading.models import LoadedModel
+from runner.infer.loading.texts import load_text
+from runner.infer.select.decide import decide_cache_kind
 from runner.manifest.blocks import GenerateSpec, PromptSource, library_config
-from runner.manifest.paths import read_text
+from runner.manifest.paths import read_text, text_source
 from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
-from runner.steps.cache_select import describe, params, select_for
+from runner.steps.cache_select import announce, describe, params, record
 
 DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 
@@ -35,9 +37,13 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, pro
     spec = GenerateSpec.model_validate(step.spec)
     configs = spec.strategy_configs(seed=step.seed)
     extra = {}
-    if any(config.cache_kind == "auto" for config in configs.values()):
-        selection = select_for(step, spec, library_config(spec, GenerateConfig, seed=step.seed), lm, base_dir, out_dir,
-                               progress)
+    if any(config.cache_kind == "auto" for config in configs.values()):  # decided once, before anything decodes
+        base = library_config(spec, GenerateConfig, seed=step.seed).model_copy(update={"cache_kind": "auto"})
+        announce(step, spec, base)
+        _, selection = decide_cache_kind(lm.model, lm.tokenizer, base, batch_size=spec.batch_size,
+                                         identity=lm.fingerprint, progress=progress,
+                                         text=load_text(text_source(base.cache_quality_data, base_dir)))
+        record(step, selection, base, out_dir)
         configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
         extra = {"cache_selection": describe(selection), "params": params(selection)}
     prompts = load_prompts(spec, base_dir)
