@@ -45,7 +45,7 @@ def static_lm(tiny_lm, monkeypatch, tmp_path):
     """tiny_lm whose compiled engine runs its static step uncompiled (nuq codes fitted into a fresh directory)."""
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
     monkeypatch.setattr(codebooks, "_FITTED", {})
-    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
     return tiny_lm
 
 
