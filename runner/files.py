@@ -1,8 +1,9 @@
 """Files runner writes and keeps: the one atomic write (a reader sees the old file or the new one, never half of
 one), the one cache folder, installed versions.
 
-The atomic write writes to a temporary file beside the target, fsync it, os.replace it over the target, then fsync the folder so the
-rename itself survives a crash. Raises OSError; callers turn it into the error their user needs (naming the file).
+The atomic write writes a temporary file beside the target, fsyncs it, os.replaces it over the target, then fsyncs
+the folder so the rename itself survives a crash. Raises OSError; callers turn it into the error their user needs
+(naming the file).
 Imports nothing of runner: every layer may use it.
 """
 

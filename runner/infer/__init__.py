@@ -17,6 +17,7 @@ _EXPORTS = {
     "load_model": "runner.infer.loading.models",
     "make_cache": "runner.infer.cache.layers",
     "select_cache_kind": "runner.infer.select.autocache",
+    "decide_cache_kind": "runner.infer.select.decide",
     "SpeculativeConfig": "runner.infer.config",
     "SpeculativeGenerator": "runner.infer.speculative.generator",
 }

@@ -21,6 +21,8 @@ import torch
 from runner.errors import RunnerError
 from runner.infer.bench.cells import (
     ASSISTED_NA,
+    Cell,
+    Speculation,
     measure_hf,
     measure_hf_assisted,
     measure_hf_compiled,
@@ -112,14 +114,13 @@ def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandw
     row = {**cell, "status": "ok", "error": ""}
     try:
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
-        kind, n = cell["cache_kind"], cell["new_tokens"]
-        if cell["speculative"] == "on":
-            row |= _prefixed("ours", measure_speculative(model, draft, ids, n, kind, block.speculative.spec_k,
-                                                         block.speculative.spec_k_adaptive, block.repeats, block.warmup,
-                                                         engine=cell["engine"], **tokenizers))
+        shared = Cell(cell["new_tokens"], cell["cache_kind"], block.repeats, block.warmup, cell["engine"], bandwidth)
+        speculation = (Speculation(draft, block.speculative.spec_k, block.speculative.spec_k_adaptive, **tokenizers)
+                       if cell["speculative"] == "on" else None)
+        if speculation is not None:
+            row |= _prefixed("ours", measure_speculative(model, ids, shared, speculation))
         else:
-            row |= _prefixed("ours", measure_ours(model, ids, n, kind, block.repeats, block.warmup, bandwidth,
-                                                  engine=cell["engine"]))
+            row |= _prefixed("ours", measure_ours(model, ids, shared))
     except (RunnerError, RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         return _failed(row, exc)
     for baseline, prefix in (("hf", "hf"), ("hf-compiled", "hfc")):
@@ -129,14 +130,13 @@ def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandw
             row["hf_error"] = ASSISTED_NA  # not measured: transformers refuses it (our batched rounds have no peer)
             continue
         try:
-            if cell["speculative"] == "on":
+            if speculation is not None:
                 if baseline != "hf":
                     continue  # transformers' assisted generation has no static-cache path to compare with
-                figures = measure_hf_assisted(model, draft, ids, n, kind, block.speculative.spec_k, block.repeats,
-                                              block.warmup, **tokenizers)
+                figures = measure_hf_assisted(model, ids, shared, speculation)
             else:
                 measure = measure_hf if baseline == "hf" else measure_hf_compiled
-                figures = measure(model, ids, n, kind, block.repeats, block.warmup, bandwidth)
+                figures = measure(model, ids, shared)
             row |= _prefixed(prefix, figures)
             ratio = "ratio" if prefix == "hf" else "ratio_hfc"
             row |= {f"{ratio}_{name}": row[f"ours_{name}"] / figures[name] for name in RATIOS

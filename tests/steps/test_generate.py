@@ -88,7 +88,7 @@ def test_a_compiled_step_reports_its_own_compiling_not_the_engines_running_total
     from runner.report import no_progress
     from runner.steps.generate import _decode_all
 
-    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, compiled.CompiledEngine(tiny_lm.model, compile=False))
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, compiled.CompiledEngine(tiny_lm.model, compile=False))
     spec = GenerateBlock.model_validate({"prompts": ["hello world"], "max_new_tokens": 4, "temperature": 0,
                                         "engine": "compiled"})
     config = spec.strategy_configs(seed=0)[""]

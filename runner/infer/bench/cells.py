@@ -10,7 +10,9 @@
     measure_hf_assisted  transformers' assisted generation (draft model or prompt lookup), the same way; batch 1
                          only (ASSISTED_NA says why)
 
-Greedy with EOS ignored, so every repeat of every side makes exactly `new_tokens` tokens. Each side
+Every side takes the model, the prompt ids and one `Cell` (what the sides of a cell share: tokens to make, cache
+kind, repeats, warmup, our engine, the copy bandwidth); the speculative sides also one `Speculation` (the draft and
+its settings). Greedy with EOS ignored, so every repeat of every side makes exactly `new_tokens` tokens. Each side
 returns a flat dict of figures (medians, p90s, spreads, peak memory, measured KV bytes, the fraction
 of the copy-bandwidth bound reached while decoding). Does not know about manifests or tables.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,27 +39,51 @@ ASSISTED_NA = ("n/a above batch 1: transformers' assisted generation takes batch
                "(transformers issue #32165, batched assisted generation, is open)")
 
 
-def measure_ours(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-                 bandwidth: float | None = None, engine: str = "eager") -> dict:
+@dataclass(frozen=True)
+class Cell:
+    """What every side of a bench cell shares, besides the model and the prompt ids."""
+
+    new_tokens: int  # tokens each repeat makes (EOS ignored)
+    kind: str | None  # the cache kind (None: the model's own dtype)
+    repeats: int  # timed repeats
+    warmup: int  # untimed repeats before them
+    engine: str = "eager"  # ours: eager or compiled (the baselines are transformers' own)
+    bandwidth: float | None = None  # copy bandwidth (bytes/s): the roofline fraction `bw_fraction`, when given
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The speculative sides' draft: a draft model or "prompt-lookup", k, and for a draft with another tokenizer
+    both tokenizers (then proposals go through text)."""
+
+    draft: object  # a draft model, or the string "prompt-lookup"
+    spec_k: int
+    adaptive: bool = False  # ours: adaptive k
+    batched: bool = True  # ours: a batch runs its rounds together (False: rows one after another)
+    tokenizer: object = None  # the target's, with draft_tokenizer: a draft with another tokenizer
+    draft_tokenizer: object = None
+
+
+def measure_ours(model, ids: torch.Tensor, cell: Cell) -> dict:
     """ids [B,P] (no padding) → figures of our decode chain (engine eager or compiled)."""
-    if engine == "compiled":
-        return _measure_compiled(model, ids, new_tokens, kind, repeats, warmup, bandwidth)
+    if cell.engine == "compiled":
+        return _measure_compiled(model, ids, cell)
     last: dict = {}
 
     @torch.inference_mode()
     def run_once(tick: Callable[[], None]) -> None:
-        cache, token, mask = greedy_prefill(model, ids, kind)
+        cache, token, mask = greedy_prefill(model, ids, cell.kind)
         tick()
-        greedy_steps(model, cache, token, mask, new_tokens - 1, tick)
+        greedy_steps(model, cache, token, mask, cell.new_tokens - 1, tick)
         last["cache"] = cache
 
-    return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    return _measure(model, ids, cell, run_once, last)
 
 
-def _measure_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-                      bandwidth: float | None) -> dict:
+def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     """The compiled engine on the cell: prefill into a static state, then compiled one-token greedy steps."""
     check_compilable(model)
+    new_tokens, kind = cell.new_tokens, cell.kind
     engine, columns = engine_for(model), ids.shape[1] + new_tokens
     seconds, _, recompiles = engine.stats.reading()
     engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing
@@ -74,17 +101,17 @@ def _measure_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | Non
             tick()
         last["cache"] = state.cache
 
-    figures = _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+    figures = _measure(model, ids, cell, run_once, last)
     return {**figures, "compile_s": compile_s, "recompiles": engine.stats.recompiles - recompiles}
 
 
-def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-               bandwidth: float | None = None, compiled: bool = False) -> dict:
+def measure_hf(model, ids: torch.Tensor, cell: Cell, compiled: bool = False) -> dict:
     """The same cell through transformers' model.generate(); a streamer ticks per token. `compiled`: through
     transformers' own static cache and compiled forward (see measure_hf_compiled)."""
     from transformers import CompileConfig
     from transformers.generation.streamers import BaseStreamer
 
+    new_tokens, kind = cell.new_tokens, cell.kind
     last: dict = {}
     extra: dict = {}
     if compiled:
@@ -114,68 +141,68 @@ def measure_hf(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repe
         last["cache"] = out.past_key_values
 
     if not compiled:
-        return _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
+        return _measure(model, ids, cell, run_once, last)
     compile_s = time_once(lambda: run_once(lambda: None), **on_device(ids.device))  # the first call compiles
-    return {**_measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last), "compile_s": compile_s}
+    return {**_measure(model, ids, cell, run_once, last), "compile_s": compile_s}
 
 
-def measure_hf_compiled(model, ids: torch.Tensor, new_tokens: int, kind: str | None, repeats: int, warmup: int,
-                        bandwidth: float | None = None) -> dict:
+def measure_hf_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     """The cell through transformers' StaticCache and compiled forward; `compile_s` = its first call (compile
     included), timed apart."""
-    return measure_hf(model, ids, new_tokens, kind, repeats, warmup, bandwidth, compiled=True)
+    return measure_hf(model, ids, cell, compiled=True)
 
 
-def measure_speculative(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        adaptive: bool, repeats: int, warmup: int, engine: str = "eager", batched: bool = True,
-                        tokenizer=None, draft_tokenizer=None) -> dict:
+def measure_speculative(model, ids: torch.Tensor, cell: Cell, speculation: Speculation) -> dict:
     """Greedy speculative decoding of the cell: tokens/s, acceptance (overall and the lowest / highest row's) and
     whether the rounds ran batched (False at batch 1, for KIVI kinds, the compiled engine, or when asked)."""
-    config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=adaptive, max_new_tokens=new_tokens, temperature=0.0,
-                               cache_kind=kind, max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2, engine=engine)
-    gen = SpeculativeGenerator(target_model=model, draft_model=draft, config=config, batched=batched,
-                               tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
-    figures = _measure_whole(lambda: gen.generate(ids), ids, repeats, warmup, lambda: sum(gen.stats.new_tokens))
+    spec_k, new_tokens = speculation.spec_k, cell.new_tokens
+    config = SpeculativeConfig(spec_k=spec_k, spec_k_adaptive=speculation.adaptive, max_new_tokens=new_tokens,
+                               temperature=0.0, cache_kind=cell.kind,
+                               max_seq_len=ids.shape[1] + new_tokens + 2 * spec_k + 2, engine=cell.engine)
+    gen = SpeculativeGenerator(target_model=model, draft_model=speculation.draft, config=config,
+                               batched=speculation.batched, tokenizer=speculation.tokenizer,
+                               draft_tokenizer=speculation.draft_tokenizer)
+    figures = _measure_whole(lambda: gen.generate(ids), ids, cell, lambda: sum(gen.stats.new_tokens))
     rows = gen.stats.row_acceptance
     return {**figures, "acceptance": gen.stats.acceptance_rate, "acceptance_row_min": min(rows),
             "acceptance_row_max": max(rows), "batched": gen.stats.batched,
             "target_forwards": gen.stats.target_forwards}
 
 
-def measure_hf_assisted(model, draft, ids: torch.Tensor, new_tokens: int, kind: str | None, spec_k: int,
-                        repeats: int, warmup: int, tokenizer=None, draft_tokenizer=None) -> dict:
+def measure_hf_assisted(model, ids: torch.Tensor, cell: Cell, speculation: Speculation) -> dict:
     """transformers' assisted generation on the same cell: the draft model, or prompt lookup with k tokens; with
     both tokenizers given, its universal assisted generation (a draft with another tokenizer)."""
     if ids.shape[0] != 1:
         raise ValueError(ASSISTED_NA)
+    draft, spec_k, new_tokens = speculation.draft, speculation.spec_k, cell.new_tokens
     drafting = {"prompt_lookup_num_tokens": spec_k} if isinstance(draft, str) else {
         "assistant_model": draft, "num_assistant_tokens": spec_k}
-    if draft_tokenizer is not None and not isinstance(draft, str):
-        drafting |= {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+    if speculation.draft_tokenizer is not None and not isinstance(draft, str):
+        drafting |= {"tokenizer": speculation.tokenizer, "assistant_tokenizer": speculation.draft_tokenizer}
     produced = {}
 
     def run_once() -> None:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             past_key_values=make_cache(kind, model), pad_token_id=0, **drafting)
+                             past_key_values=make_cache(cell.kind, model), pad_token_id=0, **drafting)
         produced["tokens"] = out.shape[1] - ids.shape[1]
 
-    return _measure_whole(run_once, ids, repeats, warmup, lambda: produced["tokens"])
+    return _measure_whole(run_once, ids, cell, lambda: produced["tokens"])
 
 
-def _measure_whole(run_once: Callable[[], object], ids, repeats, warmup, tokens: Callable[[], int]) -> dict:
+def _measure_whole(run_once: Callable[[], object], ids: torch.Tensor, cell: Cell, tokens: Callable[[], int]) -> dict:
     """Whole-generation time only (speculative rounds make several tokens at once: no per-token ticks)."""
     with PeakMemory(ids.device) as peak:
-        marks = time_ticks(lambda tick: (run_once(), tick()), repeats, warmup, **on_device(ids.device))
+        marks = time_ticks(lambda tick: (run_once(), tick()), cell.repeats, cell.warmup, **on_device(ids.device))
     seconds = Summary.of([m[-1] for m in marks])
     rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
     return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
             "total_ms_p90": seconds.p90 * 1e3, "peak_mib": peak.bytes / MIB}
 
 
-def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last) -> dict:
+def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[[], None]], None], last: dict) -> dict:
     with PeakMemory(ids.device) as peak:
-        marks = time_ticks(run_once, repeats, warmup, **on_device(ids.device))
+        marks = time_ticks(run_once, cell.repeats, cell.warmup, **on_device(ids.device))
     timing = TokenTiming.of(marks, ids.shape[0])
     kv = cache_bytes(last["cache"])
     figures = {
@@ -188,9 +215,9 @@ def _measure(model, ids, new_tokens, run_once, repeats, warmup, bandwidth, last)
         "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
         "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB,
     }
-    if bandwidth:
-        figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], new_tokens, timing.itl_s.median,
-                                                    bandwidth)
+    if cell.bandwidth:
+        figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], cell.new_tokens, timing.itl_s.median,
+                                                    cell.bandwidth)
     return figures
 
 

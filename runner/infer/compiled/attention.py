@@ -43,7 +43,7 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         return attend_packed(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     b, heads, _, dim = query.shape
     scaling = dim**-0.5 if scaling is None else scaling
-    layer = _static_layer(module, kwargs.get(STATIC_CACHE), query)
+    layer = static_layer(module, kwargs.get(STATIC_CACHE), query)
     if layer is not None and attention_mask is not None and attention_mask.dtype == torch.bool:
         return layer.attend(query, attention_mask[:, 0, -1], scaling, kwargs[STATIC_CACHE].columns,
                             kwargs[STATIC_CACHE].end), None
@@ -64,7 +64,7 @@ def attend_reduced(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.reshape(b, 1, heads, value_dim).to(query.dtype), None
 
 
-def _static_layer(module, cache, query: torch.Tensor):
+def static_layer(module, cache, query: torch.Tensor):
     """The static cache layer `module` reads, when cpu_attention's kernel can read it in its stored format (on
     CPU, the kernel built, a layer whose decoded values need no rounding to the query's dtype); else None."""
     if cache is None or query.device.type != "cpu" or not cpu_attention.ready():

@@ -278,7 +278,7 @@ def _graph_count() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ENGINES_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → its engine (engine_for)
 
 
 def compile_options(mode: str, own_products: bool = False) -> dict:
@@ -294,9 +294,9 @@ def compile_options(mode: str, own_products: bool = False) -> dict:
 
 def engine_for(model) -> CompiledEngine:
     """The model's engine, made once per model object: compiled steps and caches outlive one Generator."""
-    if model not in _ENGINES:
-        _ENGINES[model] = CompiledEngine(model)
-    return _ENGINES[model]
+    if model not in ENGINES_BY_MODEL:
+        ENGINES_BY_MODEL[model] = CompiledEngine(model)
+    return ENGINES_BY_MODEL[model]
 
 
 def check_compilable(model) -> None:

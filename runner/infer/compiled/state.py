@@ -2,7 +2,7 @@
 
     decode_step: [B,T] ids, [B,T] positions, [T] columns, 0-d end of the real ones, [B,S] mask → [B,T,V] logits,
     every shape fixed by the cache (compiled.CompiledEngine compiles it once per shape).
-    StaticDecodeState: DecodeState's methods (prefill, feed) and fields (cache, mask, seen, length) over b real
+    StaticDecodeState: a decode.forward.DecodeStateProtocol (prefill, feed; cache, mask, seen, length) over b real
     rows of a B-row static cache, so the Generator's loop, its sampling, stop rules and beam reordering work on it
     unchanged; speculative decoding uses `feed_row` / `get_seq_length` / `crop` on a batch-1 state.
 Rows past b are dummies that attend only to themselves; their logits are dropped.
@@ -71,9 +71,9 @@ def _right_pad(t: torch.Tensor, extra: int) -> torch.Tensor:
 
 
 class StaticDecodeState:
-    """DecodeState over a static cache: b real rows of a B-row cache, `length` columns written so far. `engine`:
-    the compiled.CompiledEngine that made it, whose `call` runs its compiled steps; `key` (kind, rows, columns):
-    the shape those steps were compiled for."""
+    """A decode state (decode.forward.DecodeStateProtocol) over a static cache: b real rows of a B-row cache,
+    `length` columns written so far. `engine`: the compiled.CompiledEngine that made it, whose `call` runs its
+    compiled steps; `key` (kind, rows, columns): the shape those steps were compiled for."""
 
     def __init__(self, engine, key: tuple, cache: StaticKVCache, batch: int,
                  step_lengths: tuple[int, ...], compiled_prefill: bool = False):
@@ -85,7 +85,7 @@ class StaticDecodeState:
 
     @property
     def mask(self) -> torch.Tensor:
-        """[b,length] mask of what was fed (DecodeState's field)."""
+        """[b,length] mask of what was fed (DecodeStateProtocol's)."""
         return self.columns[:self.rows, :self.length]
 
     def _pad(self, t: torch.Tensor, fill: int = 0) -> torch.Tensor:

@@ -3,7 +3,9 @@
 In call order (shapes in comments):
     positions_from → prefill (chunked when asked) → decode_one_token → ... ; sync before reading a clock.
 `DecodeState` is what a conversation has fed so far (cache, mask, positions, length): strategies (contrastive,
-beam) and generators change it only through its methods. Special-token lookup (EOS, pad) lives here too.
+beam) and generators change it only through its methods. `DecodeStateProtocol` is what every decode state offers
+(`DecodeState` over a transformers cache; compiled.state.StaticDecodeState over a static one): a generator is
+written against it. Special-token lookup (EOS, pad) lives here too.
 Knows nothing of cache kinds (a cache is passed in; one whose layers evict slots says which through
 `keep_columns`), sampling, timing or manifests.
 """
@@ -11,6 +13,7 @@ Knows nothing of cache kinds (a cache is passed in; one whose layers evict slots
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -77,9 +80,33 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+@runtime_checkable
+class DecodeStateProtocol(Protocol):
+    """A decode state: its cache and what was fed into it, changed only through `prefill` and `feed`."""
+
+    cache: object  # what the model writes K/V into: a transformers Cache, or a static cache
+    seen: torch.Tensor | None  # [B] real tokens fed so far: the next position
+    length: int  # columns (tokens and pads) fed so far, for max_seq_len
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[B,n] mask of what the cache holds."""
+        ...
+
+    def prefill(self, model, ids: torch.Tensor, new_mask: torch.Tensor, q_chunk: int | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B,T] ids and their mask → (last logits [B,V], hidden states [B,T,H] or None)."""
+        ...
+
+    def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """One decode step: [B] token (live [B] 0/1: finished rows feed a masked pad) → [B,V] logits."""
+        ...
+
+
 @dataclass
 class DecodeState:
-    """What a conversation has fed into its cache. Strategies and generators change it only through its methods."""
+    """What a conversation has fed into its cache (a DecodeStateProtocol over a transformers cache; contrastive
+    search's `feed_candidates` / `keep_candidate` too). Strategies and generators change it only through its methods."""
 
     cache: object  # a transformers Cache
     mask: torch.Tensor | None = None  # [B,n] mask of what the cache holds (n < length with a window)

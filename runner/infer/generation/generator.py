@@ -1,12 +1,14 @@
 """The Generator: the seed API over the forward chain (batches, streaming, stop rules, continuation).
 
 Per call, in order:
-    plan_decode → make the cache (cache_kind auto: select_cache_kind) → DecodeState.prefill → choose (next_token,
-    or the contrastive look-ahead) → DecodeState.feed → ... → finished_rows
+    (cache_kind auto: decide_cache_kind, once per batch size) → plan_decode → make the cache of the decided kind
+    → DecodeState.prefill → choose (next_token, or the contrastive look-ahead) → DecodeState.feed → ...
+    → finished_rows
 `Generator` keeps its DecodeState between calls, so a second `.generate()` continues the conversation.
 Rows of a left-padded batch are independent: a finished row keeps being fed a masked pad token.
 Beam search (beam.py) decides tokens; this loop feeds them and reorders the cache.
-`engine: compiled` swaps DecodeState for static_state.StaticDecodeState (same methods): nothing else here changes.
+`engine: compiled` swaps DecodeState for compiled.state.StaticDecodeState (both are a DecodeStateProtocol): nothing
+else here changes.
 Does not know about manifests, tracking or printing.
 """
 
@@ -25,10 +27,11 @@ from runner.infer.compiled.engine import check_compilable, engine_for
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.beam import BeamSearch
 from runner.infer.decode.contrastive import ContrastiveSearch
-from runner.infer.decode.forward import DecodeState, eos_ids, pad_id
+from runner.infer.decode.forward import DecodeState, DecodeStateProtocol, eos_ids, pad_id
 from runner.infer.decode.sampling import next_token
 from runner.infer.measure.timing import Stopwatch, on_device
-from runner.infer.select.autocache import select_cache_kind
+from runner.infer.select.autocache import Selection
+from runner.infer.select.decide import decide_cache_kind
 
 
 @dataclass
@@ -60,8 +63,8 @@ class Generator:
         self.tokenizer = tokenizer  # needed only for stop_strings
         if (self.config.stop_strings or self.config.cache_kind == "auto") and tokenizer is None:
             raise ValueError("stop_strings and cache_kind='auto' need a tokenizer: Generator(..., tokenizer=tok)")
-        self.selection = None  # what cache_kind='auto' chose for the last call's batch size
-        self._selections: dict = {}  # batch size → Selection: the budget depends on the batch
+        self.selection: Selection | None = None  # what cache_kind='auto' chose for the last call's batch size
+        self._decided: dict[int, tuple[GenerateConfig, Selection | None]] = {}  # batch size → decide_cache_kind's
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         self.eos_ids = eos_ids(model, self.config.eos_token_id)
         self.pad_id = pad_id(model, tokenizer, self.eos_ids)  # what finished rows are filled with
@@ -71,7 +74,7 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the conversation: the next call starts from an empty cache."""
-        self.state: DecodeState | None = None  # the cache and what was fed into it; None until the first call
+        self.state: DecodeStateProtocol | None = None  # the cache and what was fed into it; None until the first call
         self.sequence: torch.Tensor | None = None  # [B,P+1] every token so far (penalties)
         self.pending: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
         self.search = None  # ContrastiveSearch state (hidden states of the context) when penalty_alpha is set
@@ -91,11 +94,22 @@ class Generator:
         for token in self.steps(input_ids, attention_mask):
             yield int(token[0])
 
-    def _start(self, ids: torch.Tensor, batch_for_kind: int) -> None:
-        """Plan this call and make the cache if there is none yet."""
+    def _decide(self, batch: int) -> str | None:
+        """The cache kind a first call of `batch` rows decodes with, decided before it decodes: the config's, or
+        for cache_kind 'auto' what decide_cache_kind chose for that batch size (the budget depends on the batch)."""
+        if batch not in self._decided:
+            self._decided[batch] = decide_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
+        config, selection = self._decided[batch]
+        if selection is not None:
+            self.selection = selection
+        return config.cache_kind
+
+    def _start(self, ids: torch.Tensor) -> None:
+        """Decide the cache kind (a first call), plan this call and make the cache if there is none yet."""
         if self.length + ids.shape[1] >= self.config.max_seq_len:
             raise InferenceError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
                             f"max_seq_len={self.config.max_seq_len}")
+        kind = self._decide(ids.shape[0]) if self.state is None else None  # before anything is decoded
         self.plan = plan_decode(self.config, self.length + ids.shape[1])
         if self.state is not None:  # a continued conversation keeps the cache (and window) of its first call
             layers = self.state.cache.layers
@@ -104,7 +118,6 @@ class Generator:
         if self.plan.local_window:
             warnings.warn(self.plan.describe(), stacklevel=3)
         if self.state is None and self.config.engine == "compiled":
-            kind = self._cache_kind(batch_for_kind)
             check_compilable(self.model)
             needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
                                      self.config.max_new_tokens + 1)
@@ -112,7 +125,7 @@ class Generator:
             self.state = engine_for(self.model).state(kind, ids.shape[0], needed, self.config.max_seq_len,
                                                       prefill=prefill)
         elif self.state is None:
-            self.state = DecodeState(make_planned_cache(self._cache_kind(batch_for_kind), self.model, self.plan))
+            self.state = DecodeState(make_planned_cache(kind, self.model, self.plan))
 
     @property
     def length(self) -> int:
@@ -136,7 +149,7 @@ class Generator:
         if self.pending is not None:  # continue: the last token of the previous turn enters the cache first
             ids = torch.cat([self.pending[:, None], ids], dim=1)
             new_mask = torch.cat([torch.ones_like(self.pending[:, None]), new_mask], dim=1)
-        self._start(ids, ids.shape[0])
+        self._start(ids)
         batch = ids.shape[0]
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
                                  stop_reasons=[""] * batch, plan=self.plan)
@@ -175,7 +188,7 @@ class Generator:
         ids = input_ids.to(self.device).repeat_interleave(cfg.num_beams, dim=0)  # [B·K,T]: every beam, as transformers
         new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         new_mask = new_mask.repeat_interleave(cfg.num_beams, dim=0)
-        self._start(ids, ids.shape[0])
+        self._start(ids)
         max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
         search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self.pad_id, max_len)
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
@@ -200,14 +213,6 @@ class Generator:
         if int(sequence[prompt_len + new_tokens - 1]) in self.eos_ids:
             return "eos"
         return "max_new_tokens" if max_len == prompt_len + self.config.max_new_tokens else "max_seq_len"
-
-    def _cache_kind(self, batch: int) -> str | None:
-        if self.config.cache_kind != "auto":
-            return self.config.cache_kind
-        if batch not in self._selections:
-            self._selections[batch] = select_cache_kind(self.model, self.tokenizer, self.config, batch_size=batch)
-        self.selection = self._selections[batch]
-        return self.selection.kind
 
     def _finished_rows(self, token: torch.Tensor, done: torch.Tensor, step: int) -> torch.Tensor:
         """[B] bool: rows that stop after this token; records how many tokens each row made and why."""

@@ -5,7 +5,7 @@ comments, b = live rows, w = the widest draft of the round):
     prefill both caches with the prompts minus their last token (left padding kept as masked columns)
     → propose: the draft catches up on what it has not seen ([b,≤2] chunk, holes on the left), then drafts w
       tokens for every row in w batched forwards (or, per row, prompt lookup or a draft with another tokenizer
-      through text, `spec_text`: its batch-1 draft forwards run row by row; rows with fewer pad the round)
+      through text, `text.TextDraft`: its batch-1 draft forwards run row by row; rows with fewer pad the round)
     → verify: one target forward over [pending, x_1..x_w] [b,w+1] → p [b,w+1,V]
     → accept per row (the same rules as one row: spec_rounds) → row r keeps n_r + 1 tokens
     → both caches keep each row's own tokens (`RaggedCache.keep_first`: the rejected columns become holes)
@@ -19,7 +19,8 @@ Per batch (D = Σ_r k_r drafted, A = Σ_r n_r accepted over the rows that drafte
     fallback: after ≥ FALLBACK_MIN_ROUNDS batched rounds, if A/D over the last FALLBACK_WINDOW of them is below
     spec_disable_below_accept, the whole batch decodes target-only (every live row's fallback_round is set).
 Forward counts are batched forwards; per-row drafted/accepted counts are in the stats (`row_acceptance`).
-Does not know about manifests, timing or tokenizers; the generator `gen` brings models, config, rng and stats.
+Does not know about manifests, timing or tokenizers; `SpeculativeGenerator` hands it the target model, the draft
+side (`draft.Draft`), the round's rules (`rounds.RoundRules`: settings, filters, vocabulary, EOS, rng) and the stats.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ import torch
 from runner.errors import InferenceError
 from runner.infer.cache.layers import make_cache
 from runner.infer.cache.ragged import RaggedCache, ragged_reason
+from runner.infer.speculative.draft import Draft
 from runner.infer.speculative.rounds import (
+    RoundRules,
+    SpeculativeStats,
     accept_exact,
     accept_reject,
     adapt_k,
@@ -41,11 +45,12 @@ from runner.infer.speculative.rounds import (
 )
 
 
-def batched_reason(gen) -> str:
-    """Why `gen`'s caches cannot run rounds in a batch (then rows go one after another), or ""."""
-    caches = [make_cache(gen.config.cache_kind, gen.target)]
-    if gen.draft is not None:
-        caches.append(make_cache(gen.config.cache_kind, gen.draft))
+def batched_reason(target: torch.nn.Module, draft: Draft, cache_kind: str | None) -> str:
+    """Why caches of `cache_kind` for the target and the draft model cannot run rounds in a batch (then rows go one
+    after another), or ""."""
+    caches = [make_cache(cache_kind, target)]
+    if draft.model is not None:
+        caches.append(make_cache(cache_kind, draft.model))
     return next((reason for reason in map(ragged_reason, caches) if reason), "")
 
 
@@ -69,14 +74,15 @@ def pad_rows(rows: list[torch.Tensor], width: int, left: bool) -> tuple[torch.Te
 class BatchRun:
     """One `.generate()` call over a batch: live rows, their sequences and both ragged caches."""
 
-    def __init__(self, gen, ids: torch.Tensor, mask: torch.Tensor):
-        self.gen, self.cfg, self.stats = gen, gen.config, gen.stats
+    def __init__(self, target: torch.nn.Module, draft: Draft, rules: RoundRules, stats: SpeculativeStats,
+                 ids: torch.Tensor, mask: torch.Tensor):
+        self.model, self.source, self.rules, self.cfg, self.stats = target, draft, rules, rules.config, stats
         self.prompts = left_padded(ids, mask)  # each fits max_seq_len (SpeculativeGenerator.generate checked)
         self.seqs = list(self.prompts)  # [L_r] every token of each row so far (index = original row)
         self.live = list(range(ids.shape[0]))  # original row of each batch row
         self.outputs: list[torch.Tensor | None] = [None] * ids.shape[0]
-        self.target = RaggedCache(make_cache(self.cfg.cache_kind, gen.target))
-        self.draft = None if gen.draft is None else RaggedCache(make_cache(self.cfg.cache_kind, gen.draft))
+        self.target = RaggedCache(make_cache(self.cfg.cache_kind, target))
+        self.draft = None if draft.model is None else RaggedCache(make_cache(self.cfg.cache_kind, draft.model))
         self.rounds: list[tuple[int, int]] = []  # (D, A) of each batched round that drafted
         self._prefill(ids, mask)
 
@@ -84,10 +90,10 @@ class BatchRun:
         """Both caches take the prompts minus their last token [B,T-1] (that one enters with the first round)."""
         if ids.shape[1] < 2:
             return
-        self.target.feed(self.gen.target, ids[:, :-1], mask[:, :-1])
+        self.target.feed(self.model, ids[:, :-1], mask[:, :-1])
         self.stats.target_forwards += 1
         if self.draft is not None:
-            self.draft.feed(self.gen.draft, self.gen._for_draft(ids[:, :-1]), mask[:, :-1])
+            self.draft.feed(self.source.model, self.source.tokens(ids[:, :-1]), mask[:, :-1])
             self.stats.draft_forwards += 1
 
     def run(self) -> list[torch.Tensor]:
@@ -119,7 +125,7 @@ class BatchRun:
         width = max(counts)
         pending = torch.stack([self.seqs[r][-1] for r in self.live])[:, None]  # [b,1]
         chunk = torch.cat([pending, pad_rows(drafts, width, left=False)[0]], dim=1)  # [b,w+1]
-        logits = self.target.feed(self.gen.target, chunk, torch.ones_like(chunk), keep=width + 1)  # [b,w+1,V]
+        logits = self.target.feed(self.model, chunk, torch.ones_like(chunk), keep=width + 1)  # [b,w+1,V]
         self.stats.target_forwards += 1
         self.stats.target_only_steps += width == 0
         results = [self._accept(r, drafts[i], None if q is None else q[i], logits[i, :counts[i] + 1])
@@ -133,16 +139,16 @@ class BatchRun:
 
     def _accept(self, r: int, draft: torch.Tensor, q, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Row r: its k_r draft tokens [k_r] against its logits [k_r+1,V] → (new tokens [n+1] (or [n]), n)."""
-        gen, cfg = self.gen, self.cfg
-        p = filtered_probs(logits, self.seqs[r], gen.sampling, gen.vocab)  # [k_r+1,V]
+        rules, cfg = self.rules, self.cfg
+        p = filtered_probs(logits, self.seqs[r], rules.sampling, rules.vocab)  # [k_r+1,V]
         if draft.numel() == 0:
-            return torch.tensor([pick(p[0], cfg.greedy, gen.rng)], device=draft.device), 0
+            return torch.tensor([pick(p[0], cfg.greedy, rules.rng)], device=draft.device), 0
         if cfg.greedy or cfg.spec_method == "greedy":
-            n, token = accept_exact(draft, p, cfg.greedy, gen.rng)
+            n, token = accept_exact(draft, p, cfg.greedy, rules.rng)
         else:
-            n, token = accept_reject(draft, q[:draft.numel()], p, gen.rng)
+            n, token = accept_reject(draft, q[:draft.numel()], p, rules.rng)
         if token < 0 and cfg.spec_extra_token:
-            token = pick(p[n], cfg.greedy, gen.rng)
+            token = pick(p[n], cfg.greedy, rules.rng)
         count_round(self.stats, r, draft.numel(), n)
         tail = torch.tensor([token] if token >= 0 else [], dtype=torch.long, device=draft.device)
         return torch.cat([draft[:n], tail]), n
@@ -153,8 +159,8 @@ class BatchRun:
         if width <= 0:
             return [self.seqs[r][:0] for r in self.live], None
         if self.draft is None:  # prompt lookup, or a draft with another tokenizer: a proposal per row
-            drafts = [self.gen.proposal(r, self.seqs[r], cap) for r, cap in zip(self.live, caps)]
-            q = torch.zeros(len(drafts), max(d.numel() for d in drafts), self.gen.vocab, device=drafts[0].device)
+            drafts = [self.source.propose(r, self.seqs[r], cap) for r, cap in zip(self.live, caps)]
+            q = torch.zeros(len(drafts), max(d.numel() for d in drafts), self.rules.vocab, device=drafts[0].device)
             for i, d in enumerate(drafts):
                 q[i, torch.arange(d.numel()), d] = 1.0
             return drafts, q
@@ -163,22 +169,22 @@ class BatchRun:
 
     def _draft_tokens(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft catches up on the tokens it has not seen, then drafts `width` tokens per row: [b,w], [b,w,V]."""
-        gen, draft = self.gen, self.draft
+        source, rules, draft = self.source, self.rules, self.draft
         seen = draft.seen.tolist() if draft.seen is not None else [0] * len(self.live)
         behind = [self.seqs[r][int(n):] for r, n in zip(self.live, seen)]
         tokens, mask = pad_rows(behind, max(b.numel() for b in behind), left=True)  # [b,≤2], holes on the left
-        logits = draft.feed(gen.draft, gen._for_draft(tokens), mask)[:, -1]  # [b,V']
+        logits = draft.feed(source.model, source.tokens(tokens), mask)[:, -1]  # [b,V']
         drafted, probs = [], []
         for i in range(width):
             self.stats.draft_forwards += 1
-            q = torch.cat([filtered_probs(logits[j:j + 1], self.seqs[r], gen.sampling, gen.vocab)
+            q = torch.cat([filtered_probs(logits[j:j + 1], self.seqs[r], rules.sampling, rules.vocab)
                            for j, r in enumerate(self.live)])  # [b,V]
-            drafted.append(torch.tensor([pick(q[j], self.cfg.greedy, gen.rng) for j in range(q.shape[0])],
+            drafted.append(torch.tensor([pick(q[j], self.cfg.greedy, rules.rng) for j in range(q.shape[0])],
                                         device=q.device))
             probs.append(q)
             if i + 1 < width:
                 token = drafted[-1][:, None]  # [b,1]
-                logits = draft.feed(gen.draft, gen._for_draft(token), torch.ones_like(token))[:, -1]
+                logits = draft.feed(source.model, source.tokens(token), torch.ones_like(token))[:, -1]
         return torch.stack(drafted, dim=1), torch.stack(probs, dim=1)
 
     def _retire(self, news: list[torch.Tensor]) -> None:
@@ -186,12 +192,12 @@ class BatchRun:
         stay = []
         for i, (r, new) in enumerate(zip(self.live, news)):
             self.seqs[r] = torch.cat([self.seqs[r], new])
-            reason = self.gen._stop_reason(self.seqs[r], self.prompts[r].numel(), self.cfg)
+            reason = self.rules.stop_reason(self.seqs[r], self.prompts[r].numel())
             if not reason:
                 stay.append(i)
                 continue
             out = self.seqs[r][self.prompts[r].numel():]
-            out = out[:first_eos(out, self.gen.eos_ids) + 1] if reason == "eos" else out[:self.cfg.max_new_tokens]
+            out = out[:first_eos(out, self.rules.eos_ids) + 1] if reason == "eos" else out[:self.cfg.max_new_tokens]
             self.outputs[r] = out
             self.stats.new_tokens[r], self.stats.stop_reasons[r] = out.numel(), reason
         if len(stay) < len(self.live):
@@ -203,6 +209,7 @@ class BatchRun:
                     self.draft.select(rows)
 
 
-def generate_batched(gen, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+def generate_batched(target: torch.nn.Module, draft: Draft, rules: RoundRules, stats: SpeculativeStats,
+                     ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """[B,T] left-padded prompts → each row's new tokens [N_r], the rounds batched (see the module docstring)."""
-    return BatchRun(gen, ids, mask).run()
+    return BatchRun(target, draft, rules, stats, ids, mask).run()

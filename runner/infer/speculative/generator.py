@@ -2,8 +2,10 @@
 
 Owns: draft → verify → accept → roll back, per round, for a draft model or prompt lookup; the adaptive draft
 length, the fallback to target-only decoding, and the counts in `SpeculativeStats`. A draft with another tokenizer
-(`draft_tokenizer=`, `tokenizer=` the target's) proposes through text (`spec_text.TextDraft`), verified as prompt
-lookup is. Does not know about manifests, tracking or timing beyond wall-clock.
+(`draft_tokenizer=`, `tokenizer=` the target's) proposes through text (`text.TextDraft`), verified as prompt
+lookup is. The draft side, whichever it is, is one `draft.Draft`; what a round reads besides models and caches is one
+`rounds.RoundRules`: the batched loop (`batch.py`) is handed both. Does not know about manifests, tracking or timing
+beyond wall-clock.
 
 One round of one row (shapes in comments), with the invariant "each cache holds the sequence minus its last
 token, `pending`":
@@ -22,11 +24,11 @@ k −= 1 if n < 0.5·k_r, clamped to [1, 2·spec_k]. Fallback: once a row has do
 if the acceptance rate over its last FALLBACK_WINDOW rounds is below spec_disable_below_accept, the row decodes
 target-only from then on (recorded in `stats.fallback_round`).
 
-engine: compiled gives each row static states (static_state.StaticDecodeState): verification of spec_k + 1 tokens and
+engine: compiled gives each row static states (compiled.state.StaticDecodeState): verification of spec_k + 1 tokens and
 single-token steps run compiled, other chunk lengths the same static forward eagerly; rolling back is moving the
 write position (`crop`).
 
-Batches: a batch of more than one row runs its rounds together (`spec_batch.py`: one draft forward per draft
+Batches: a batch of more than one row runs its rounds together (`batch.py`: one draft forward per draft
 token and one target forward per round for all live rows, ragged acceptance kept as masked holes in the caches,
 adaptive k and the fallback per batch). Cache kinds that cannot hold holes (KIVI, sliding windows: see
 `ragged.py`), the compiled engine and `batched=False` process rows one after another, each with its own batch-1
@@ -36,7 +38,6 @@ caches (its left padding stripped); forward counts are then summed over rows.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -48,67 +49,27 @@ from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.decode.forward import eos_ids, pad_id
 from runner.infer.measure.timing import on_device, time_once
 from runner.infer.speculative.batch import batched_reason, generate_batched
+from runner.infer.speculative.draft import PROMPT_LOOKUP, Draft
 from runner.infer.speculative.rounds import (  # noqa: F401
     FALLBACK_MIN_ROUNDS,
     FALLBACK_WINDOW,
     LOOKUP_MAX_NGRAM,
+    RoundRules,
+    SpeculativeStats,
     accept_exact,
     accept_reject,
     adapt_k,
     count_round,
     falls_back,
     filtered_probs,
+    first_eos,
     lookup_proposal,
     pick,
+    stop_reason,
 )
-from runner.infer.speculative.rounds import first_eos as _first_eos
 from runner.infer.speculative.text import TextDraft, same_tokenizer
 
-PROMPT_LOOKUP = "prompt-lookup"
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SpeculativeStats:
-    """Counts of the last `.generate()` call, summed over rows."""
-
-    rounds: int = 0  # rounds that drafted ≥ 1 token
-    drafted: int = 0
-    accepted: int = 0
-    accepted_hist: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafted tokens
-    k_history: list[list[int]] = field(default_factory=list)  # per row: tokens drafted in each round (≤ k)
-    draft_forwards: int = 0
-    target_forwards: int = 0
-    target_only_steps: int = 0  # target forwards that verified nothing (fallback, no lookup match, last token)
-    fallback_round: list[int | None] = field(default_factory=list)  # per row: round at which it fell back
-    new_tokens: list[int] = field(default_factory=list)  # per row, EOS included
-    stop_reasons: list[str] = field(default_factory=list)  # per row: eos, max_new_tokens, max_seq_len
-    row_drafted: list[int] = field(default_factory=list)  # per row: tokens drafted
-    row_accepted: list[int] = field(default_factory=list)  # per row: draft tokens accepted
-    batched: bool = False  # rounds ran for the whole batch at once (spec_batch), not row after row
-    seconds: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return self.accepted / self.rounds if self.rounds else 0.0
-
-    @property
-    def row_acceptance(self) -> list[float]:
-        """Per row: accepted / drafted (0 for a row that drafted nothing)."""
-        return [a / d if d else 0.0 for d, a in zip(self.row_drafted, self.row_accepted)]
-
-    def as_dict(self) -> dict:
-        return {"acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
-                "accepted_hist": self.accepted_hist, "k_history": self.k_history, "rounds": self.rounds,
-                "drafted": self.drafted, "accepted": self.accepted, "draft_forwards": self.draft_forwards,
-                "target_forwards": self.target_forwards, "target_only_steps": self.target_only_steps,
-                "fallback_round": self.fallback_round, "new_tokens": self.new_tokens,
-                "stop_reasons": self.stop_reasons, "row_acceptance": self.row_acceptance,
-                "batched": self.batched, "seconds": self.seconds}
 
 
 class _Row:
@@ -174,16 +135,16 @@ class SpeculativeGenerator:
         self.batched = batched  # a batch of > 1 rows runs its rounds together (spec_batch); False: row after row
         self.device = next(target_model.parameters()).device
         self.target = target_model.eval()
-        self.lookup = isinstance(draft_model, str)
-        if self.lookup and draft_model != PROMPT_LOOKUP:
+        lookup = isinstance(draft_model, str)
+        if lookup and draft_model != PROMPT_LOOKUP:
             raise ValueError(f"draft_model must be a model or {PROMPT_LOOKUP!r} (got {draft_model!r})")
-        self.draft = None if self.lookup else draft_model.to(self.device).eval()
-        self.draft_vocab = 0 if self.lookup else self.draft.get_input_embeddings().weight.shape[0]
+        model = None if lookup else draft_model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self.text_draft = None  # a draft with another tokenizer proposes through text (spec_text), row by row
-        if self.draft is not None and draft_tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
-            self.text_draft = TextDraft(self.draft, draft_tokenizer, tokenizer, self.config.cache_kind)
-            self.draft, self.draft_vocab = None, 0
+        if model is not None and draft_tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
+            # a draft with another tokenizer proposes through text (text.TextDraft), row by row
+            self.draft = Draft(text=TextDraft(model, draft_tokenizer, tokenizer, self.config.cache_kind))
+        else:
+            self.draft = Draft(model)
         self.rng = generator or torch.Generator(self.device).manual_seed(self.config.seed or 0)
         cfg = self.config
         self.sampling = GenerateConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
@@ -194,6 +155,15 @@ class SpeculativeGenerator:
     @property
     def acceptance_rate(self) -> float:
         return self.stats.acceptance_rate
+
+    @property
+    def text_draft(self) -> TextDraft | None:
+        """The draft with another tokenizer, when the draft is one."""
+        return self.draft.text
+
+    def rules(self) -> RoundRules:
+        """What this generator's rounds read besides models and caches (its settings as they stand now)."""
+        return RoundRules(self.config, self.sampling, self.vocab, self.eos_ids, self.rng)
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,26 +180,24 @@ class SpeculativeGenerator:
             if real >= self.config.max_seq_len:
                 raise InferenceError(f"prompt of {real} tokens does not fit max_seq_len={self.config.max_seq_len}")
         rows: list[torch.Tensor] = []  # [N_r] new tokens of each row
-        if self.text_draft is not None:
-            self.text_draft.reset()
+        self.draft.reset()
         self.stats.batched = (batch > 1 and self.batched and self.config.engine != "compiled"
                               and not self._row_by_row_reason())
 
         def decode_rows() -> None:
             if self.stats.batched:
-                rows.extend(generate_batched(self, ids, mask))
+                rows.extend(generate_batched(self.target, self.draft, self.rules(), self.stats, ids, mask))
             else:
                 rows.extend(self._generate_row(r, ids[r][mask[r].bool()]) for r in range(batch))
 
         if self.config.engine == "compiled":  # compile every shape the rows will use now, not inside the timing
             for r in range(batch):
                 self._cache(self.target, ids[r][mask[r].bool()], verify=True)
-                if self.draft is not None:
-                    self._cache(self.draft, ids[r][mask[r].bool()], verify=False)
+                if self.draft.model is not None:
+                    self._cache(self.draft.model, ids[r][mask[r].bool()], verify=False)
 
         self.stats.seconds = time_once(decode_rows, **on_device(self.device))
-        if self.text_draft is not None:
-            self.stats.draft_forwards += self.text_draft.forwards
+        self.stats.draft_forwards += self.draft.text_forwards
         new = torch.full((batch, max(len(r) for r in rows)), pad_id(self.target, self.tokenizer, self.eos_ids),
                          dtype=torch.long, device=self.device)
         for r, tokens in enumerate(rows):
@@ -238,7 +206,7 @@ class SpeculativeGenerator:
 
     def _row_by_row_reason(self) -> str:
         """Why this generator's caches cannot hold a ragged batch (then rows go one after another), or ""."""
-        reason = batched_reason(self)
+        reason = batched_reason(self.target, self.draft, self.config.cache_kind)
         if reason:
             log.info("speculative decoding goes row by row with cache kind %s: %s", self.config.cache_kind, reason)
         return reason
@@ -247,7 +215,7 @@ class SpeculativeGenerator:
         """[T] real prompt tokens → [N] new tokens of row r, stop rules applied."""
         cfg = self.config
         row = _Row(prompt, self._cache(self.target, prompt, verify=True),
-                   None if self.draft is None else self._cache(self.draft, prompt, verify=False))
+                   None if self.draft.model is None else self._cache(self.draft.model, prompt, verify=False))
         self._prefill(row)
         k, target_only = cfg.spec_k, False
         while True:
@@ -258,10 +226,10 @@ class SpeculativeGenerator:
             rounds_before = len(row.rounds)
             new = self._round(r, row, k_round)  # [1..k_round+1] tokens
             row.seq = torch.cat([row.seq, new])
-            reason = self._stop_reason(row.seq, prompt.numel(), cfg)
+            reason = stop_reason(row.seq, prompt.numel(), cfg, self.eos_ids)
             if reason:
                 out = row.seq[prompt.numel():]
-                out = out[:_first_eos(out, self.eos_ids) + 1] if reason == "eos" else out[:cfg.max_new_tokens]
+                out = out[:first_eos(out, self.eos_ids) + 1] if reason == "eos" else out[:cfg.max_new_tokens]
                 self.stats.new_tokens[r], self.stats.stop_reasons[r] = out.numel(), reason
                 return out
             if len(row.rounds) > rounds_before:  # this round verified draft tokens
@@ -286,8 +254,8 @@ class SpeculativeGenerator:
         if row.seq.numel() > 1:
             feed(self.target, row.target_cache, row.seq[:-1])
             self.stats.target_forwards += 1
-            if self.draft is not None:
-                feed(self.draft, row.draft_cache, self._for_draft(row.seq[:-1]))
+            if self.draft.model is not None:
+                feed(self.draft.model, row.draft_cache, self.draft.tokens(row.seq[:-1]))
                 self.stats.draft_forwards += 1
 
     def _round(self, r: int, row: _Row, k: int) -> torch.Tensor:
@@ -315,21 +283,17 @@ class SpeculativeGenerator:
         self._count(r, row, draft.numel(), n)
         return new
 
-    def proposal(self, r: int, seq: torch.Tensor, k: int) -> torch.Tensor:
-        """A proposal that is a function of row r's tokens [L] alone (prompt lookup, or a draft with another
-        tokenizer through text) → ≤ k tokens [k']; verified with q one-hot at each proposed token."""
-        return lookup_proposal(seq, k) if self.lookup else self.text_draft.propose(r, seq, k)
-
     def _propose(self, r: int, row: _Row, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens [k] and their proposal distributions q [k,V] (None when greedy or prompt lookup)."""
         if k <= 0:
             return row.seq[:0], None
-        if self.draft is None:
-            draft = self.proposal(r, row.seq, k)
+        if self.draft.model is None:
+            draft = self.draft.propose(r, row.seq, k)
             q = torch.zeros(draft.numel(), self.vocab, device=self.device)
             return draft, q.scatter_(1, draft[:, None], 1.0)
         tokens, probs = [], []
-        logits = feed(self.draft, row.draft_cache, self._for_draft(row.seq[cached_len(row.draft_cache):]))  # [1,V']
+        model = self.draft.model
+        logits = feed(model, row.draft_cache, self.draft.tokens(row.seq[cached_len(row.draft_cache):]))  # [1,V']
         for i in range(k):
             self.stats.draft_forwards += 1
             q = filtered_probs(logits, row.seq, self.sampling, self.vocab)[0]  # [V]
@@ -337,12 +301,8 @@ class SpeculativeGenerator:
             probs.append(q)
             if i + 1 < k:
                 last = torch.tensor(tokens[-1:], device=self.device)  # [1]
-                logits = feed(self.draft, row.draft_cache, self._for_draft(last))
+                logits = feed(model, row.draft_cache, self.draft.tokens(last))
         return torch.tensor(tokens, device=self.device), torch.stack(probs)
-
-    def _for_draft(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens the draft cannot embed (a smaller vocabulary) are fed as 0: exactness holds, acceptance drops."""
-        return tokens.masked_fill(tokens >= self.draft_vocab, 0)
 
     def _count(self, r: int, row: _Row, drafted: int, accepted: int) -> None:
         row.rounds.append((drafted, accepted))
@@ -353,13 +313,3 @@ class SpeculativeGenerator:
 
     def _should_fall_back(self, row: _Row) -> bool:
         return falls_back(row.rounds, self.config.spec_disable_below_accept)
-
-    def _stop_reason(self, seq: torch.Tensor, prompt_len: int, cfg: SpeculativeConfig) -> str:
-        """[L] sequence → why the row stops now, or ""."""
-        new = seq[prompt_len:]
-        if _first_eos(new, self.eos_ids) < min(new.numel(), cfg.max_new_tokens):
-            return "eos"
-        if new.numel() >= cfg.max_new_tokens:
-            return "max_new_tokens"
-        return "max_seq_len" if seq.numel() >= cfg.max_seq_len else ""
-

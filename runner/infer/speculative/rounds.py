@@ -2,20 +2,82 @@
 
 Owns: the filtered distributions p and q (`filtered_probs`), one pick, prompt-lookup proposals, the two
 verification rules (`accept_reject`: min(1, p/q) with the residual draw; `accept_exact`: exact match), the
-adaptive-k rule and the fallback rule over a list of (drafted, accepted) rounds, and the first EOS of a row.
+adaptive-k rule and the fallback rule over a list of (drafted, accepted) rounds, the first EOS of a row and why a
+row stops; `SpeculativeStats`, the counts both loops keep, and `RoundRules`, what both loops read besides models and
+caches.
 Does not know about caches, models, batches or generators: every function takes tensors of one row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.decode.sampling import process_logits
 
 LOOKUP_MAX_NGRAM = 3
 FALLBACK_MIN_ROUNDS = 4
 FALLBACK_WINDOW = 8
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts of the last `.generate()` call, summed over rows."""
+
+    rounds: int = 0  # rounds that drafted ≥ 1 token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [n] = rounds that accepted n drafted tokens
+    k_history: list[list[int]] = field(default_factory=list)  # per row: tokens drafted in each round (≤ k)
+    draft_forwards: int = 0
+    target_forwards: int = 0
+    target_only_steps: int = 0  # target forwards that verified nothing (fallback, no lookup match, last token)
+    fallback_round: list[int | None] = field(default_factory=list)  # per row: round at which it fell back
+    new_tokens: list[int] = field(default_factory=list)  # per row, EOS included
+    stop_reasons: list[str] = field(default_factory=list)  # per row: eos, max_new_tokens, max_seq_len
+    row_drafted: list[int] = field(default_factory=list)  # per row: tokens drafted
+    row_accepted: list[int] = field(default_factory=list)  # per row: draft tokens accepted
+    batched: bool = False  # rounds ran for the whole batch at once (spec_batch), not row after row
+    seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def row_acceptance(self) -> list[float]:
+        """Per row: accepted / drafted (0 for a row that drafted nothing)."""
+        return [a / d if d else 0.0 for d, a in zip(self.row_drafted, self.row_accepted)]
+
+    def as_dict(self) -> dict:
+        return {"acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "accepted_hist": self.accepted_hist, "k_history": self.k_history, "rounds": self.rounds,
+                "drafted": self.drafted, "accepted": self.accepted, "draft_forwards": self.draft_forwards,
+                "target_forwards": self.target_forwards, "target_only_steps": self.target_only_steps,
+                "fallback_round": self.fallback_round, "new_tokens": self.new_tokens,
+                "stop_reasons": self.stop_reasons, "row_acceptance": self.row_acceptance,
+                "batched": self.batched, "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """What a round reads besides the models and caches: the settings, the filters p and q are computed with
+    (`sampling`), the target's vocabulary (p and q are over it), its EOS ids, and the one random generator."""
+
+    config: SpeculativeConfig
+    sampling: GenerateConfig
+    vocab: int
+    eos_ids: set[int]
+    rng: torch.Generator
+
+    def stop_reason(self, seq: torch.Tensor, prompt_len: int) -> str:
+        return stop_reason(seq, prompt_len, self.config, self.eos_ids)
 
 
 def filtered_probs(logits: torch.Tensor, seq: torch.Tensor, gcfg: GenerateConfig, vocab: int) -> torch.Tensor:
@@ -67,7 +129,7 @@ def accept_exact(draft: torch.Tensor, p: torch.Tensor, greedy: bool, rng: torch.
     return draft.shape[0], -1
 
 
-def count_round(stats, r: int, drafted: int, accepted: int) -> None:
+def count_round(stats: SpeculativeStats, r: int, drafted: int, accepted: int) -> None:
     """Add a round of row r that drafted `drafted` tokens and accepted `accepted` to a SpeculativeStats."""
     stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + drafted, stats.accepted + accepted
     if accepted >= len(stats.accepted_hist):
@@ -98,3 +160,14 @@ def first_eos(tokens: torch.Tensor, eos_ids: set[int]) -> int:
     """Index of the first EOS in [N] tokens, or N."""
     hits = [i for i, t in enumerate(tokens.tolist()) if t in eos_ids]
     return hits[0] if hits else tokens.numel()
+
+
+def stop_reason(seq: torch.Tensor, prompt_len: int, cfg: SpeculativeConfig, eos_ids: set[int]) -> str:
+    """[L] sequence of a row whose prompt is `prompt_len` tokens → why the row stops now, or "": eos,
+    max_new_tokens, max_seq_len."""
+    new = seq[prompt_len:]
+    if first_eos(new, eos_ids) < min(new.numel(), cfg.max_new_tokens):
+        return "eos"
+    if new.numel() >= cfg.max_new_tokens:
+        return "max_new_tokens"
+    return "max_seq_len" if seq.numel() >= cfg.max_seq_len else ""

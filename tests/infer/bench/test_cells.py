@@ -7,6 +7,8 @@ import torch
 
 from runner.infer.bench.cells import (
     MIB,
+    Cell,
+    Speculation,
     bandwidth_fraction,
     measure_hf,
     measure_hf_assisted,
@@ -23,8 +25,9 @@ def ids(tiny_lm):
 
 @pytest.mark.parametrize("kind", [None, "q8_0", "kivi4"])
 def test_ours_and_hf_leave_the_same_cache(tiny_lm, ids, kind):
-    ours = measure_ours(tiny_lm.model, ids, 6, kind, repeats=2, warmup=1, bandwidth=1e10)
-    hf = measure_hf(tiny_lm.model, ids, 6, kind, repeats=2, warmup=1, bandwidth=1e10)
+    cell = Cell(6, kind, repeats=2, warmup=1, bandwidth=1e10)
+    ours = measure_ours(tiny_lm.model, ids, cell)
+    hf = measure_hf(tiny_lm.model, ids, cell)
     # both end with prompt + 5 tokens in the cache (the 6th token is decided, never fed back)
     cache = make_cache(kind, tiny_lm.model)
     with torch.inference_mode():
@@ -40,16 +43,17 @@ def test_ours_and_hf_leave_the_same_cache(tiny_lm, ids, kind):
 
 def test_speculative_cells_report_acceptance(tiny_lm):
     repeating = torch.tensor([[7, 8, 9, 10] * 6])
-    ours = measure_speculative(tiny_lm.model, "prompt-lookup", repeating, 8, None, spec_k=3, adaptive=False,
-                               repeats=2, warmup=0)
-    hf = measure_hf_assisted(tiny_lm.model, "prompt-lookup", repeating, 8, None, spec_k=3, repeats=2, warmup=0)
+    cell, lookup = Cell(8, None, repeats=2, warmup=0), Speculation("prompt-lookup", spec_k=3, adaptive=False)
+    ours = measure_speculative(tiny_lm.model, repeating, cell, lookup)
+    hf = measure_hf_assisted(tiny_lm.model, repeating, cell, lookup)
     assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
     assert 0 <= ours["acceptance"] <= 1
 
 
 def test_hf_assisted_generation_refuses_a_batch(tiny_lm, ids):
     with pytest.raises(ValueError, match="batch size 1"):
-        measure_hf_assisted(tiny_lm.model, "prompt-lookup", ids, 4, None, spec_k=2, repeats=1, warmup=0)
+        measure_hf_assisted(tiny_lm.model, ids, Cell(4, None, repeats=1, warmup=0),
+                            Speculation("prompt-lookup", spec_k=2))
 
 
 def test_bandwidth_fraction_counts_weights_and_mid_decode_cache(tiny_lm):

@@ -30,6 +30,7 @@ from runner.infer.compiled.engine import (
 from runner.infer.compiled.state import StaticDecodeState, prefill_pieces
 from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.config.kinds import parse_kind
+from runner.infer.decode.forward import DecodeStateProtocol
 from runner.infer.generation.generator import Generator
 from runner.infer.kernels import cpu_linear
 from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerator
@@ -45,7 +46,7 @@ def static_lm(tiny_lm, monkeypatch, tmp_path):
     """tiny_lm whose compiled engine runs its static step uncompiled (nuq codes fitted into a fresh directory)."""
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
     monkeypatch.setattr(codebooks, "_FITTED", {})
-    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
     return tiny_lm
 
 
@@ -70,10 +71,11 @@ def test_buckets_round_up_and_respect_max_seq_len():
 @pytest.mark.parametrize("kind", [*STATIC_KINDS, *KIVI_FLUSHING])
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "padded"])
 def test_static_caches_give_the_eager_greedy_tokens(static_lm, kind, prompts):
-    eager, _ = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
+    eager, eager_gen = _generate(static_lm, prompts, "eager", cache_kind=kind, max_new_tokens=20, temperature=0)
     ours, gen = _generate(static_lm, prompts, "compiled", cache_kind=kind, max_new_tokens=20, temperature=0)
     assert torch.equal(ours, eager)
     assert isinstance(gen.state, StaticDecodeState) and gen.state.cache.batch == batch_bucket(len(prompts))
+    assert isinstance(gen.state, DecodeStateProtocol) and isinstance(eager_gen.state, DecodeStateProtocol)
 
 
 @pytest.mark.parametrize("kind", ["kivi4:g8:r16:s4", "kivi2:g4:r8:s4:o2:b8:nuq:rot"])

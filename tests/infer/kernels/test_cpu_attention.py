@@ -122,12 +122,12 @@ def test_the_kernel_reads_a_layer_only_where_it_rounds_as_attention_does(kind, s
     from types import SimpleNamespace
 
     from runner.infer.cache.static.cache import StaticKVCache
-    from runner.infer.compiled.attention import _static_layer
+    from runner.infer.compiled.attention import static_layer
 
     assert cpu_attention.load()
     layer = _layer(kind, 64, 96)
     query = torch.zeros(ROWS, HEADS * GROUPS, 1, 64, dtype=storage)
-    found = _static_layer(SimpleNamespace(layer_idx=0), StaticKVCache([layer], kind), query)
+    found = static_layer(SimpleNamespace(layer_idx=0), StaticKVCache([layer], kind), query)
     assert (found is layer) == read
 
 

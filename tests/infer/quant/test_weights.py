@@ -204,7 +204,7 @@ def test_the_static_path_of_the_compiled_engine_gives_the_eager_tokens(tied_lm, 
     eager loop."""
     model = _quantized(tied_lm, quantization)
     engine = CompiledEngine(model, compile=False)
-    monkeypatch.setitem(compiled._ENGINES, model, engine)
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, model, engine)
     if engine.own_products:
         assert engine.weights is None
     else:

@@ -204,7 +204,7 @@ def static_engine(tiny_lm, monkeypatch):
     from runner.infer.compiled import engine as compiled
 
     engine = compiled.CompiledEngine(tiny_lm.model, compile=False)
-    monkeypatch.setitem(compiled._ENGINES, tiny_lm.model, engine)
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, engine)
     return engine
 
 
