@@ -43,7 +43,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.cache.layers import cache_bytes, estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
+from runner.infer.cache.layers import cache_bytes  # noqa: E402
+from runner.infer.cache.registry import estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
 from runner.infer.config.decoding import (
     GenerateConfig,  # noqa: E402
     parse_kind,  # noqa: E402

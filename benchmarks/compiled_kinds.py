@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from compiled_vs_hf import append_row  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.compiled.engine import engine_for  # noqa: E402
 from runner.infer.config.decoding import DTYPES  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402

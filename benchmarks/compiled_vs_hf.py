@@ -28,7 +28,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.bench.cells import bandwidth_fraction  # noqa: E402
-from runner.infer.cache.layers import estimate_cache_bytes  # noqa: E402
+from runner.infer.cache.registry import estimate_cache_bytes  # noqa: E402
 from runner.infer.compiled.engine import engine_for, use_compile_cache  # noqa: E402
 from runner.infer.config.decoding import GenerateConfig  # noqa: E402
 from runner.infer.config.kinds import DTYPES

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from compiled_vs_hf import real_prompts  # noqa: E402  (benchmarks/ is the script's directory)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.config.decoding import GenerateConfig  # noqa: E402
 from runner.infer.config.kinds import DTYPES, KIND_NAMES
 from runner.infer.generation.generator import Generator  # noqa: E402

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from runner.infer.cache.layers import make_cache  # noqa: E402
+from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.cache.window import DecodePlan  # noqa: E402
 from runner.infer.config.decoding import DTYPES  # noqa: E402
 from runner.infer.decode.forward import positions_for, prefill  # noqa: E402

@@ -15,7 +15,7 @@ _EXPORTS = {
     "Generator": "runner.infer.generation.generator",
     "generate": "runner.infer.generation.generator",
     "load_model": "runner.infer.loading.models",
-    "make_cache": "runner.infer.cache.layers",
+    "make_cache": "runner.infer.cache.registry",
     "select_cache_kind": "runner.infer.select.autocache",
     "decide_cache_kind": "runner.infer.select.decide",
     "SpeculativeConfig": "runner.infer.config",

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import check_compilable, engine_for
 from runner.infer.config.decoding import SpeculativeConfig
 from runner.infer.config.kinds import DTYPES

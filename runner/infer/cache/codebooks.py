@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache
 
 from runner.errors import InferenceError
 from runner.files import atomic_write_json
+from runner.infer.config.kinds import KindOptions
 from runner.infer.loading.models import LOADED
 from runner.infer.loading.pinned import cache_root
 from runner.infer.loading.texts import load_text, token_windows
@@ -31,18 +32,18 @@ CALIBRATION = {"text": "pydoc", "tokens": 512, "slots": 8, "windows": [1, 3, 5, 
 _FITTED: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def fitted_levels(model, options: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(key levels fp16 [2^key_bits], value levels [2^value_bits]) per layer of `model` (options: parse_kind's of a
-    KIVI kind): from this process, the disk cache, or fitted."""
+def fitted_levels(model, options: KindOptions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key levels fp16 [2^key_bits], value levels [2^value_bits]) per layer of `model` for a KIVI kind's options:
+    from this process, the disk cache, or fitted."""
     if model not in LOADED:
         raise InferenceError("the nuq cache option fits codes on calibration text with the model's tokenizer: load "
                              "the model with runner.infer.loading.models.load_model")
     tokenizer, fingerprint = LOADED[model]
-    fitted = {k: options[k] for k in ("group_size", "sinks", "outlier_percent", "rotate_keys", "rotate_values")}
-    bits = options["key_bits"] if options["key_bits"] == options["value_bits"] else [options["key_bits"],
-                                                                                     options["value_bits"]]
-    if options["value_block"] != BLOCK:  # absent at its default: codebooks fitted before b existed stay valid
-        fitted["value_block"] = options["value_block"]
+    fitted = {k: getattr(options, k) for k in ("group_size", "sinks", "outlier_percent", "rotate_keys",
+                                                "rotate_values")}
+    bits = options.key_bits if options.key_bits == options.value_bits else [options.key_bits, options.value_bits]
+    if options.value_block != BLOCK:  # absent at its default: codebooks fitted before b existed stay valid
+        fitted["value_block"] = options.value_block
     key = hashlib.sha256(json.dumps({"format": FORMAT, "model": fingerprint, "bits": bits, "options": fitted,
                                      "calibration": CALIBRATION}, sort_keys=True, default=str).encode()).hexdigest()
     if key not in _FITTED:
@@ -60,28 +61,28 @@ def fitted_levels(model, options: dict) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 @torch.inference_mode()
-def fit_model_levels(model, tokenizer, options: dict) -> list[list[list[float]]]:
+def fit_model_levels(model, tokenizer, options: KindOptions) -> list[list[list[float]]]:
     """Run the calibration windows through `model`; per layer [key levels, value levels] as plain floats."""
     windows = token_windows(tokenizer, load_text(CALIBRATION["text"]), CALIBRATION["tokens"], CALIBRATION["slots"])
     ids = torch.tensor([windows[i] for i in CALIBRATION["windows"]], device=next(model.parameters()).device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return [[fit_levels(_samples(layer.keys, options, True), options["key_bits"]).tolist(),
-             fit_levels(_samples(layer.values, options, False), options["value_bits"]).tolist()]
+    return [[fit_levels(_samples(layer.keys, options, True), options.key_bits).tolist(),
+             fit_levels(_samples(layer.values, options, False), options.value_bits).tolist()]
             for layer in cache.layers]
 
 
-def _samples(x: torch.Tensor, options: dict, keys: bool) -> torch.Tensor:
+def _samples(x: torch.Tensor, options: KindOptions, keys: bool) -> torch.Tensor:
     """[W,H,T,D] K or V → the normalized values the KIVI layer would code (sinks dropped, whole groups, rotated,
     outliers out), at most CALIBRATION["samples"] of them evenly strided."""
-    g = options["group_size"]
-    x = x[..., options["sinks"]:, :].float()
+    g = options.group_size
+    x = x[..., options.sinks:, :].float()
     x = x[..., :x.shape[-2] // g * g, :]
-    if options["rotate_keys" if keys else "rotate_values"]:
+    if options.rotate_keys if keys else options.rotate_values:
         x = rotate(x)
-    count = outlier_count(options["outlier_percent"], g, x.shape[-1])
+    count = outlier_count(options.outlier_percent, g, x.shape[-1])
     if count:
-        x = split_outliers(x, count, g, options["value_block"], per_channel=keys)[0]
-    u = normalized(x, g, dim=-2) if keys else normalized(x, options["value_block"], dim=-1)
+        x = split_outliers(x, count, g, options.value_block, per_channel=keys)[0]
+    u = normalized(x, g, dim=-2) if keys else normalized(x, options.value_block, dim=-1)
     u = u.flatten()
     return u[::max(1, u.numel() // CALIBRATION["samples"])]

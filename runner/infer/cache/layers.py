@@ -1,6 +1,6 @@
-"""KV-cache kinds as transformers cache layers, their measured size, and the estimator that must agree with it.
+"""KV-cache kinds as transformers cache layers, and their measured size.
 
-Kinds (K/V tensors are [B,H,T,D], D = head_dim; the arithmetic lives in quant.py):
+Kinds (K/V tensors are [B,H,T,D], D = head_dim; the arithmetic lives in quant/):
     fp32, fp16, bf16  K/V stored in that dtype. A kind equal to the model's dtype is transformers' own
                       DynamicLayer, so `model.generate(past_key_values=...)` and our decode loop see the same cache.
     q8_0, q4_0, nf4   symmetric codes per block of 32 values along D, one fp16 scale per block.
@@ -9,39 +9,29 @@ Kinds (K/V tensors are [B,H,T,D], D = head_dim; the arithmetic lives in quant.py
                       32 along D), asymmetric 4 / 2 bits; the newest T mod r tokens kept in full precision.
                       Options travel in the kind string: "kivi4" = "kivi4:g32:r32"; "kivi2:g64:r128".
 Quantized layers hold only codes + scales (+ the KIVI residual) and hand attention the dequantized K/V in the
-dtype they arrived in.
-Owns: the layers, `parse_kind`, `make_cache`, `cache_bytes` (measured) and `estimate_cache_bytes` /
-`residual_bytes` / `bytes_per_token` (from a model config). Does not know about selection (budget, quality gates,
-plans) or decoding.
+dtype they arrived in. Every layer is built from the kind's KindOptions (config.kinds.parse_kind).
+Owns: the layers and `cache_bytes` (measured). The registry pairs each kind with its layer and `sizes` estimates
+the bytes that must equal `cache_bytes`. Does not know about selection (budget, quality gates, plans) or decoding.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
 
-from runner.infer.cache.codebooks import fitted_levels
 from runner.infer.cache.kivi_codec import KiviCodec
-from runner.infer.config.kinds import DTYPES, KIVI_BITS, kivi_options, parse_kind, torch_dtype
-from runner.infer.quant.formats import (  # noqa: F401
-    BLOCK,
-    CODE_BITS,
-    NF4_LEVELS,
-    dequantize,
-    dequantize_groups,
-    head_bytes,
-    quantize,
-    quantize_groups,
-)
-from runner.infer.quant.kivi_math import index_dtype, outlier_count
+from runner.infer.config.kinds import DTYPES, KindOptions, torch_dtype
+from runner.infer.quant.formats import dequantize, dequantize_groups, quantize
 
 STORAGE_DTYPES = {kind: torch_dtype(kind) for kind in DTYPES.values()}  # the plain kinds: K/V stored as is
 
 
 class CastLayer(DynamicLayer):
-    """Stores K/V in `storage_dtype`; attention reads them back in the dtype they arrived in."""
+    """Stores K/V in the kind's dtype (`storage_dtype`); attention reads them back in the dtype they arrived in."""
 
-    storage_dtype: torch.dtype = torch.float16
+    def __init__(self, options: KindOptions, **kwargs):
+        super().__init__(**kwargs)
+        self.storage_dtype = STORAGE_DTYPES[options.name]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.compute_dtype, self.device = key_states.dtype, key_states.device
@@ -66,11 +56,11 @@ class QuantLayer(DynamicLayer):
     on its own, so cropping a token leaves no trace and the layer equals one that never saw it.
     """
 
-    kind: str = "q8_0"
     TENSORS: tuple[str, ...] = ("key_codes", "key_scales", "value_codes", "value_scales")
 
-    def __init__(self, **kwargs):
+    def __init__(self, options: KindOptions, **kwargs):
         super().__init__(**kwargs)
+        self.kind = options.name
         self._forget()
 
     def _forget(self) -> None:
@@ -142,32 +132,44 @@ class QuantLayer(DynamicLayer):
             self._map(lambda t: t.to(self.device, non_blocking=True))
 
 
+class FP32Layer(CastLayer):
+    pass
+
+
+class FP16Layer(CastLayer):
+    pass
+
+
+class BF16Layer(CastLayer):
+    pass
+
+
 class Q8_0Layer(QuantLayer):
-    kind = "q8_0"
+    pass
 
 
 class Q4_0Layer(QuantLayer):
-    kind = "q4_0"
+    pass
 
 
 class NF4Layer(QuantLayer):
-    kind = "nf4"
+    pass
 
 
 class Q4_1Layer(QuantLayer):
-    kind = "q4_1"
+    pass
 
 
 class KiviLayer(KiviCodec, QuantLayer):
     """KIVI: keys per channel over groups of `group_size` tokens, values per token, asymmetric `bits`-bit codes;
     a full-precision residual of the newest tokens, quantized all at once when it reaches `residual_len`.
 
-    Options (kivicodec.KiviCodec codes and decodes with them, shared with the compiled engine's static layer;
-    kvcodes.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
+    Options (KindOptions; kivi_codec.KiviCodec codes and decodes with them, shared with the compiled engine's static
+    layer; quant/kivi_math.py holds their arithmetic): the first `sinks` tokens kept exact in the dtype K/V arrive in;
     `outlier_percent` % of each chunk of g tokens × D values kept exact (fp16 + index); keys and/or values rotated
     by a fixed randomized Hadamard matrix before quantizing (`rotate_keys`, `rotate_values`); `levels` = (key
     levels, value levels), fitted non-uniform codes (nuq) instead of uniform steps; `key_bits` / `value_bits` (k4v2)
-    different widths for the two sides (the class's `bits` is the default of both); values in blocks of
+    different widths for the two sides (the name's `bits` is the default of both); values in blocks of
     `value_block` channels (b64) instead of 32.
     S sinks, Q quantized tokens, r residual tokens, T = S + Q + r; S = min(T, sinks) and Q = floor((T − S) /
     residual_len)·residual_len after every update and crop, so what is held depends only on T (the estimator relies
@@ -180,23 +182,18 @@ class KiviLayer(KiviCodec, QuantLayer):
     With nuq the scales are the groups' ranges (max − min). The codebooks count once per layer while T > 0.
     """
 
-    bits: int = 4
     TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "residual_keys", "residual_values")
 
-    def __init__(self, group_size: int = 32, residual_len: int | None = None, sinks: int = 0,
-                 outlier_percent: float = 0.0, rotate_keys: bool = False, rotate_values: bool = False,
-                 nuq: bool = False, levels: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 key_bits: int | None = None, value_bits: int | None = None, value_block: int = BLOCK, **kwargs):
-        super().__init__(**kwargs)
-        self.key_bits, self.value_bits = key_bits or self.bits, value_bits or self.bits
-        self.value_block = value_block
-        options = kivi_options(self.key_bits, group_size, residual_len)
-        self.group_size, self.residual_len = options["group_size"], options["residual_len"]
-        self.sinks, self.outlier_percent = sinks, outlier_percent
-        self.rotate_keys, self.rotate_values = rotate_keys, rotate_values
-        if nuq and levels is None:
+    def __init__(self, options: KindOptions, levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        super().__init__(options, **kwargs)
+        self.bits, self.key_bits, self.value_bits = options.bits, options.key_bits, options.value_bits
+        self.group_size, self.residual_len = options.group_size, options.residual_len
+        self.value_block = options.value_block
+        self.sinks, self.outlier_percent = options.sinks, options.outlier_percent
+        self.rotate_keys, self.rotate_values = options.rotate_keys, options.rotate_values
+        if options.nuq and levels is None:
             raise ValueError("nuq codes need levels fitted to the model: build the cache with make_cache(kind, model)")
-        self.levels = levels if nuq else None
+        self.levels = levels if options.nuq else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -298,35 +295,15 @@ class KiviLayer(KiviCodec, QuantLayer):
 
 
 class Kivi4Layer(KiviLayer):
-    bits = 4
+    pass
 
 
 class Kivi3Layer(KiviLayer):
-    bits = 3
+    pass
 
 
 class Kivi2Layer(KiviLayer):
-    bits = 2
-
-
-CACHE_KINDS: dict[str, type[DynamicLayer]] = {
-    **{name: type(f"{name.upper()}Layer", (CastLayer,), {"storage_dtype": dtype})
-       for name, dtype in STORAGE_DTYPES.items()},
-    "q8_0": Q8_0Layer, "q4_0": Q4_0Layer, "nf4": NF4Layer, "q4_1": Q4_1Layer, "kivi4": Kivi4Layer, "kivi3": Kivi3Layer,
-    "kivi2": Kivi2Layer,
-}
-
-
-def make_cache(kind: str | None, model) -> Cache:
-    """An empty cache of `kind` (aliases, options ok) for `model`; None or the model's own dtype → DynamicCache."""
-    name, options = parse_kind(kind)
-    if name is None or STORAGE_DTYPES.get(name) == model.dtype:
-        return DynamicCache(config=model.config)
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    if options.get("nuq"):  # fitted once per model and options, then read from ~/.cache/runner
-        levels = fitted_levels(model, options)
-        return Cache(layers=[CACHE_KINDS[name](**options, levels=levels[i]) for i in range(n_layers)])
-    return Cache(layers=[CACHE_KINDS[name](**options) for _ in range(n_layers)])
+    pass
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -340,99 +317,3 @@ def cache_bytes(cache: Cache) -> int:
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
     return total
-
-
-def _dims(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) of a llama-style model config."""
-    text = config.get_text_config(decoder=True)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
-def _kivi_head_bytes(options: dict, head_dim: int, tokens: int) -> int:
-    """K + V bytes of `tokens` quantized tokens (a multiple of group_size) of one head in one layer.
-
-    keys: tokens·D·bk/8 code bytes + tokens/g groups × D channels × (fp16 scale + fp16 min);
-    values: tokens × ceil(D/bs) blocks × (bs·bv/8 code bytes + fp16 scale + fp16 min), bs the value block (32).
-    """
-    block = options["value_block"]
-    keys = tokens * head_dim * options["key_bits"] // 8 + tokens // options["group_size"] * head_dim * 4
-    values = tokens * -(-head_dim // block) * (block * options["value_bits"] // 8 + 4)
-    return keys + values
-
-
-def _outlier_chunk_bytes(options: dict, head_dim: int) -> int:
-    """K + V bytes of the outliers of one chunk of g tokens of one head: k fp16 values and k indices each side."""
-    count = outlier_count(options["outlier_percent"], options["group_size"], head_dim)
-    return 2 * count * (2 + index_dtype(options["group_size"], head_dim).itemsize)
-
-
-def _kivi_split(options: dict, seq_len: int) -> tuple[int, int, int]:
-    """(sinks, quantized, residual) tokens a KIVI layer holds at seq_len (see KiviLayer)."""
-    sinks = min(seq_len, options["sinks"])
-    quantized = (seq_len - sinks) // options["residual_len"] * options["residual_len"]
-    return sinks, quantized, seq_len - sinks - quantized
-
-
-def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int | float:
-    """Compressed cache bytes one token of one sequence adds, over all layers, K and V (`kind` None = model dtype).
-
-    KIVI's full-precision residual is excluded (see `residual_bytes`), and so are its fixed costs, sinks and
-    codebooks (in `estimate_cache_bytes`); outliers are included; a float when g does not divide the group's bytes.
-    Per token per head at head_dim 64 (SmolLM2), against fp16's 2·64·2 = 256 bytes:
-        q8_0 136 (0.53×), q4_0 / nf4 72 (0.28×), q4_1 80 (0.31×),
-        kivi4 g32: keys 64·4/8 + 2·2·64/32 = 40, values 64·4/8 + 2·2·2 = 40 → 80 (0.3125×),
-        kivi3 g32: keys 24 + 8, values 24 + 8 → 64 (0.25×); g64: keys 24 + 4 → 60 (0.234×),
-        kivi2 g32: keys 16 + 8 = 24, values 16 + 8 = 24 → 48 (0.1875×);
-        o1 at g64: 41 outliers per side per 64 tokens × (2 + 2 bytes) → + 5.125 (0.020×).
-    """
-    layers, kv_heads, head_dim = _dims(config)
-    name, options = parse_kind(kind)
-    if name in KIVI_BITS:
-        group = options["group_size"]
-        per_group = layers * kv_heads * (_kivi_head_bytes(options, head_dim, group)
-                                         + _outlier_chunk_bytes(options, head_dim))
-        return per_group // group if per_group % group == 0 else per_group / group
-    if name in CODE_BITS:
-        per_head = head_bytes(name, head_dim)
-    else:
-        per_head = head_dim * (STORAGE_DTYPES[name] if name is not None else model_dtype).itemsize
-    return 2 * layers * kv_heads * per_head
-
-
-def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
-    """Bytes of the full-precision part of a cache at `batch` × `seq_len`: KIVI's residual of (seq_len − sinks) mod
-    residual_len tokens in `model_dtype`; 0 for every other kind. Sinks are not in it: they stay forever."""
-    name, options = parse_kind(kind)
-    if name not in KIVI_BITS:
-        return 0
-    layers, kv_heads, head_dim = _dims(config)
-    return batch * layers * kv_heads * 2 * head_dim * _kivi_split(options, seq_len)[2] * model_dtype.itemsize
-
-
-def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
-    """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens; equals `cache_bytes` for llama-style models."""
-    name, options = parse_kind(kind)
-    if name is None or STORAGE_DTYPES.get(name) == model_dtype:  # transformers' DynamicCache: windows respected
-        layers, kv_heads, head_dim = _dims(config)
-        return batch * _native_tokens(config, seq_len) * kv_heads * 2 * head_dim * model_dtype.itemsize
-    if name not in KIVI_BITS:
-        return batch * seq_len * bytes_per_token(config, kind, model_dtype)
-    layers, kv_heads, head_dim = _dims(config)
-    group = options["group_size"]
-    sinks, quantized, _ = _kivi_split(options, seq_len)
-    compressed = (_kivi_head_bytes(options, head_dim, quantized) + sinks * 2 * head_dim * model_dtype.itemsize
-                  + quantized // group * _outlier_chunk_bytes(options, head_dim))
-    levels = 2 ** options["key_bits"] + 2 ** options["value_bits"]
-    codebooks = layers * levels * 2 if options["nuq"] and seq_len else 0  # fp16 levels, K and V, per layer
-    return (batch * layers * kv_heads * compressed + codebooks
-            + residual_bytes(config, kind, batch, seq_len, model_dtype))
-
-
-def _native_tokens(config, seq_len: int) -> int:
-    """Tokens transformers' DynamicCache keeps at `seq_len`, summed over layers: a sliding-window layer keeps its
-    last window − 1, a layer that reuses another's cache none. Our own kinds keep every token in every layer."""
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return sum(0 if kind == "dummy" else min(seq_len, kwargs["sliding_window"] - 1) if "sliding_window" in kwargs
-               else seq_len for kind, kwargs in zip(layer_types, layer_kwargs))

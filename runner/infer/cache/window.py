@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from runner.infer.cache.layers import CACHE_KINDS, STORAGE_DTYPES, QuantLayer, make_cache
+from runner.infer.cache.layers import QuantLayer
+from runner.infer.cache.registry import KINDS, make_cache, native
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.kinds import parse_kind
 
@@ -96,13 +97,14 @@ class WindowMixin:
 
 def make_window_cache(kind: str | None, model, window: int, sinks: int) -> Cache:
     """An empty sliding-window cache of `kind` (None = the model's dtype). KIVI kinds are not supported."""
-    name, _ = parse_kind(kind)
-    if name is not None and name.startswith("kivi"):
+    options = parse_kind(kind)
+    if options is not None and options.family == "kivi":
         raise ValueError("the sliding window does not support KIVI cache kinds")
-    base = DynamicLayer if name is None or STORAGE_DTYPES.get(name) == model.dtype else CACHE_KINDS[name]
+    native_layer = native(options, model.dtype)
+    base, args = (DynamicLayer, {}) if native_layer else (KINDS[options.name].eager, {"options": options})
     layer = type(f"Window{base.__name__}", (WindowMixin, base), {})
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return Cache(layers=[layer(window=window, sinks=sinks) for _ in range(n_layers)])
+    return Cache(layers=[layer(window=window, sinks=sinks, **args) for _ in range(n_layers)])
 
 
 def make_planned_cache(kind: str | None, model, plan: DecodePlan) -> Cache:

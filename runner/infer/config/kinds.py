@@ -1,34 +1,36 @@
 """Cache kinds and their options, as the manifest spells them: the grammar, without torch.
 
-`parse_kind` turns a kind string into its canonical name and options; `canonical_kind` spells it back. The
-classes that store each kind are in `runner.infer.cache`; this module is what `run check` needs to judge a
-spelling.
+`parse_kind` turns a kind string into one frozen `KindOptions` (canonical name, family, KIVI options), which every
+layer and estimator takes; `KindOptions.canonical` (and `canonical_kind`) spells it back. The classes that store
+each kind are named in `runner.infer.cache.registry`; this module is what `run check` needs to judge a spelling,
+so it holds the format constants the grammar checks (BLOCK, CODES_PER_UNIT) and `quant.formats` imports them.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass, field, fields
+from typing import overload
 
 # The one dtype table: a model dtype's manifest name → the cache kind that stores K/V in that dtype.
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 KIND_NAMES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4", "kivi3", "kivi2")
 KIND_ALIASES = {"q8": "q8_0", "q4": "q4_0"}
 KIVI_BITS = {"kivi4": 4, "kivi3": 3, "kivi2": 2}
+FAMILIES = {**dict.fromkeys(DTYPES.values(), "float"), **dict.fromkeys(("q8_0", "q4_0", "q4_1", "nf4"), "block"),
+            **dict.fromkeys(KIVI_BITS, "kivi")}
+BLOCK = 32  # the block kinds quantize blocks of this many channels; KIVI's values too, unless b says otherwise
+CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # codes that fill whole bytes: a byte (2, 4 bits) or three bytes (3 bits)
 KIVI_OPTIONS = {"g": "group_size", "r": "residual_len", "s": "sinks", "o": "outlier_percent",
                 "b": "value_block"}  # a letter, a number
 KIVI_FLAGS = {"rot": "rotate_keys", "rotv": "rotate_values", "nuq": "nuq"}  # a word alone
-VALUE_BLOCK = 32  # quant.BLOCK: values are quantized per token in blocks of this many channels unless b says otherwise
-KIVI_DEFAULTS = {"sinks": 0, "outlier_percent": 0.0, "rotate_keys": False, "rotate_values": False, "nuq": False,
-                 "value_block": VALUE_BLOCK}
 KIVI_SPELLING = ("g<group>, r<residual>, s<sinks>, o<outlier %>, b<value block>, k<key bits>v<value bits>, rot, "
                  "rotv, nuq")
 _SPLIT_BITS = re.compile(r"k([234])v([234])")  # "k4v2": keys at 4 bits, values at 2
-_CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # quant.CODES_PER_UNIT (this module imports no torch)
-# What a budget that fits only 3 or 2 bits can still pass the default gates with (docs/performance.md#kivi-options,
-# SmolLM2, 3 windows: keys at 4 bits over groups of 128, values at 3 in blocks of 64, sinks: ΔNLL 0.010 / KL 0.011 at
-# 0.231× (plain kivi3: 0.042 / 0.039 at 0.25×); kivi2 with sinks, 2 % outliers, values in blocks of 64, fitted codes
-# ΔNLL 0.072 / KL 0.096 at 0.181×).
+# What a budget that fits only 3 or 2 bits can still pass the default gates with (docs/performance.md#kivi-options):
+# keys at 4 bits over groups of 128, values at 3 in blocks of 64, sinks; kivi2 with sinks, 2 % outliers, values in
+# blocks of 64 and fitted codes.
 BEST_KIVI3, BEST_KIVI2 = "kivi3:k4v3:g128:r128:s4:b64", "kivi2:g128:r128:s4:o2:b64:nuq"
 DEFAULT_CANDIDATES = ("fp16", "q8_0", "kivi4", "q4_1", "nf4", "q4_0", BEST_KIVI3, "kivi2", BEST_KIVI2)
 
@@ -40,29 +42,94 @@ def torch_dtype(name: str):
     return getattr(torch, {kind: dtype for dtype, kind in DTYPES.items()}.get(name, name))
 
 
-def kivi_options(bits: int, group_size: int, residual_len: int | None) -> dict:
-    """{"group_size", "residual_len"} checked: codes fill whole bytes, the residual holds whole groups."""
-    residual_len = group_size if residual_len is None else residual_len
-    per_byte = _CODES_PER_UNIT[bits]
-    if group_size <= 0 or group_size % per_byte:
-        raise ValueError(f"KIVI group size must be a positive multiple of {per_byte} at {bits} bits (got {group_size})")
-    if residual_len <= 0 or residual_len % group_size:
-        raise ValueError(f"KIVI residual length must be a positive multiple of the group size {group_size} "
-                         f"(got {residual_len})")
-    return {"group_size": group_size, "residual_len": residual_len}
+@dataclass(frozen=True)
+class KindOptions:
+    """One cache kind and its options, checked: what every layer, static layer and estimator is built from.
+
+    `name` is canonical (aliases resolved). The KIVI fields apply to KIVI kinds only; there a None is filled in:
+    key_bits / value_bits the name's bits, group_size 32, residual_len the group size. Two spellings of the same
+    kind give equal (and equally hashed) options. ValueError for anything unknown or inconsistent.
+    """
+
+    name: str
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group_size: int | None = None
+    residual_len: int | None = None
+    sinks: int = 0
+    outlier_percent: float = 0.0
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    nuq: bool = False
+    value_block: int = BLOCK
+    family: str = field(init=False)  # float, block or kivi: which registry entries share their classes
+
+    def __post_init__(self) -> None:
+        if self.name not in FAMILIES:
+            raise ValueError(f"unknown cache kind {self.name!r}: known: {', '.join(KIND_NAMES)}")
+        object.__setattr__(self, "family", FAMILIES[self.name])
+        if self.family != "kivi":
+            if any(getattr(self, f.name) != f.default for f in fields(self) if f.init and f.name != "name"):
+                raise ValueError(f"cache kind {self.name!r} takes no options")
+            return
+        bits = self.bits
+        key_bits, value_bits = self.key_bits or bits, self.value_bits or bits
+        group = 32 if self.group_size is None else self.group_size
+        residual = group if self.residual_len is None else self.residual_len
+        for name, value in (("key_bits", key_bits), ("value_bits", value_bits), ("group_size", group),
+                            ("residual_len", residual)):
+            object.__setattr__(self, name, value)
+        if (key_bits + value_bits) // 2 != bits:
+            raise ValueError(f"key and value bits k{key_bits}v{value_bits} average {(key_bits + value_bits) / 2:g}: "
+                             f"{self.name} takes splits whose average rounds down to {bits}, e.g. k4v2, k4v3 for "
+                             f"kivi3")
+        per_unit = CODES_PER_UNIT[key_bits]
+        if group <= 0 or group % per_unit:
+            raise ValueError(f"KIVI group size must be a positive multiple of {per_unit} at {key_bits} bits (got "
+                             f"{group})")
+        if residual <= 0 or residual % group:
+            raise ValueError(f"KIVI residual length must be a positive multiple of the group size {group} "
+                             f"(got {residual})")
+        if self.value_block <= 0 or self.value_block % CODES_PER_UNIT[value_bits]:
+            raise ValueError(f"the value block (b) must be a positive multiple of {CODES_PER_UNIT[value_bits]} at "
+                             f"{value_bits} bits (got {self.value_block})")
+        if not 0 <= self.outlier_percent <= 50:
+            raise ValueError("the outlier percentage (o) must be between 0 and 50")
+
+    @property
+    def bits(self) -> int | None:
+        """A KIVI kind's bits (the name's: the average of key and value bits, rounded down); None otherwise."""
+        return KIVI_BITS.get(self.name)
+
+    @property
+    def canonical(self) -> str:
+        """The one spelling: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`, the other
+        options after g and r in a fixed order, only when not their default). Cache plans key on it."""
+        if self.family != "kivi":
+            return self.name
+        split = (self.key_bits, self.value_bits) != (self.bits,) * 2
+        extras = [f"s{self.sinks}" if self.sinks else "",
+                  f"o{self.outlier_percent:g}" if self.outlier_percent else "",
+                  f"b{self.value_block}" if self.value_block != BLOCK else "",
+                  f"k{self.key_bits}v{self.value_bits}" if split else "",
+                  *[flag for flag, option in KIVI_FLAGS.items() if getattr(self, option)]]
+        return ":".join([self.name, f"g{self.group_size}", f"r{self.residual_len}", *filter(None, extras)])
 
 
-def parse_kind(kind: str | None) -> tuple[str | None, dict]:
-    """A kind string → (canonical name, options); None → (None, {}). ValueError for anything unknown or bad.
+@overload
+def parse_kind(kind: str) -> KindOptions: ...
+@overload
+def parse_kind(kind: None) -> None: ...
+def parse_kind(kind: str | None) -> KindOptions | None:
+    """A kind string → its KindOptions; None → None (the model's own dtype). ValueError for anything unknown or bad.
 
-    "q4" → ("q4_0", {}); "kivi4" → ("kivi4", {"group_size": 32, "residual_len": 32, **KIVI_DEFAULTS});
+    "q4" → q4_0; "kivi4" → group 32, residual 32, both sides at 4 bits, no other option;
     "kivi3:g64:r128:s4:o1:rot:nuq" → group 64, residual 128, 4 sinks, 1 % outliers, rotated keys, fitted codes;
     "kivi3:k4v2:b64" → keys at 4 bits, values at 2 in blocks of 64 channels (the name's bits are the average of
-    key and value bits, rounded down). r defaults to g; each option at most once, in any order. Options always
-    hold key_bits and value_bits.
+    key and value bits, rounded down). r defaults to g; each option at most once, in any order.
     """
     if kind is None:
-        return None, {}
+        return None
     name, *fields = kind.split(":")
     name = KIND_ALIASES.get(name, name)
     if name not in KIND_NAMES:
@@ -73,41 +140,30 @@ def parse_kind(kind: str | None) -> tuple[str | None, dict]:
     if name not in KIVI_BITS:
         if fields:
             raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
-        return name, {}
+        return KindOptions(name)
     given: dict = {}
-    for field in fields:
-        option, value = _kivi_field(field)
+    for part in fields:
+        option, value = _kivi_field(part)
         if option is None or option in given:
-            close = difflib.get_close_matches(field, [*KIVI_FLAGS, "g32", "r128", "s4", "o1"], n=1)
+            close = difflib.get_close_matches(part, [*KIVI_FLAGS, "g32", "r128", "s4", "o1"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close and option is None else ""
-            raise ValueError(f"bad option {field!r} in cache kind {kind!r}{hint}: expected {KIVI_SPELLING}, each at "
+            raise ValueError(f"bad option {part!r} in cache kind {kind!r}{hint}: expected {KIVI_SPELLING}, each at "
                              f"most once, e.g. {name}:g32:r128:s4:o1")
         given[option] = value
-    bits = KIVI_BITS[name]
-    key_bits, value_bits = given.pop("split_bits", (bits, bits))
-    block = given.get("value_block", VALUE_BLOCK)
+    key_bits, value_bits = given.pop("split_bits", (None, None))
     try:
-        if (key_bits + value_bits) // 2 != bits:
-            raise ValueError(f"key and value bits k{key_bits}v{value_bits} average {(key_bits + value_bits) / 2:g}: "
-                             f"{name} takes splits whose average rounds down to {bits}, e.g. k4v2, k4v3 for kivi3")
-        options = kivi_options(key_bits, given.pop("group_size", 32), given.pop("residual_len", None))
-        if block <= 0 or block % _CODES_PER_UNIT[value_bits]:
-            raise ValueError(f"the value block (b) must be a positive multiple of {_CODES_PER_UNIT[value_bits]} at "
-                             f"{value_bits} bits (got {block})")
+        return KindOptions(name, key_bits=key_bits, value_bits=value_bits, **given)
     except ValueError as error:
         raise ValueError(f"cache kind {kind!r}: {error}") from None
-    if not 0 <= given.get("outlier_percent", 0) <= 50:
-        raise ValueError(f"cache kind {kind!r}: the outlier percentage (o) must be between 0 and 50")
-    return name, {**options, **KIVI_DEFAULTS, **given, "key_bits": key_bits, "value_bits": value_bits}
 
 
-def _kivi_field(field: str) -> tuple[str | None, object]:
+def _kivi_field(part: str) -> tuple[str | None, object]:
     """One ':'-separated KIVI option → (option name, value), or (None, None) when it is not one."""
-    if field in KIVI_FLAGS:
-        return KIVI_FLAGS[field], True
-    if split := _SPLIT_BITS.fullmatch(field):
+    if part in KIVI_FLAGS:
+        return KIVI_FLAGS[part], True
+    if split := _SPLIT_BITS.fullmatch(part):
         return "split_bits", (int(split[1]), int(split[2]))
-    option, number = KIVI_OPTIONS.get(field[:1]), field[1:]
+    option, number = KIVI_OPTIONS.get(part[:1]), part[1:]
     if option is None or not number.isascii():
         return None, None
     if option == "outlier_percent":
@@ -117,18 +173,8 @@ def _kivi_field(field: str) -> tuple[str | None, object]:
 
 
 def canonical_kind(kind: str) -> str:
-    """The one spelling of a kind: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`, the
-    other options after g and r in a fixed order, only when not their default)."""
-    name, options = parse_kind(kind)
-    if not options:
-        return name
-    split = (options["key_bits"], options["value_bits"]) != (KIVI_BITS[name],) * 2
-    extras = [f"s{options['sinks']}" if options["sinks"] else "",
-              f"o{options['outlier_percent']:g}" if options["outlier_percent"] else "",
-              f"b{options['value_block']}" if options["value_block"] != VALUE_BLOCK else "",
-              f"k{options['key_bits']}v{options['value_bits']}" if split else "",
-              *[flag for flag, option in KIVI_FLAGS.items() if options[option]]]
-    return ":".join([name, f"g{options['group_size']}", f"r{options['residual_len']}", *filter(None, extras)])
+    """The one spelling of a kind (`KindOptions.canonical`): `kivi4` → `kivi4:g32:r32`."""
+    return parse_kind(kind).canonical
 
 
 def checked_kind(value: str | None) -> str | None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from runner.errors import DataError, InferenceError
-from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import make_cache
 from runner.infer.cache.window import DecodePlan, make_planned_cache
 from runner.infer.decode.forward import decode_one_token, forward_last, positions_for, prefill, trim_mask
 from runner.infer.loading.texts import EvalText, needle_prompt, token_windows

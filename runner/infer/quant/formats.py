@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32
+from runner.infer.config.kinds import BLOCK, CODES_PER_UNIT  # defined with the grammar that checks them
+
 CODE_BITS = {"q8_0": 8, "q4_0": 4, "nf4": 4, "q4_1": 4}
 QMAX = {"q8_0": 127, "q4_0": 7, "nf4": 1}  # symmetric kinds: scale = absmax / QMAX
 SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "nf4": 2, "q4_1": 4}  # per block: fp16 scale (q4_1: + fp16 minimum)
@@ -99,9 +100,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_dim: i
 
 
 # --- bit packing and asymmetric groups along any axis -----------------------------------------------------------
-
-CODES_PER_UNIT = {2: 4, 3: 8, 4: 2}  # codes that fill whole bytes: a byte (2, 4 bits) or three bytes (3 bits)
-
 
 PLANE = 16  # bytes of a plane group along the last axis (see the module docstring)
 

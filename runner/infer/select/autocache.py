@@ -23,7 +23,8 @@ import torch
 import transformers
 
 from runner.errors import InferenceError, RunnerError
-from runner.infer.cache.layers import STORAGE_DTYPES, bytes_per_token, estimate_cache_bytes
+from runner.infer.cache.layers import STORAGE_DTYPES
+from runner.infer.cache.registry import bytes_per_token, estimate_cache_bytes
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.kinds import canonical_kind
 from runner.infer.loading.texts import EvalText, load_text, token_windows

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from runner.infer.cache.layers import make_cache
+from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import engine_for
 from runner.infer.decode.forward import decode_one_token, forward_last, positions_for
 from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.cache.layers import make_cache
 from runner.infer.cache.ragged import RaggedCache, ragged_reason
+from runner.infer.cache.registry import make_cache
 from runner.infer.speculative.draft import Draft
 from runner.infer.speculative.rounds import (
     RoundRules,

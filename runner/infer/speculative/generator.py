@@ -42,7 +42,7 @@ import logging
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.cache.layers import make_cache
+from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import check_compilable, engine_for
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.infer.cache.layers import make_cache
+from runner.infer.cache.registry import make_cache
 from runner.infer.decode.forward import forward
 
 

@@ -15,7 +15,8 @@ from runner.infer.bench.cells import (
     measure_ours,
     measure_speculative,
 )
-from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import make_cache
 
 
 @pytest.fixture(scope="module")

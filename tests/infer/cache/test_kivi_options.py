@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from runner.infer.cache import codebooks
-from runner.infer.cache.layers import (
-    KiviLayer,
-    bytes_per_token,
-    cache_bytes,
-    estimate_cache_bytes,
-    make_cache,
-    residual_bytes,
-)
+from runner.infer.cache.layers import KiviLayer, cache_bytes
+from runner.infer.cache.registry import KINDS, bytes_per_token, estimate_cache_bytes, make_cache, residual_bytes
 from runner.infer.config.kinds import canonical_kind, parse_kind
 from runner.infer.loading.texts import load_text
 from runner.infer.measure.quality import build_probe, compare, run_probe
@@ -36,11 +30,9 @@ def _codebooks_in_tmp(tmp_path, monkeypatch):
 
 
 def _layer(kind, keys, values, chunks=()):
-    name, options = parse_kind(kind)
-    levels = tuple(torch.linspace(0, 1, 2 ** options[side]).half() for side in ("key_bits", "value_bits"))
-    from runner.infer.cache.layers import CACHE_KINDS
-
-    layer = CACHE_KINDS[name](**options, levels=levels if options["nuq"] else None)
+    options = parse_kind(kind)
+    levels = tuple(torch.linspace(0, 1, 2 ** bits).half() for bits in (options.key_bits, options.value_bits))
+    layer = KINDS[options.name].eager(options, levels=levels if options.nuq else None)
     bounds = [0, *chunks, keys.shape[-2]]
     for start, end in zip(bounds, bounds[1:]):
         out = layer.update(keys[..., start:end, :], values[..., start:end, :])
@@ -174,10 +166,10 @@ def test_kind_strings_name_their_options_and_one_spelling():
     assert canonical_kind("kivi3") == "kivi3:g32:r32"
     assert canonical_kind("kivi3:nuq:rot:o1:s4:r128:g64") == "kivi3:g64:r128:s4:o1:rot:nuq"
     assert canonical_kind("kivi2:o0.5:rotv") == "kivi2:g32:r32:o0.5:rotv"
-    assert parse_kind("kivi3:s4")[1]["sinks"] == 4 and parse_kind("kivi3:o1.5")[1]["outlier_percent"] == 1.5
+    assert parse_kind("kivi3:s4").sinks == 4 and parse_kind("kivi3:o1.5").outlier_percent == 1.5
     assert canonical_kind("kivi3:k4v2:b64:s4:nuq") == "kivi3:g32:r32:s4:b64:k4v2:nuq"
     assert canonical_kind("kivi3:k3v3:b32") == "kivi3:g32:r32"  # the defaults spelled out are the defaults
-    assert parse_kind("kivi2:k3v2")[1]["key_bits"] == 3 and parse_kind("kivi3")[1]["value_bits"] == 3
+    assert parse_kind("kivi2:k3v2").key_bits == 3 and parse_kind("kivi3").value_bits == 3
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -202,7 +194,7 @@ def test_bad_options_are_rejected_with_the_closest_valid_one(kind, message):
 
 def test_nuq_needs_levels_and_a_model_load_model_made(tiny_lm):
     with pytest.raises(ValueError, match="make_cache"):
-        KiviLayer(nuq=True)
+        KiviLayer(parse_kind("kivi4:nuq"))
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     bare = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,

@@ -1,13 +1,13 @@
 """KV-cache kinds: quantizer error bounds, real compression, estimator == measured bytes, layer API, greedy parity."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 
 from runner.infer.cache.layers import (
-    BLOCK,
-    NF4_LEVELS,
     CastLayer,
     Kivi2Layer,
     Kivi4Layer,
@@ -17,25 +17,23 @@ from runner.infer.cache.layers import (
     Q4_1Layer,
     Q8_0Layer,
     QuantLayer,
-    bytes_per_token,
     cache_bytes,
-    dequantize,
-    estimate_cache_bytes,
-    make_cache,
-    parse_kind,
-    quantize,
-    residual_bytes,
 )
+from runner.infer.cache.registry import bytes_per_token, estimate_cache_bytes, make_cache, residual_bytes
 from runner.infer.config.decoding import GenerateConfig
-from runner.infer.config.kinds import KIVI_BITS, KIVI_DEFAULTS
+from runner.infer.config.kinds import KindOptions, parse_kind
 from runner.infer.decode.forward import DecodeState
 from runner.infer.generation.generator import Generator, generate
 from runner.infer.loading.texts import load_text
 from runner.infer.measure.quality import build_probe, compare, run_probe
 from runner.infer.quant.formats import (
+    BLOCK,
+    NF4_LEVELS,
+    dequantize,
     dequantize_groups,
     pack,
     plane_bytes,
+    quantize,
     quantize_groups,
     unpack,
     unpack_expr,
@@ -307,10 +305,10 @@ def test_estimator_equals_measured_bytes(kind, which, request):
         expected = estimate_cache_bytes(model.config, kind, batch, total, model.dtype)
         assert cache_bytes(cache) == expected > 0
         compressed = expected - residual_bytes(model.config, kind, batch, total, model.dtype)
-        name, options = parse_kind(kind)
-        if name in KIVI_BITS:
-            sinks = min(total, options["sinks"])  # kept exact, outside the quantized and residual tokens
-            quantized = (total - sinks) // options["residual_len"] * options["residual_len"]
+        options = parse_kind(kind)
+        if options is not None and options.family == "kivi":
+            sinks = min(total, options.sinks)  # kept exact, outside the quantized and residual tokens
+            quantized = (total - sinks) // options.residual_len * options.residual_len
             assert all(layer.quantized_len() == quantized for layer in cache.layers)
             token_bytes = cache_bytes(_fill(model, None, 1, 1, 0))  # one token in the model's dtype, K and V
             assert compressed == batch * (quantized * bytes_per_token(model.config, kind, model.dtype)
@@ -361,14 +359,19 @@ def test_bytes_relative_to_fp16_for_smollm2_shapes():
 # --- parsing kind strings ---------------------------------------------------------------------------------------
 
 def test_parse_kind_resolves_aliases_and_defaults():
-    assert parse_kind(None) == (None, {})
-    assert parse_kind("q4") == ("q4_0", {}) and parse_kind("q4_1") == ("q4_1", {})
-    off = KIVI_DEFAULTS  # sinks, outliers, rotations, nuq, value block: off unless named; both sides at the name's bits
+    assert parse_kind(None) is None
+    none = dict(key_bits=None, value_bits=None, group_size=None, residual_len=None, sinks=0, outlier_percent=0.0,
+                rotate_keys=False, rotate_values=False, nuq=False, value_block=32)  # what a plain kind carries
+    assert asdict(parse_kind("q4")) == {"name": "q4_0", "family": "block", **none}
+    assert asdict(parse_kind("q4_1")) == {"name": "q4_1", "family": "block", **none}
+    # sinks, outliers, rotations, nuq, value block: off unless named; both sides at the name's bits
+    off = dict(sinks=0, outlier_percent=0.0, rotate_keys=False, rotate_values=False, nuq=False, value_block=32)
     four, two = {**off, "key_bits": 4, "value_bits": 4}, {**off, "key_bits": 2, "value_bits": 2}
-    assert parse_kind("kivi4") == ("kivi4", {"group_size": 32, "residual_len": 32, **four})
-    assert parse_kind("kivi2:g64") == ("kivi2", {"group_size": 64, "residual_len": 64, **two})  # r defaults to g
-    assert parse_kind("kivi4:r128") == ("kivi4", {"group_size": 32, "residual_len": 128, **four})
-    assert parse_kind("kivi4:r128:g64") == ("kivi4", {"group_size": 64, "residual_len": 128, **four})
+    kivi4, kivi2 = {"name": "kivi4", "family": "kivi"}, {"name": "kivi2", "family": "kivi"}
+    assert asdict(parse_kind("kivi4")) == {**kivi4, "group_size": 32, "residual_len": 32, **four}
+    assert asdict(parse_kind("kivi2:g64")) == {**kivi2, "group_size": 64, "residual_len": 64, **two}  # r = g
+    assert asdict(parse_kind("kivi4:r128")) == {**kivi4, "group_size": 32, "residual_len": 128, **four}
+    assert asdict(parse_kind("kivi4:r128:g64")) == {**kivi4, "group_size": 64, "residual_len": 128, **four}
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -392,7 +395,7 @@ def test_bad_kind_strings_are_rejected_clearly(kind, message, tiny_lm):
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
             call()
     with pytest.raises(ValueError, match="residual length"):
-        Kivi4Layer(group_size=32, residual_len=40)
+        Kivi4Layer(KindOptions("kivi4", group_size=32, residual_len=40))
 
 
 # --- the layer API ----------------------------------------------------------------------------------------------
@@ -404,8 +407,9 @@ def _kv(batch=3, seq=9, head_dim=40, seed=0, dtype=torch.float32):
 
 
 def _layer(kind, keys, values, chunks=(None,), **options):
-    """A layer of `kind` fed `keys`/`values` [B,H,T,D] in chunks split at the given sequence positions."""
-    layer = LAYERS[kind](**options)
+    """A layer of `kind` (with KIVI `options`) fed `keys`/`values` [B,H,T,D] in chunks split at the given sequence
+    positions."""
+    layer = LAYERS[kind](KindOptions(kind, **options))
     bounds = [0, *[c for c in chunks if c is not None], keys.shape[-2]]
     for start, end in zip(bounds, bounds[1:]):
         out = layer.update(keys[..., start:end, :], values[..., start:end, :])

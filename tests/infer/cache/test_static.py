@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from runner.infer.cache import codebooks
-from runner.infer.cache.layers import CACHE_KINDS, _dims, cache_bytes, estimate_cache_bytes
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import KINDS, estimate_cache_bytes
+from runner.infer.cache.sizes import dims
 from runner.infer.cache.static.cache import make_static_cache, static_length
-from runner.infer.cache.static.kivi import StaticKiviLayer
 from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.config.kinds import parse_kind
 from runner.infer.quant.formats import (
@@ -28,20 +29,20 @@ OPTIONS = ["kivi4:g8:r16:o2", "kivi2:g4:r8:s3:o1:b8", "kivi3:k4v3:g8:r16:rot", "
            "kivi2:g32:r32:s4:o2:b64:nuq:rot", "kivi2:g8:r16:s4:o2:b64:nuq"]
 
 
-def _levels(options: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _levels(options) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Non-uniform levels standing in for fitted ones (nuq), else None."""
-    if not options["nuq"]:
+    if not options.nuq:
         return None
-    return tuple((torch.linspace(0, 1, 2 ** options[side]) ** 1.5).half() for side in ("key_bits", "value_bits"))
+    return tuple((torch.linspace(0, 1, 2 ** bits) ** 1.5).half() for bits in (options.key_bits, options.value_bits))
 
 
 def _pair(kind: str, columns: int, dtype=torch.float32):
     """(eager KiviLayer, StaticKiviLayer of `columns` columns) of the same kind and options."""
-    name, options = parse_kind(kind)
-    levels = _levels(options)
-    eager = CACHE_KINDS[name](**options, levels=levels)
-    static = StaticKiviLayer(batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
-                             dtype=dtype, device=torch.device("cpu"), **options, levels=levels)
+    options = parse_kind(kind)
+    levels, entry = _levels(options), KINDS[options.name]
+    eager = entry.eager(options, levels=levels)
+    static = entry.static(options, batch=B, heads=H, length=static_length(kind, columns), key_dim=D, value_dim=D,
+                          dtype=dtype, device=torch.device("cpu"), levels=levels)
     return eager, static
 
 
@@ -147,11 +148,11 @@ def test_static_kivi_holds_the_estimated_region_and_its_ring(tiny_lm, kind, tmp_
     monkeypatch.setattr(codebooks, "_FITTED", {})
     model = tiny_lm.model
     cache = make_static_cache(kind, model, 2, 300)
-    _, options = parse_kind(kind)
-    ring = 2 * options["residual_len"]
-    assert cache.length == static_length(kind, 300) and (cache.length - options["sinks"]) % ring == 0
+    options = parse_kind(kind)
+    ring = 2 * options.residual_len
+    assert cache.length == static_length(kind, 300) and (cache.length - options.sinks) % ring == 0
     assert cache.length >= 300
-    layers, heads, head_dim = _dims(model.config)
+    layers, heads, head_dim = dims(model.config)
     ring_bytes = 2 * layers * heads * 2 * head_dim * ring * model.dtype.itemsize  # rows × layers × heads × K,V
     assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, cache.length, model.dtype) + ring_bytes
 

@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import make_cache
 from runner.infer.cache.window import make_window_cache, plan_decode
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import decode_one_token, positions_for, prefill, trim_mask

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from runner.infer.cache import codebooks
-from runner.infer.cache.layers import bytes_per_token, cache_bytes
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import bytes_per_token
 from runner.infer.cache.static.cache import STATIC_KINDS, static_length
 from runner.infer.cache.static.kivi import StaticKiviLayer
 from runner.infer.cache.static.plain import StaticQuantLayer
@@ -191,7 +192,7 @@ def test_speculative_verification_on_static_states_gives_the_target_greedy_token
 def test_a_static_kivi_state_cropped_across_blocks_gives_the_eager_caches_logits(static_lm, kind, held, kept):
     """A crop into quantized blocks returns their kept columns to full precision dequantized (as the eager
     KiviLayer does); the logits after it then agree to float rounding (without the rollback: 4e-4 to 0.1)."""
-    from runner.infer.cache.layers import make_cache
+    from runner.infer.cache.registry import make_cache
     from runner.infer.speculative.generator import crop_to, feed
 
     model = static_lm.model
@@ -314,13 +315,13 @@ def test_a_compiled_write_stores_the_codes_an_uncompiled_one_stores(kind):
     """One static layer fed 100 columns one at a time (a block completed every 32), once as is and once through
     torch.compile with the engine's options: every stored tensor and every K/V handed to attention bit for bit the
     same. Without `emulate_precision_casts` inductor coded against unrounded fp16 scales (12 % of kivi2's differed)."""
-    name, options = parse_kind(kind)
+    options = parse_kind(kind)
     shape = dict(batch=1, heads=2, key_dim=64, value_dim=64, dtype=torch.float32, device=torch.device("cpu"))
-    if name == "q4_0":
-        layer = StaticQuantLayer(length=100, kind="q4_0", **shape)
+    if options.name == "q4_0":
+        layer = StaticQuantLayer(options, length=100, **shape)
     else:
         levels = (torch.linspace(0, 1, 4).pow(1.3).half(), torch.linspace(0, 1, 4).pow(0.8).half())
-        layer = StaticKiviLayer(length=static_length(kind, 100), **shape, **options, levels=levels)
+        layer = StaticKiviLayer(options, length=static_length(kind, 100), **shape, levels=levels)
     twin = copy.deepcopy(layer)
     write = torch.compile(lambda lay, *a: lay.write(*a), dynamic=False, options=compile_options("default"))
     generator = torch.Generator().manual_seed(0)

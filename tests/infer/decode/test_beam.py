@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from runner.infer.cache.layers import make_cache
+from runner.infer.cache.registry import make_cache
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator, generate
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from runner.errors import InferenceError
-from runner.infer.cache.layers import cache_bytes, make_cache
+from runner.infer.cache.layers import cache_bytes
+from runner.infer.cache.registry import make_cache
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import positions_for
 from runner.infer.generation.generator import Generator, generate

@@ -20,17 +20,18 @@ HEADS, GROUPS, ROWS = 2, 3, 2
 
 
 def _layer(kind: str, head_dim: int, length: int):
-    name, options = parse_kind(kind)
+    options = parse_kind(kind)
+    name = options.name
     shape = dict(batch=ROWS, heads=HEADS, key_dim=head_dim, value_dim=head_dim, dtype=torch.float32,
                  device=torch.device("cpu"))
     if name in STORAGE_DTYPES:
-        return StaticPlainLayer(length=length, storage=STORAGE_DTYPES[name], **shape)
+        return StaticPlainLayer(options, length=length, **shape)
     if name in CODE_BITS:
-        return StaticQuantLayer(length=length, kind=name, **shape)
-    bits = 2 ** options["value_bits"]
-    levels = (torch.linspace(0, 1, 2 ** options["key_bits"]).pow(1.3).half(),
+        return StaticQuantLayer(options, length=length, **shape)
+    bits = 2 ** options.value_bits
+    levels = (torch.linspace(0, 1, 2 ** options.key_bits).pow(1.3).half(),
               torch.linspace(0, 1, bits).pow(0.8).half())
-    return StaticKiviLayer(length=static_length(kind, length), **shape, **options, levels=levels)
+    return StaticKiviLayer(options, length=static_length(kind, length), **shape, levels=levels)
 
 
 def _reference(query: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

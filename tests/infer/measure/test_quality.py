@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from runner.infer.cache.layers import make_cache
+from runner.infer.cache.registry import make_cache
 from runner.infer.loading.texts import load_text
 from runner.infer.measure.quality import (
     build_probe,

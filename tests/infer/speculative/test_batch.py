@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from runner.infer.cache.layers import make_cache
 from runner.infer.cache.ragged import RaggedCache, ragged_reason
+from runner.infer.cache.registry import make_cache
 from runner.infer.config.decoding import SpeculativeConfig
 from runner.infer.generation.generator import generate
 from runner.infer.speculative.generator import SpeculativeGenerator

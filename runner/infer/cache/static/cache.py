@@ -6,7 +6,7 @@ Layouts (B rows, H KV heads, S columns = the cache's length, D head_dim; the ari
     q8_0 q4_0 q4_1 nf4 codes [B,H,S,C] and scales [B,H,S,NB] (q4_1: [B,H,S,2·NB]); every column is quantized on
                        its own, so writing a column by index equals the eager layer's append.
     kivi4 kivi3 kivi2  s sinks (option s, default 0): columns [0, s) as they came, never quantized. Then
-                       kvcache.KiviLayer's six quantized tensors over the S − s columns after them (keys per channel
+                       layers.KiviLayer's six quantized tensors over the S − s columns after them (keys per channel
                        over groups of g columns at bk bits, values per column at bv bits in blocks of bs channels;
                        k4v3: bk = 4, bv = 3; b64: bs = 64, else 32) and a ring of R = 2r full-precision columns
                        (column s + c in slot c mod R) holding the residual: columns [s + Q, T), Q = floor((T − s) /
@@ -26,8 +26,8 @@ dequantize_groups_expr: unpacking, scale and minimum). The compiled engine's one
 through each layer's `attend` (cpu_attention's kernel over the stored codes: no float K/V at all); elsewhere it
 sums products over that expression (attention.attend_reduced), so inductor computes it inside those sums and no
 full-size float K/V is written (except with KIVI's outliers or rotation: a scatter and a matrix product).
-The layers are static_plain.py's (plain and block kinds) and static_kivi.py's (KIVI).
-Owns: `StaticKVCache`, `make_static_cache`, `static_length` and `STATIC_KINDS`; kvcache.cache_bytes measures the
+The layers are static/plain.py's (plain and block kinds) and static/kivi.py's (KIVI), named by the registry.
+Owns: `StaticKVCache`, `make_static_cache`, `static_length` and `STATIC_KINDS`; layers.cache_bytes measures the
 layers (`nbytes`). Does not know about compilation, masks, decoding or selection.
 """
 
@@ -36,15 +36,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from runner.infer.cache.codebooks import fitted_levels
-from runner.infer.cache.layers import STORAGE_DTYPES, _dims
+from runner.infer.cache.registry import KINDS, NATIVE_KINDS, layer_levels
+from runner.infer.cache.sizes import dims
 from runner.infer.cache.static.kivi import StaticKiviLayer
-from runner.infer.cache.static.plain import StaticPlainLayer, StaticQuantLayer
-from runner.infer.config.kinds import KIVI_BITS, parse_kind
+from runner.infer.cache.static.plain import StaticPlainLayer
+from runner.infer.config.kinds import parse_kind
 from runner.infer.kernels import cpu_attention
-from runner.infer.quant.formats import CODE_BITS
 
-STATIC_KINDS = (*STORAGE_DTYPES, *CODE_BITS, *KIVI_BITS)  # every kind, every KIVI option
+STATIC_KINDS = tuple(KINDS)  # every kind, every KIVI option
 
 
 class StaticKVCache(Cache):
@@ -115,33 +114,23 @@ class StaticKVCache(Cache):
 
 def static_length(kind: str | None, length: int) -> int:
     """Columns a static cache of `kind` holds for `length` wanted: KIVI's sinks and whole rings (2r) after them."""
-    name, options = parse_kind(kind)
-    if name not in KIVI_BITS:
-        return length
-    ring, sinks = 2 * options["residual_len"], options["sinks"]
-    return sinks + -(-max(length - sinks, 1) // ring) * ring
+    options = parse_kind(kind)
+    return length if options is None else KINDS[options.name].static.columns(options, length)
 
 
 def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:
     """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns
     (KIVI: `static_length` of them)."""
-    name, options = parse_kind(kind)
-    name = name or {v: k for k, v in STORAGE_DTYPES.items()}.get(model.dtype)
-    if name not in STATIC_KINDS:
+    options = parse_kind(kind if kind is not None else NATIVE_KINDS.get(model.dtype))
+    if options is None:
         raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
                          f"use one of {', '.join(STATIC_KINDS)}")
-    n_layers, heads, head_dim = _dims(model.config)
+    n_layers, heads, head_dim = dims(model.config)
     device = next(model.parameters()).device
     if device.type == "cpu":
         cpu_attention.load()  # attention then reads the cache through the kernel (attention.attend_reduced)
-    common = dict(batch=batch, heads=heads, length=length, key_dim=head_dim, value_dim=head_dim, dtype=model.dtype,
-                  device=device)
-    if name in KIVI_BITS:
-        common["length"] = static_length(kind, length)
-        levels = fitted_levels(model, options) if options["nuq"] else [None] * n_layers  # as kvcache.make_cache
-        layers = [StaticKiviLayer(**common, **options, levels=levels[i]) for i in range(n_layers)]
-    elif name in CODE_BITS:
-        layers = [StaticQuantLayer(**common, kind=name) for _ in range(n_layers)]
-    else:
-        layers = [StaticPlainLayer(**common, storage=STORAGE_DTYPES[name]) for _ in range(n_layers)]
-    return StaticKVCache(layers, name)
+    static = KINDS[options.name].static
+    shape = dict(batch=batch, heads=heads, length=static.columns(options, length), key_dim=head_dim,
+                 value_dim=head_dim, dtype=model.dtype, device=device)
+    layers = [static(options, **shape, **extra) for extra in layer_levels(model, options, n_layers)]
+    return StaticKVCache(layers, options.name)

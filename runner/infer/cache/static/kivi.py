@@ -1,5 +1,5 @@
 """The static KIVI layout for the compiled engine: sinks, the quantized region and a ring of full-precision
-columns, all preallocated, written in place by column with fixed shapes (layouts: static.py's docstring).
+columns, all preallocated, written in place by column with fixed shapes (layouts: static/cache.py's docstring).
 Owns: StaticKiviLayer.
 """
 
@@ -9,8 +9,9 @@ import torch
 
 from runner.infer.cache.kivi_codec import KiviCodec
 from runner.infer.cache.static.plain import StaticPlainLayer
+from runner.infer.config.kinds import KindOptions
 from runner.infer.kernels import cpu_attention
-from runner.infer.quant.formats import BLOCK, plane_bytes
+from runner.infer.quant.formats import plane_bytes
 
 
 class StaticKiviLayer(KiviCodec, StaticPlainLayer):
@@ -25,20 +26,25 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     code_blocks = True  # False: writes only fill the ring (set by StaticKVCache.code_blocks)
     views = True  # False: writes hand attention 0 columns (the kernel reads the layer; StaticKVCache.code_blocks)
 
-    def __init__(self, *args, group_size: int = 32, residual_len: int = 32, key_bits: int = 4, value_bits: int = 4,
-                 value_block: int = BLOCK, sinks: int = 0, outlier_percent: float = 0.0, rotate_keys: bool = False,
-                 rotate_values: bool = False, nuq: bool = False,
-                 levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
-        self.key_bits, self.value_bits = key_bits, value_bits  # parse_kind's: kivi3 → 3 and 3, k4v3 → 4 and 3
-        self.value_block = value_block  # b64: values in blocks of 64 channels
-        self.sinks = sinks  # s4: columns 0..3 kept exact, never quantized
-        self.group_size, self.residual_len = group_size, residual_len
-        self.ring_len = 2 * residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
-        self.outlier_percent, self.rotate_keys, self.rotate_values = outlier_percent, rotate_keys, rotate_values
-        if nuq and levels is None:
+    @staticmethod
+    def columns(options: KindOptions, length: int) -> int:
+        """The sinks and whole rings (2r) after them: at least `length` columns."""
+        ring, sinks = 2 * options.residual_len, options.sinks
+        return sinks + -(-max(length - sinks, 1) // ring) * ring
+
+    def __init__(self, options: KindOptions, *args, levels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **kwargs):
+        self.key_bits, self.value_bits = options.key_bits, options.value_bits  # kivi3 → 3 and 3, k4v3 → 4 and 3
+        self.value_block = options.value_block  # b64: values in blocks of 64 channels
+        self.sinks = options.sinks  # s4: columns 0..3 kept exact, never quantized
+        self.group_size, self.residual_len = options.group_size, options.residual_len
+        self.ring_len = 2 * self.residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
+        self.outlier_percent = options.outlier_percent
+        self.rotate_keys, self.rotate_values = options.rotate_keys, options.rotate_values
+        if options.nuq and levels is None:
             raise ValueError("nuq codes need levels fitted to the model: build the cache with make_static_cache")
-        self.levels = levels if nuq else None  # moved to the cache's device in allocate: graph inputs, no lookups
-        super().__init__(*args, **kwargs)
+        self.levels = levels if options.nuq else None  # moved to the cache's device in allocate: graph inputs
+        super().__init__(options, *args, **kwargs)
 
     def allocate(self) -> None:
         span = self.max_cache_len - self.sinks  # columns of the region (and of the ring tiled)

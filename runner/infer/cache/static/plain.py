@@ -1,6 +1,7 @@
 """Static layouts of the plain and block kinds (fp32 / fp16 / bf16, q8_0 / q4_0 / q4_1 / nf4) for the compiled
-engine: preallocated at a fixed number of columns and written in place by column (layouts: static.py's docstring).
-Owns: StaticPlainLayer (also the base of static_kivi.StaticKiviLayer) and StaticQuantLayer.
+engine: preallocated at a fixed number of columns and written in place by column (layouts: static/cache.py's
+docstring). Built from the kind's KindOptions, as the eager layers are.
+Owns: StaticPlainLayer (also the base of static/kivi.StaticKiviLayer) and StaticQuantLayer.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import StaticLayer
 
+from runner.infer.config.kinds import KindOptions, torch_dtype
 from runner.infer.kernels import cpu_attention
 from runner.infer.quant.formats import NF4_LEVELS, dequantize_expr, quantize
 
@@ -15,16 +17,22 @@ NF4_KERNEL_LEVELS = cpu_attention.levels16(NF4_LEVELS)  # made once, not at ever
 
 
 class StaticPlainLayer(StaticLayer):
-    """K/V stored as is, in `storage` dtype, [B,H,S,D]."""
+    """K/V stored as is, [B,H,S,D], in `storage`: the kind's dtype (fp32 / fp16 / bf16), else the model's `dtype`
+    (the full-precision columns of a subclass: KIVI's sinks and ring)."""
 
     TENSORS: tuple[str, ...] = ("keys", "values")
 
-    def __init__(self, batch: int, heads: int, length: int, key_dim: int, value_dim: int, dtype: torch.dtype,
-                 device: torch.device, storage: torch.dtype | None = None):
+    @staticmethod
+    def columns(options: KindOptions, length: int) -> int:
+        """Columns a layer of these options holds for `length` wanted (make_static_cache's `length`)."""
+        return length
+
+    def __init__(self, options: KindOptions, batch: int, heads: int, length: int, key_dim: int, value_dim: int,
+                 dtype: torch.dtype, device: torch.device):
         super().__init__(max_cache_len=length)
         self.dtype, self.device, self.batch_size, self.num_heads = dtype, device, batch, heads
         self.k_head_dim, self.v_head_dim = key_dim, value_dim
-        self.storage = storage or dtype
+        self.storage = torch_dtype(options.name) if options.family == "float" else dtype
         self.allocate()
         self.is_initialized = True
 
@@ -81,11 +89,10 @@ class StaticQuantLayer(StaticPlainLayer):
     """codes + scales of K and V per column (quant.quantize along D); attention reads them dequantized."""
 
     TENSORS = ("key_codes", "key_scales", "value_codes", "value_scales")
-    kind: str = "q8_0"
 
-    def __init__(self, *args, kind: str = "q8_0", **kwargs):
-        self.kind = kind
-        super().__init__(*args, **kwargs)
+    def __init__(self, options: KindOptions, *args, **kwargs):
+        self.kind = options.name
+        super().__init__(options, *args, **kwargs)
 
     def allocate(self) -> None:
         shape = (self.batch_size, self.num_heads, self.max_cache_len)
