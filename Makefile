@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: quickstart test test-fast cpu test-cluster setup bench clean
+.PHONY: quickstart test test-fast lint cpu test-cluster setup bench clean
 
 quickstart: setup
 	$(BIN)/run manifests/quickstart.yaml
@@ -17,6 +17,11 @@ test: setup
 # Everyday work: the suite without slow, compile and gpu tests (under 3 minutes on 2 cores).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not compile and not gpu"
+
+# Lint and import order (ruff) and types (mypy) on runner/, configured in pyproject.toml; CI runs it first.
+lint: setup
+	$(BIN)/ruff check runner tests benchmarks hydra_plugins cluster
+	$(BIN)/mypy
 
 # The CPU the tests run on: its model and the vector extensions runner's kernels and aten choose paths by.
 cpu:
