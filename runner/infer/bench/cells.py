@@ -119,7 +119,8 @@ def measure_hf(model, ids: torch.Tensor, cell: Cell, compiled: bool = False) -> 
         if kind is not None and kind != DTYPES[str(model.dtype).removeprefix("torch.")]:
             raise ValueError(f"hf-compiled uses transformers' static cache in the model's dtype; not {kind}")
         config = CompileConfig(dynamic=False, fullgraph=False, mode="default")
-        config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+        # transformers compiles on its own only on accelerators; it declares this private flag as a bare None
+        config._compile_all_devices = True  # type: ignore[assignment]
         extra = {"cache_implementation": "static", "compile_config": config}
 
     class TickStreamer(BaseStreamer):
@@ -193,8 +194,12 @@ def measure_hf_assisted(model, ids: torch.Tensor, cell: Cell, speculation: Specu
 
 def _measure_whole(run_once: Callable[[], object], ids: torch.Tensor, cell: Cell, tokens: Callable[[], int]) -> dict:
     """Whole-generation time only (speculative rounds make several tokens at once: no per-token ticks)."""
+    def run_then_tick(tick: Callable[[], None]) -> None:
+        run_once()
+        tick()
+
     with PeakMemory(ids.device) as peak:
-        marks = time_ticks(lambda tick: (run_once(), tick()), cell.repeats, cell.warmup, **on_device(ids.device))
+        marks = time_ticks(run_then_tick, cell.repeats, cell.warmup, **on_device(ids.device))
     seconds = Summary.of([m[-1] for m in marks])
     rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
     return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,

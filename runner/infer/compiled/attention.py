@@ -116,6 +116,7 @@ def attend_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    assert attention_mask is not None  # `plain` when there is none
     b, heads, t, d = query.shape
     rows = query.reshape(b, key.shape[1], groups * t, d)  # [B,H,G·T,D]: head h·G+g, token t → row g·T+t of KV head h
     mask = attention_mask.repeat(1, 1, groups, 1)  # [B,1,G·T,S]

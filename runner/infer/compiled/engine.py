@@ -31,9 +31,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import types
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +43,7 @@ import torch
 from runner.errors import InferenceError
 from runner.files import cache_dir
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
+from runner.infer.cache.static.plain import StaticPlainLayer
 from runner.infer.compiled.attention import reduced_attention
 from runner.infer.compiled.state import StaticDecodeState, decode_step, prefill_pieces, set_writes
 from runner.infer.decode.forward import sync
@@ -158,7 +161,8 @@ class CompiledEngine:
         else:
             self.mode = "eager"
         self.graphs = self.cuda and self.mode == "reduce-overhead"  # steps replay as CUDA graphs
-        self.steps: dict[tuple, object] = {}  # (kind, rows, columns, new columns, coding) → its compiled step
+        # (kind, rows, columns, new columns, coding) → its compiled step
+        self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
         self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them
         self.guarded: set[tuple] = set()  # steps that recompiled after being trusted: guards checked on every call
         self.caches: OrderedDict[tuple, StaticKVCache] = OrderedDict()  # least recently used first
@@ -194,6 +198,7 @@ class CompiledEngine:
         cache = make_static_cache(key[0], self.model, *key[1:3])
         if self.graphs:  # CUDA graphs replay on fixed addresses; a new cache of a known shape re-records (no guard)
             for layer in cache.layers:
+                assert isinstance(layer, StaticPlainLayer)  # every static cache's layers (make_static_cache)
                 for t in layer.tensors():
                     torch._dynamo.mark_static_address(t, guard=False)
         self.caches[key] = cache
@@ -215,26 +220,30 @@ class CompiledEngine:
         for coding in (False, True) if new == 1 and cache.codes_columns() else (new != 1,):
             set_writes(cache, self.model, new, coding)  # as `call` will
             step = self._own_step((*key, coding))
+
+            def warm_step(step: Callable[..., torch.Tensor] = step) -> torch.Tensor:  # no aliased inputs
+                return step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d, self.weights)
+
             with reduced_attention(self.model):
                 for _ in range(2 if self.graphs else 1):  # CUDA graphs: a first call warms up, the second records
-                    self.stats.compile_s[key] += time_once(  # no aliased inputs
-                        lambda step=step: step(self.model, cache, ids, torch.zeros_like(ids), span, end, mask2d,
-                                               self.weights),
-                        sync=lambda: sync(self.device))
+                    self.stats.compile_s[key] += time_once(warm_step, sync=lambda: sync(self.device))
         self.stats.compiles += _graph_count() - before
         self.warm.add(key)
         if self.mode != "eager":
             log.info("compile: step for %s × %d rows × %d columns × %d new in %.1f s (mode %s)",
                      key[0] or "model dtype", batch, columns, new, self.stats.compile_s[key], self.mode)
 
-    def _own_step(self, key: tuple):
+    def _own_step(self, key: tuple) -> Callable[..., torch.Tensor]:
         """The step of `key` (kind, rows, columns, new columns, coding): decode_step compiled under a code object of
         its own, since dynamo keeps its graphs per code object (the module docstring's Guards)."""
         if self.mode == "eager":  # compile=False
             return decode_step
         if key not in self.steps:
             name = f"decode_step_{len(self.steps)}"
-            code = decode_step.__code__.replace(co_name=name, co_qualname=name)
+            if sys.version_info >= (3, 11):
+                code = decode_step.__code__.replace(co_name=name, co_qualname=name)
+            else:  # code objects have no co_qualname before Python 3.11
+                code = decode_step.__code__.replace(co_name=name)
             function = types.FunctionType(code, decode_step.__globals__, name, decode_step.__defaults__)
             self.steps[key] = torch.compile(function, dynamic=False, options=self.options)
         return self.steps[key]
@@ -286,7 +295,7 @@ def compile_options(mode: str, own_products: bool = False) -> dict:
     without it inductor drops a float → fp16 → float round trip inside a fused kernel, so a quantizer that rounds
     its scale or minimum to fp16 and then codes against it would code against the unrounded value, and the compiled
     engine would store other KIVI codes than the eager one."""
-    extra = {"freezing": True} if mode == "freezing" else torch._inductor.list_mode_options(mode)
+    extra: dict[str, object] = {"freezing": True} if mode == "freezing" else torch._inductor.list_mode_options(mode)
     if own_products:  # few-row products on runner's kernel (cpu_linear)
         extra["post_grad_custom_post_pass"] = cpu_linear.OwnProducts()
     return {"emulate_precision_casts": True, **extra}

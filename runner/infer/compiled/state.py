@@ -142,6 +142,7 @@ class StaticDecodeState:
 
     def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: [b] token (live [b] 0/1: a finished row feeds a masked pad) → [b,V] logits."""
+        assert self.seen is not None, "feed after prefill"
         positions = self.seen[:, None]  # [b,1]
         self.seen = self.seen + live
         return self._forward(model, token[:, None], positions, live[:, None])[:, -1]

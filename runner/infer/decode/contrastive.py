@@ -32,6 +32,8 @@ class ContrastiveSearch:
     """Chooses each token by contrastive_scores; remembers the hidden states of everything fed so far."""
 
     def __init__(self, config: GenerateConfig):
+        if config.top_k is None or config.penalty_alpha is None:
+            raise ValueError("contrastive search needs penalty_alpha and top_k > 1 (GenerateConfig.contrastive)")
         self.config = config
         self.top_k, self.alpha = config.top_k, config.penalty_alpha
         self.context: torch.Tensor | None = None  # [S,H] last-layer hidden states of the context
@@ -48,6 +50,7 @@ class ContrastiveSearch:
         probs = torch.softmax(apply_penalties(logits.float(), sequence, self.config), dim=-1)
         top_probs, top_ids = probs[0].topk(self.top_k)  # [k], [k]
         next_logits, hidden = state.feed_candidates(model, top_ids)  # [k,V], [k,1,H]
+        assert self.context is not None, "add_context (the prefill's hidden states) before choose"
         best = int(contrastive_scores(top_probs, hidden[:, 0].float(), self.context, self.alpha).argmax())
         state.keep_candidate(best)
         self.add_context(hidden[best:best + 1])

@@ -13,9 +13,12 @@ Knows nothing of cache kinds (a cache is passed in; one whose layers evict slots
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 
 def positions_from(count: torch.Tensor | None, new_mask: torch.Tensor) -> torch.Tensor:
@@ -62,13 +65,15 @@ def prefill(model, ids: torch.Tensor, past_mask: torch.Tensor | None, new_mask: 
     the cache now holds [B,n], hidden states [B,T,H] or None). Chunks bound the activations and attention scores
     to q_chunk rows; the logits equal the whole prefill's up to float rounding."""
     step = q_chunk or ids.shape[1]
-    mask, states = past_mask, []
+    mask = past_mask
+    states: list[torch.Tensor] = []  # hidden states of each chunk, when asked
     for start in range(0, ids.shape[1], step):
         part = slice(start, start + step)
         mask = new_mask[:, part] if mask is None else torch.cat([mask, new_mask[:, part]], dim=1)
         logits, h = forward(model, ids[:, part], mask, positions[:, part], cache, hidden)
         mask = trim_mask(mask, cache)
-        states.append(h)
+        if h is not None:
+            states.append(h)
     return logits, mask, torch.cat(states, dim=1) if hidden else None
 
 
@@ -84,7 +89,11 @@ def sync(device: torch.device) -> None:
 class DecodeStateProtocol(Protocol):
     """A decode state: its cache and what was fed into it, changed only through `prefill` and `feed`."""
 
-    cache: object  # what the model writes K/V into: a transformers Cache, or a static cache
+    @property
+    def cache(self) -> Cache:
+        """What the model writes K/V into: a transformers Cache, or a static cache (also a Cache)."""
+        ...
+
     seen: torch.Tensor | None  # [B] real tokens fed so far: the next position
     length: int  # columns (tokens and pads) fed so far, for max_seq_len
 
@@ -108,7 +117,7 @@ class DecodeState:
     """What a conversation has fed into its cache (a DecodeStateProtocol over a transformers cache; contrastive
     search's `feed_candidates` / `keep_candidate` too). Strategies and generators change it only through its methods."""
 
-    cache: object  # a transformers Cache
+    cache: Cache  # a transformers Cache
     mask: torch.Tensor | None = None  # [B,n] mask of what the cache holds (n < length with a window)
     seen: torch.Tensor | None = None  # [B] real tokens fed so far: the next position
     length: int = 0  # columns (tokens and pads) fed so far, for max_seq_len
@@ -125,6 +134,7 @@ class DecodeState:
 
     def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """One decode step: [B] token (live [B] 0/1: finished rows feed a masked pad) → [B,V] logits."""
+        assert self.seen is not None and self.mask is not None, "feed after prefill"
         positions = self.seen
         self.seen, self.length = self.seen + live, self.length + 1
         self.mask = torch.cat([self.mask, live[:, None]], dim=1)
@@ -135,15 +145,19 @@ class DecodeState:
     def feed_candidates(self, model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch 1: feed k alternative next tokens [k] at once (the cache repeated k times) → ([k,V] logits,
         [k,1,H] hidden states). `keep_candidate` then keeps one of them."""
+        assert self.seen is not None and self.mask is not None, "feed_candidates after prefill"
         k = tokens.shape[0]
         self.cache.batch_repeat_interleave(k)
         mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1).expand(k, -1)  # [k,n+1]
         positions = self.seen[:, None].expand(k, 1)  # [k,1]
         self.candidate_mask = mask[:1]
-        return forward(model, tokens[:, None], mask, positions, self.cache, hidden=True)
+        logits, hidden = forward(model, tokens[:, None], mask, positions, self.cache, hidden=True)
+        assert hidden is not None  # asked for (hidden=True)
+        return logits, hidden
 
     def keep_candidate(self, index: int) -> None:
         """After `feed_candidates`: the cache keeps candidate `index` only, as if it alone had been fed."""
+        assert self.seen is not None and self.candidate_mask is not None, "keep_candidate after feed_candidates"
         self.cache.batch_select_indices(torch.tensor([index], device=self.seen.device))
         self.seen, self.length = self.seen + 1, self.length + 1
         self.mask = trim_mask(self.candidate_mask, self.cache)

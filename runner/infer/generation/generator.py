@@ -77,7 +77,7 @@ class Generator:
         self.state: DecodeStateProtocol | None = None  # the cache and what was fed into it; None until the first call
         self.sequence: torch.Tensor | None = None  # [B,P+1] every token so far (penalties)
         self.pending: torch.Tensor | None = None  # [B] last sampled token, not yet in the cache
-        self.search = None  # ContrastiveSearch state (hidden states of the context) when penalty_alpha is set
+        self.search: ContrastiveSearch | None = None  # hidden states of the context when penalty_alpha is set
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B,T] prompt (left-padded) → [B,T+N]: the prompt then this turn's tokens (pad after a row stops).
@@ -104,19 +104,21 @@ class Generator:
             self.selection = selection
         return config.cache_kind
 
-    def _start(self, ids: torch.Tensor) -> None:
-        """Decide the cache kind (a first call), plan this call and make the cache if there is none yet."""
+    def _start(self, ids: torch.Tensor) -> tuple[DecodeStateProtocol, DecodePlan]:
+        """Decide the cache kind (a first call), plan this call and make the cache if there is none yet → the
+        state and the plan of this call (also `self.state`, `self.plan`)."""
         if self.length + ids.shape[1] >= self.config.max_seq_len:
             raise InferenceError(f"prompt of {self.length + ids.shape[1]} tokens does not fit "
                             f"max_seq_len={self.config.max_seq_len}")
         kind = self._decide(ids.shape[0]) if self.state is None else None  # before anything is decoded
-        self.plan = plan_decode(self.config, self.length + ids.shape[1])
+        plan = plan_decode(self.config, self.length + ids.shape[1])
         if self.state is not None:  # a continued conversation keeps the cache (and window) of its first call
             layers = self.state.cache.layers
             window = getattr(layers[0], "window", None) if layers else None
-            self.plan = dataclasses.replace(self.plan, local_window=window)
-        if self.plan.local_window:
-            warnings.warn(self.plan.describe(), stacklevel=3)
+            plan = dataclasses.replace(plan, local_window=window)
+        self.plan = plan
+        if plan.local_window:
+            warnings.warn(plan.describe(), stacklevel=3)
         if self.state is None and self.config.engine == "compiled":
             check_compilable(self.model)
             needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
@@ -125,7 +127,8 @@ class Generator:
             self.state = engine_for(self.model).state(kind, ids.shape[0], needed, self.config.max_seq_len,
                                                       prefill=prefill)
         elif self.state is None:
-            self.state = DecodeState(make_planned_cache(kind, self.model, self.plan))
+            self.state = DecodeState(make_planned_cache(kind, self.model, plan))
+        return self.state, plan
 
     @property
     def length(self) -> int:
@@ -149,22 +152,25 @@ class Generator:
         if self.pending is not None:  # continue: the last token of the previous turn enters the cache first
             ids = torch.cat([self.pending[:, None], ids], dim=1)
             new_mask = torch.cat([torch.ones_like(self.pending[:, None]), new_mask], dim=1)
-        self._start(ids)
+        state, plan = self._start(ids)
         batch = ids.shape[0]
         self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()), new_tokens=[0] * batch,
-                                 stop_reasons=[""] * batch, plan=self.plan)
+                                 stop_reasons=[""] * batch, plan=plan)
 
         watch = Stopwatch(**on_device(self.device))
-        logits, states = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk, hidden=cfg.contrastive)
+        logits, states = state.prefill(self.model, ids, new_mask, plan.q_chunk, hidden=cfg.contrastive)
+        search = None
         if cfg.contrastive:
-            self.search = self.search or ContrastiveSearch(cfg)
-            self.search.add_context(states)
+            assert states is not None  # asked for (hidden=True)
+            search = self.search = self.search or ContrastiveSearch(cfg)
+            search.add_context(states)
         self.sequence = ids if self.sequence is None else torch.cat([self.sequence, ids], dim=1)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         pad = torch.full((batch,), self.pad_id, dtype=torch.long, device=self.device)
         for step in range(cfg.max_new_tokens):
-            if cfg.contrastive:  # the look-ahead feeds the chosen token: the cache already holds it
-                token, logits = self.search.choose(self.model, self.state, self.sequence, logits)
+            if search is not None:  # contrastive: the look-ahead feeds the chosen token: the cache already holds it
+                assert isinstance(state, DecodeState)  # the compiled engine's state refuses hidden states (prefill)
+                token, logits = search.choose(self.model, state, self.sequence, logits)
             else:
                 token = torch.where(done, pad, next_token(logits, self.sequence, cfg, self.rng))
             if step == 0:
@@ -177,7 +183,7 @@ class Generator:
             if bool(done.all()):
                 break
             if not cfg.contrastive:
-                logits = self.state.feed(self.model, token, (~done).long())
+                logits = state.feed(self.model, token, (~done).long())
         self.stats.decode_s = watch.lap()
 
     @torch.inference_mode()
@@ -188,19 +194,20 @@ class Generator:
         ids = input_ids.to(self.device).repeat_interleave(cfg.num_beams, dim=0)  # [B·K,T]: every beam, as transformers
         new_mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(self.device)
         new_mask = new_mask.repeat_interleave(cfg.num_beams, dim=0)
-        self._start(ids)
+        state, plan = self._start(ids)
         max_len = min(ids.shape[1] + cfg.max_new_tokens, cfg.max_seq_len)
         search = BeamSearch(input_ids.to(self.device), cfg, self.eos_ids, self.pad_id, max_len)
-        self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=self.plan)
+        self.stats = DecodeStats(prompt_tokens=int(new_mask.sum()) // cfg.num_beams, plan=plan)
         watch = Stopwatch(**on_device(self.device))
-        logits, _ = self.state.prefill(self.model, ids, new_mask, self.plan.q_chunk)
+        logits, _ = state.prefill(self.model, ids, new_mask, plan.q_chunk)
         self.stats.prefill_s = watch.lap()
         while True:
             parents, go_on = search.step(logits)
-            self.state.cache.reorder_cache(parents)
+            # transformers annotates beam_idx as the legacy torch.LongTensor class; parents is a long tensor
+            state.cache.reorder_cache(parents)  # type: ignore[arg-type]
             if not go_on:
                 break
-            logits = self.state.feed(self.model, search.next_tokens(), torch.ones_like(parents))
+            logits = state.feed(self.model, search.next_tokens(), torch.ones_like(parents))
         self.stats.decode_s = watch.lap()
         result = search.result()
         self.stats.new_tokens, self.stats.scores = result.new_tokens, result.scores.tolist()
@@ -236,6 +243,7 @@ class Generator:
         if not stops:
             return False
         tail = max(len(s) for s in stops) + 8  # tokens: enough to hold the longest stop string
+        assert self.sequence is not None  # steps() set it before asking
         text = self.tokenizer.decode(self.sequence[row, -min(n_new, tail):], skip_special_tokens=False)
         return any(s in text for s in stops)
 

@@ -138,8 +138,8 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
     return rows
 
 
-def time_survivors(survivors: dict[str, tuple[dict, object]], tokenizer, text: EvalText, config: GenerateConfig,
-                   batch_size: int) -> None:
+def time_survivors(survivors: dict[str, tuple[dict, torch.nn.Module]], tokenizer, text: EvalText,
+                   config: GenerateConfig, batch_size: int) -> None:
     """Time the gates' survivors (name → (row, model)) interleaved on the run's engine, when cache_auto_benchmark
     asks; each row gets its decode speed, the engine that timed it (`timed_on`) and, compiled, what compiling its
     step took (`compile_s`, measured before and apart from the timing)."""

@@ -110,7 +110,9 @@ class BatchRun:
                     target_only = True
                     for r in self.live:
                         self.stats.fallback_round[r] = len(self.rounds)
-        return self.outputs
+        outputs = [out for out in self.outputs if out is not None]
+        assert len(outputs) == len(self.outputs), "every row stopped (_retire)"
+        return outputs
 
     def _cap(self, r: int, k: int) -> int:
         """Most tokens row r may draft this round: k, within its room (as one row's round)."""
@@ -170,6 +172,7 @@ class BatchRun:
     def _draft_tokens(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft catches up on the tokens it has not seen, then drafts `width` tokens per row: [b,w], [b,w,V]."""
         source, rules, draft = self.source, self.rules, self.draft
+        assert draft is not None  # _propose drafts through this only for a draft model
         seen = draft.seen.tolist() if draft.seen is not None else [0] * len(self.live)
         behind = [self.seqs[r][int(n):] for r, n in zip(self.live, seen)]
         tokens, mask = pad_rows(behind, max(b.numel() for b in behind), left=True)  # [b,≤2], holes on the left
@@ -203,6 +206,7 @@ class BatchRun:
         if len(stay) < len(self.live):
             self.live = [self.live[i] for i in stay]
             if stay:
+                assert self.target.mask is not None  # the round's verify forward fed it
                 rows = torch.tensor(stay, device=self.target.mask.device)
                 self.target.select(rows)
                 if self.draft is not None and self.draft.mask is not None:

@@ -9,10 +9,15 @@ Does not know about verification, caches of the target, or generators.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from runner.infer.speculative.rounds import lookup_proposal
 from runner.infer.speculative.text import TextDraft
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PROMPT_LOOKUP = "prompt-lookup"
 
@@ -21,11 +26,15 @@ class Draft:
     """Where draft tokens come from: `model` (a draft model sharing the target's tokenizer), else `text` (a draft
     with another tokenizer), else prompt lookup."""
 
-    def __init__(self, model: torch.nn.Module | None = None, text: TextDraft | None = None):
+    def __init__(self, model: PreTrainedModel | None = None, text: TextDraft | None = None):
         if model is not None and text is not None:
             raise ValueError("a draft is a model, a text draft or prompt lookup, not two of them")
         self.model, self.text = model, text
-        self.vocab = 0 if model is None else model.get_input_embeddings().weight.shape[0]  # rows it can embed
+        self.vocab = 0  # rows the draft model can embed
+        if model is not None:
+            rows = model.get_input_embeddings().weight
+            assert isinstance(rows, torch.Tensor)  # an embedding's weight (nn.Module's getattr may be a module)
+            self.vocab = rows.shape[0]
 
     @property
     def lookup(self) -> bool:

@@ -272,6 +272,7 @@ class SpeculativeGenerator:
         if self.config.greedy or self.config.spec_method == "greedy":
             n, token = accept_exact(draft, p, self.config.greedy, self.rng)
         else:
+            assert q is not None  # a non-empty draft comes with its q (_propose)
             n, token = accept_reject(draft, q, p, self.rng)
         if token < 0 and self.config.spec_extra_token:
             token = pick(p[n], self.config.greedy, self.rng)

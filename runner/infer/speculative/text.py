@@ -17,6 +17,7 @@ Does not know about verification, batches of caches or timing.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import Cache
 
 from runner.infer.cache.registry import make_cache
 from runner.infer.decode.forward import forward
@@ -47,7 +48,7 @@ class TextDraft:
         self.model, self.tokenizer, self.target_tokenizer = model.eval(), draft_tokenizer, target_tokenizer
         self.cache_kind, self.forwards = cache_kind, 0
         self.device = next(model.parameters()).device
-        self.rows: dict[int, tuple[list[int], object]] = {}  # row → (draft tokens its cache holds, cache)
+        self.rows: dict[int, tuple[list[int], Cache]] = {}  # row → (draft tokens its cache holds, cache)
 
     def reset(self) -> None:
         """Forget every row (a new `.generate()` call)."""
