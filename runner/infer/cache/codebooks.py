@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from typing import TypedDict
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from runner.errors import InferenceError
 from runner.files import atomic_write_json
@@ -28,7 +29,17 @@ from runner.infer.quant.kivi_math import fit_levels, normalized, outlier_count, 
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # bump when the fit changes: older files are then never read
-CALIBRATION = {"text": "pydoc", "tokens": 512, "slots": 8, "windows": [1, 3, 5, 7], "samples": 1 << 18}
+
+
+class Calibration(TypedDict):
+    text: str  # a loading.texts source
+    tokens: int  # per window
+    slots: int  # the text cut into this many equal slots
+    windows: list[int]  # the slots whose first window is run
+    samples: int  # most normalized values a side's fit takes
+
+
+CALIBRATION: Calibration = {"text": "pydoc", "tokens": 512, "slots": 8, "windows": [1, 3, 5, 7], "samples": 1 << 18}
 _FITTED: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
@@ -41,7 +52,8 @@ def fitted_levels(model, options: KindOptions) -> list[tuple[torch.Tensor, torch
     tokenizer, fingerprint = LOADED[model]
     fitted = {k: getattr(options, k) for k in ("group_size", "sinks", "outlier_percent", "rotate_keys",
                                                 "rotate_values")}
-    bits = options.key_bits if options.key_bits == options.value_bits else [options.key_bits, options.value_bits]
+    kivi = options.kivi
+    bits = kivi.key_bits if kivi.key_bits == kivi.value_bits else [kivi.key_bits, kivi.value_bits]
     if options.value_block != BLOCK:  # absent at its default: codebooks fitted before b existed stay valid
         fitted["value_block"] = options.value_block
     key = hashlib.sha256(json.dumps({"format": FORMAT, "model": fingerprint, "bits": bits, "options": fitted,
@@ -67,15 +79,20 @@ def fit_model_levels(model, tokenizer, options: KindOptions) -> list[list[list[f
     ids = torch.tensor([windows[i] for i in CALIBRATION["windows"]], device=next(model.parameters()).device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return [[fit_levels(_samples(layer.keys, options, True), options.key_bits).tolist(),
-             fit_levels(_samples(layer.values, options, False), options.value_bits).tolist()]
-            for layer in cache.layers]
+    kivi = options.kivi
+    levels: list[list[list[float]]] = []
+    for layer in cache.layers:
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None, \
+            "the calibration forward fills every layer's K/V"
+        levels.append([fit_levels(_samples(layer.keys, options, True), kivi.key_bits).tolist(),
+                       fit_levels(_samples(layer.values, options, False), kivi.value_bits).tolist()])
+    return levels
 
 
 def _samples(x: torch.Tensor, options: KindOptions, keys: bool) -> torch.Tensor:
     """[W,H,T,D] K or V → the normalized values the KIVI layer would code (sinks dropped, whole groups, rotated,
     outliers out), at most CALIBRATION["samples"] of them evenly strided."""
-    g = options.group_size
+    g = options.kivi.group_size
     x = x[..., options.sinks:, :].float()
     x = x[..., :x.shape[-2] // g * g, :]
     if options.rotate_keys if keys else options.rotate_values:

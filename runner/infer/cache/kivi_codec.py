@@ -39,6 +39,13 @@ class KiviCodec:
     QUANTIZED = (*GROUPS, "key_outliers", "key_outlier_index", "value_outliers", "value_outlier_index")
     PER_GROUP = ("key_scales", "key_mins", "key_outliers", "key_outlier_index", "value_outliers",
                  "value_outlier_index")
+    # The options the layer sets (from KindOptions) before coding anything:
+    key_bits: int
+    value_bits: int
+    group_size: int
+    value_block: int
+    outlier_percent: float
+    levels: tuple[torch.Tensor, torch.Tensor] | None
     key_rotation: torch.Tensor | None = None
     value_rotation: torch.Tensor | None = None
 
@@ -72,7 +79,7 @@ class KiviCodec:
         return (*quantize_groups(keys, kb, g, dim=-2), *quantize_groups(values, vb, block, dim=-1),
                 *key_outliers, *value_outliers)
 
-    def _outliers(self, x: torch.Tensor, per_channel: bool):
+    def _outliers(self, x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B,H,n,D] → (x with its outliers replaced, (values, indices) [B,H,n/g,k]); k = 0: x as it is."""
         count, g = outlier_count(self.outlier_percent, self.group_size, x.shape[-1]), self.group_size
         if count and x.shape[-2]:

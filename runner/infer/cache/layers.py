@@ -43,6 +43,7 @@ class CastLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None, "set by lazy_initialization"
         self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
         return self.keys.to(self.compute_dtype), self.values.to(self.compute_dtype)
@@ -186,8 +187,9 @@ class KiviLayer(KiviCodec, QuantLayer):
 
     def __init__(self, options: KindOptions, levels: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         super().__init__(options, **kwargs)
-        self.bits, self.key_bits, self.value_bits = options.bits, options.key_bits, options.value_bits
-        self.group_size, self.residual_len = options.group_size, options.residual_len
+        kivi = options.kivi
+        self.bits, self.key_bits, self.value_bits = options.bits, kivi.key_bits, kivi.value_bits
+        self.group_size, self.residual_len = kivi.group_size, kivi.residual_len
         self.value_block = options.value_block
         self.sinks, self.outlier_percent = options.sinks, options.outlier_percent
         self.rotate_keys, self.rotate_values = options.rotate_keys, options.rotate_values

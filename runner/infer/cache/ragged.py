@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from runner.infer.cache.layers import CastLayer, KiviLayer, QuantLayer
 from runner.infer.decode.forward import positions_from
@@ -45,7 +45,7 @@ def ragged_reason(cache) -> str:
 class RaggedCache:
     """A cache of [B] rows and what its columns hold. Change it only through its methods."""
 
-    cache: object  # a transformers Cache of per-token layers (ragged_reason(cache) == "")
+    cache: Cache  # a transformers Cache of per-token layers (ragged_reason(cache) == "")
     mask: torch.Tensor | None = None  # [B,C] 1 = a real token of the row, 0 = left padding or a hole
     seen: torch.Tensor | None = None  # [B] real tokens held: the position of each row's next token
 
@@ -67,6 +67,7 @@ class RaggedCache:
         """Of the last `columns` columns, row r keeps its first counts[r] real tokens; the rest become holes."""
         if columns <= 0:
             return
+        assert self.mask is not None and self.seen is not None, "keep_first follows a feed"
         tail = self.mask[:, -columns:]  # [B,t]
         kept = tail * (tail.cumsum(-1) <= counts[:, None])  # [B,t]
         self.seen = self.seen - tail.sum(-1) + kept.sum(-1)
@@ -75,12 +76,14 @@ class RaggedCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` [b] (indices), in that order."""
+        assert self.mask is not None and self.seen is not None, "select follows a feed"
         self.cache.batch_select_indices(rows)
         self.mask, self.seen = self.mask[rows], self.seen[rows]
         self._crop_holes()
 
     def _crop_holes(self) -> None:
         """Crop the trailing columns that are holes in every row."""
+        assert self.mask is not None, "only after a feed"
         used = self.mask.any(0).nonzero()  # [n,1] columns real in some row
         drop = self.columns - (int(used[-1]) + 1 if used.numel() else 0)
         if drop > 0:

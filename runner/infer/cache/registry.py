@@ -71,7 +71,7 @@ def layer_levels(model, options: KindOptions, n_layers: int) -> list[dict]:
 def make_cache(kind: str | None, model) -> Cache:
     """An empty cache of `kind` (aliases, options ok) for `model`; None or the model's own dtype → DynamicCache."""
     options = parse_kind(kind)
-    if native(options, model.dtype):
+    if options is None or native(options, model.dtype):
         return DynamicCache(config=model.config)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     eager = KINDS[options.name].eager
@@ -102,6 +102,6 @@ def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dty
 def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
     """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens; equals `cache_bytes` for llama-style models."""
     options = parse_kind(kind)
-    if native(options, model_dtype):  # transformers' DynamicCache: windows respected
+    if options is None or native(options, model_dtype):  # transformers' DynamicCache: windows respected
         return native_bytes(config, batch, seq_len, model_dtype)
     return KINDS[options.name].sizes.held(options, dims(config), batch, seq_len, model_dtype)

@@ -63,7 +63,9 @@ class Sizes:
     @classmethod
     def held(cls, options: KindOptions, shape: Dims, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
         """Bytes a cache of the kind holds at `batch` × `seq_len` tokens."""
-        return batch * seq_len * cls.per_token(options, shape, model_dtype)
+        per_token = cls.per_token(options, shape, model_dtype)
+        assert isinstance(per_token, int), f"{cls.__name__} stores fractions of bytes per token: it overrides held"
+        return batch * seq_len * per_token
 
 
 class FloatSizes(Sizes):
@@ -91,7 +93,7 @@ class KiviSizes(Sizes):
     @staticmethod
     def per_token(options: KindOptions, shape: Dims, model_dtype: torch.dtype) -> int | float:
         layers, kv_heads, head_dim = shape
-        group = options.group_size
+        group = options.kivi.group_size
         per_group = layers * kv_heads * (_kivi_head_bytes(options, head_dim, group)
                                          + _outlier_chunk_bytes(options, head_dim))
         return per_group // group if per_group % group == 0 else per_group / group
@@ -105,10 +107,11 @@ class KiviSizes(Sizes):
     @classmethod
     def held(cls, options: KindOptions, shape: Dims, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
         layers, kv_heads, head_dim = shape
+        kivi = options.kivi
         sinks, quantized, _ = kivi_split(options, seq_len)
         compressed = (_kivi_head_bytes(options, head_dim, quantized) + sinks * 2 * head_dim * model_dtype.itemsize
-                      + quantized // options.group_size * _outlier_chunk_bytes(options, head_dim))
-        levels = 2 ** options.key_bits + 2 ** options.value_bits
+                      + quantized // kivi.group_size * _outlier_chunk_bytes(options, head_dim))
+        levels = 2 ** kivi.key_bits + 2 ** kivi.value_bits
         codebooks = layers * levels * 2 if options.nuq and seq_len else 0  # fp16 levels, K and V, per layer
         return (batch * layers * kv_heads * compressed + codebooks
                 + cls.residual(options, shape, batch, seq_len, model_dtype))
@@ -116,8 +119,8 @@ class KiviSizes(Sizes):
 
 def kivi_split(options: KindOptions, seq_len: int) -> tuple[int, int, int]:
     """(sinks, quantized, residual) tokens a KIVI layer holds at seq_len (see layers.KiviLayer)."""
-    sinks = min(seq_len, options.sinks)
-    quantized = (seq_len - sinks) // options.residual_len * options.residual_len
+    sinks, residual = min(seq_len, options.sinks), options.kivi.residual_len
+    quantized = (seq_len - sinks) // residual * residual
     return sinks, quantized, seq_len - sinks - quantized
 
 
@@ -127,14 +130,15 @@ def _kivi_head_bytes(options: KindOptions, head_dim: int, tokens: int) -> int:
     keys: tokens·D·bk/8 code bytes + tokens/g groups × D channels × (fp16 scale + fp16 min);
     values: tokens × ceil(D/bs) blocks × (bs·bv/8 code bytes + fp16 scale + fp16 min), bs the value block.
     """
-    block = options.value_block
-    keys = tokens * head_dim * options.key_bits // 8 + tokens // options.group_size * head_dim * 4
-    values = tokens * -(-head_dim // block) * (block * options.value_bits // 8 + 4)
+    block, kivi = options.value_block, options.kivi
+    keys = tokens * head_dim * kivi.key_bits // 8 + tokens // kivi.group_size * head_dim * 4
+    values = tokens * -(-head_dim // block) * (block * kivi.value_bits // 8 + 4)
     return keys + values
 
 
 def _outlier_chunk_bytes(options: KindOptions, head_dim: int) -> int:
     """K + V bytes of the outliers of one chunk of g tokens of one head: k fp16 values and k indices each side."""
-    count = outlier_count(options.outlier_percent, options.group_size, head_dim)
-    return 2 * count * (2 + index_dtype(options.group_size, head_dim).itemsize)
+    group = options.kivi.group_size
+    count = outlier_count(options.outlier_percent, group, head_dim)
+    return 2 * count * (2 + index_dtype(group, head_dim).itemsize)
 

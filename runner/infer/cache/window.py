@@ -74,8 +74,9 @@ def keep_slots(tensor: torch.Tensor, sinks: int, window: int, dim: int) -> torch
     return torch.cat([tensor.narrow(dim, 0, sinks), tensor.narrow(dim, n - window, window)], dim=dim)
 
 
-class WindowMixin:
-    """Put before a cache layer class: after each update, evict all but the sinks and the newest window."""
+class WindowMixin(DynamicLayer):
+    """Put before a cache layer class (DynamicLayer or a subclass): after each update, evict all but the sinks and
+    the newest window."""
 
     def __init__(self, window: int, sinks: int, **kwargs):
         super().__init__(**kwargs)
@@ -100,8 +101,8 @@ def make_window_cache(kind: str | None, model, window: int, sinks: int) -> Cache
     options = parse_kind(kind)
     if options is not None and options.family == "kivi":
         raise ValueError("the sliding window does not support KIVI cache kinds")
-    native_layer = native(options, model.dtype)
-    base, args = (DynamicLayer, {}) if native_layer else (KINDS[options.name].eager, {"options": options})
+    base, args = ((DynamicLayer, {}) if options is None or native(options, model.dtype) else
+                  (KINDS[options.name].eager, {"options": options}))
     layer = type(f"Window{base.__name__}", (WindowMixin, base), {})
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[layer(window=window, sinks=sinks, **args) for _ in range(n_layers)])

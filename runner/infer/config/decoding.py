@@ -6,14 +6,15 @@ manifest schema can reuse this class without importing torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind
 from runner.infer.config.quantization import check_quantizations
 
-ENGINES = ("eager", "compiled")  # decode engines (see ENGINE_DESCRIPTION)
+Engine = Literal["eager", "compiled"]  # decode engines (see ENGINE_DESCRIPTION)
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 
 
 class AutoCacheConfig(BaseModel):
@@ -118,8 +119,8 @@ class GenerateConfig(AutoCacheConfig):
         default_factory=list, description="Stop when the generated text contains any of these (not included)."
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
-    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
-    prefill: Literal[ENGINES] = Field("eager", description=(
+    engine: Engine = Field("eager", description=ENGINE_DESCRIPTION)
+    prefill: Engine = Field("eager", description=(
         "engine: compiled only: prefill the prompt eagerly through the static cache, or compiled, in pieces of 512 "
         "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
         "up front: compile time reported apart)."))
@@ -256,7 +257,7 @@ class SpeculativeConfig(BaseModel):
                               description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
-    engine: Literal[ENGINES] = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: Engine = Field("eager", description=ENGINE_DESCRIPTION)
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, "
         "kivi2 (options as in kivi3:g64:r128:s4:o1); unset = the model's dtype. auto is not supported here."))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields
-from typing import overload
+from typing import NamedTuple, overload
 
 # The one dtype table: a model dtype's manifest name → the cache kind that stores K/V in that dtype.
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -40,6 +40,15 @@ def torch_dtype(name: str):
     import torch  # here, not at the top: the manifest schema imports this module without torch
 
     return getattr(torch, {kind: dtype for dtype, kind in DTYPES.items()}.get(name, name))
+
+
+class KiviFields(NamedTuple):
+    """A KIVI kind's numeric options as `KindOptions.__post_init__` fills them in: never None."""
+
+    key_bits: int
+    value_bits: int
+    group_size: int
+    residual_len: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ class KindOptions:
             if any(getattr(self, f.name) != f.default for f in fields(self) if f.init and f.name != "name"):
                 raise ValueError(f"cache kind {self.name!r} takes no options")
             return
-        bits = self.bits
+        bits = KIVI_BITS[self.name]  # the kivi family is exactly KIVI_BITS's names
         key_bits, value_bits = self.key_bits or bits, self.value_bits or bits
         group = 32 if self.group_size is None else self.group_size
         residual = group if self.residual_len is None else self.residual_len
@@ -100,6 +109,15 @@ class KindOptions:
     def bits(self) -> int | None:
         """A KIVI kind's bits (the name's: the average of key and value bits, rounded down); None otherwise."""
         return KIVI_BITS.get(self.name)
+
+    @property
+    def kivi(self) -> KiviFields:
+        """key_bits, value_bits, group_size and residual_len as ints (filled in for every KIVI kind).
+        ValueError for a kind of another family, which has none."""
+        if (self.family != "kivi" or self.key_bits is None or self.value_bits is None or self.group_size is None
+                or self.residual_len is None):
+            raise ValueError(f"cache kind {self.name!r} is not a KIVI kind: it has no KIVI options")
+        return KiviFields(self.key_bits, self.value_bits, self.group_size, self.residual_len)
 
     @property
     def canonical(self) -> str:
@@ -177,6 +195,10 @@ def canonical_kind(kind: str) -> str:
     return parse_kind(kind).canonical
 
 
+@overload
+def checked_kind(value: str) -> str: ...
+@overload
+def checked_kind(value: None) -> None: ...
 def checked_kind(value: str | None) -> str | None:
     if value is None or value == "auto":
         return value

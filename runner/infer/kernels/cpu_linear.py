@@ -74,11 +74,11 @@ class OwnProducts(CustomGraphPass):
                 bias, x, wt = node.args
             else:
                 (x, wt), bias = node.args, None
-            values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (x, wt)]
-            if any(v is None for v in values) or not _takes(*values):
+            x_val, wt_val = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (x, wt))
+            if x_val is None or wt_val is None or not _takes(x_val, wt_val):
                 continue
             shift = bias.meta.get("val") if bias is not None else None
-            if bias is not None and (shift is None or shift.dim() != 1 or shift.dtype != values[0].dtype
+            if bias is not None and (shift is None or shift.dim() != 1 or shift.dtype != x_val.dtype
                                      or shift.stride() != (1,)):
                 continue  # the op takes a bias as a Linear has it: [N] contiguous, in x's dtype
             with graph.inserting_before(node):
@@ -88,5 +88,5 @@ class OwnProducts(CustomGraphPass):
             graph.erase_node(node)
             OwnProducts.replaced += 1
 
-    def uuid(self) -> str:
+    def uuid(self) -> bytes:
         return get_hash_for_files((__file__, *map(str, native.SOURCES)))

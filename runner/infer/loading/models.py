@@ -82,8 +82,10 @@ def load_model(
             config = _config_file(source, base_dir)
         if config is not None:
             model, tokenizer, identity = _from_config(config, seed)
-        else:
+        elif source is not None:
             model, tokenizer, identity = _from_source(source, revision, trust_remote_code, base_dir)
+        else:
+            raise ModelError("load_model needs a source or a config")
         model = model.to(device=target, dtype=torch_dtype(dtype)).eval()
         prequantized = getattr(model.config, "quantization_config", None)
         if prequantized is not None and quantization != "none":

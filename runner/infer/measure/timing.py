@@ -221,7 +221,12 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     the memory bandwidth a decode step can at best use."""
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    marks = time_ticks(lambda tick: (dst.copy_(src), tick()), repeats, warmup=1, **on_device(device))
+
+    def copy(tick: Tick) -> None:
+        dst.copy_(src)
+        tick()
+
+    marks = time_ticks(copy, repeats, warmup=1, **on_device(device))
     return 2 * src.numel() * 4 / statistics.median(m[-1] for m in marks)
 
 

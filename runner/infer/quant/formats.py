@@ -211,7 +211,7 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     shape = list(codes.shape)
     shape[dim] = scales.shape[dim] * group  # padded length
     direct = out is not None and out.dtype == torch.float32 and shape[dim] == length
-    values = out if direct else torch.empty(shape, dtype=torch.float32, device=codes.device)
+    values = out if direct and out is not None else torch.empty(shape, dtype=torch.float32, device=codes.device)
     unpack_into(values, codes, bits, dim)
     dim = dim % values.dim()  # groups split in place, not moved to the end: broadcasts along contiguous rows
     grouped = values.unflatten(dim, (-1, group))  # [..., NG, group, ...], a view of values
@@ -292,7 +292,9 @@ def dequantize_expr(codes: torch.Tensor, scales: torch.Tensor, kind: str, head_d
     planes = unpack_planes_expr(codes, 4)  # [..., NG, 2, C]
     # NF4_LEVELS moved inside the graph, not through `_on`: a compiled step that fills that dict recompiles
     values = planes.float() - 8 if kind == "q4_0" else levels_expr(planes, NF4_LEVELS.to(codes.device))
-    return (values * _per_chunk(scales, BLOCK, planes)).flatten(-3)[..., :head_dim].to(dtype)
+    block_scales = _per_chunk(scales, BLOCK, planes)
+    assert block_scales is not None, "4-bit planes' chunks lie within blocks of BLOCK values"
+    return (values * block_scales).flatten(-3)[..., :head_dim].to(dtype)
 
 
 def dequantize_groups_expr(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int,
@@ -304,9 +306,9 @@ def dequantize_groups_expr(codes: torch.Tensor, scales: torch.Tensor, mins: torc
     dim = dim % codes.dim()
     if bits != 3 and dim == codes.dim() - 1:
         planes = unpack_planes_expr(codes, bits)  # [..., NG, 8/b, C]
-        chunk_scales = _per_chunk(scales, group, planes)
-        if chunk_scales is not None:
-            out = torch.addcmul(_per_chunk(mins, group, planes), planes.float(), chunk_scales)
+        chunk_scales, chunk_mins = _per_chunk(scales, group, planes), _per_chunk(mins, group, planes)
+        if chunk_scales is not None and chunk_mins is not None:  # both or neither: the same chunks
+            out = torch.addcmul(chunk_mins, planes.float(), chunk_scales)
             return out.flatten(-3)[..., :length].to(dtype)
     values = unpack_expr(codes, bits, dim).float().unflatten(dim, (-1, group))  # [..., NG, group, ...]
     out = torch.addcmul(mins.unsqueeze(dim + 1).float(), values, scales.unsqueeze(dim + 1).float())

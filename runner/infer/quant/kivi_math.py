@@ -99,8 +99,9 @@ def _robust_stats(chunks: torch.Tensor, block: int, per_channel: bool) -> tuple[
     blocks = F.pad(chunks, (0, -dim % block)).unflatten(-1, (-1, block)).movedim(-3, -1)  # [..., NB, block, g]
     center = lane_median(blocks)  # a token's block of channels: the g tokens are the lanes
     spread = lane_median((blocks - center).abs())
-    return tuple(t.movedim(-1, -3).expand(*chunks.shape[:-1], -1, block).flatten(-2)[..., :dim]
-                 for t in (center, spread))
+    center, spread = (t.movedim(-1, -3).expand(*chunks.shape[:-1], -1, block).flatten(-2)[..., :dim]
+                      for t in (center, spread))
+    return center, spread
 
 
 def load_outlier_ops() -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -53,7 +54,7 @@ class QuantEmbedding(torch.nn.Module):
         self.row_block = int4_row_block() if hasattr(weight, "scale_and_zero") else None  # a constant to a graph
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
-        w = self.weight
+        w: Any = self.weight  # torchao's tensor subclass: its qdata, scale, … are not in torch's types
         if self.row_block is not None:
             rows = int4_rows(w.qdata, w.scale_and_zero, ids, self.row_block).to(w.dtype)
         else:  # Int8Tensor: qdata int8 [V,D], scale [V,1], zero_point [V,1]
@@ -111,14 +112,20 @@ def weight_bytes(model) -> int:
     return sum(tensor_bytes(p) for p in model.parameters())
 
 
-def is_quantized(t: torch.Tensor) -> bool:
+class Flattenable(Protocol):
+    """A tensor subclass (torch's traceable wrapper protocol): the names of its inner tensors, and a context."""
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]: ...
+
+
+def is_quantized(t: torch.Tensor) -> TypeGuard[Flattenable]:
     """A torchao tensor subclass (codes, scales, zero points inside), not a plain tensor."""
     return hasattr(t, "__tensor_flatten__")
 
 
 # --- what goes where ------------------------------------------------------------------------------------------------
 
-def assignments(model, quantization: str) -> list[tuple[str, torch.nn.Module, str]]:
+def assignments(model, quantization: str) -> list[tuple[str, torch.nn.Linear | torch.nn.Embedding, str]]:
     """(module name, module, how) for every module a quantization changes; how is int8, int8-dynamic, int4,
     embedding-int8 / embedding-int4 (rows of its own) or tied (the embedding reads the head's tensor). The one place
     both quantize_model and estimate_weight_bytes read, so the estimate follows what is done."""
@@ -130,7 +137,7 @@ def assignments(model, quantization: str) -> list[tuple[str, torch.nn.Module, st
     cuda = next(model.parameters()).device.type == "cuda"
     int4_lookup = (name == "int4" and options["embedding_bits"] == 4 and not cuda
                    and _int4_readable(embedding.weight.shape, options["group_size"]))
-    plan = []
+    plan: list[tuple[str, torch.nn.Linear | torch.nn.Embedding, str]] = []
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue

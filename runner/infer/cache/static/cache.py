@@ -50,7 +50,8 @@ class StaticKVCache(Cache):
     """One static layer per model layer and the columns the next forward writes."""
 
     def __init__(self, layers: list[StaticPlainLayer], kind: str):
-        super().__init__(layers=layers)
+        super().__init__(layers=[*layers])
+        self.static_layers = layers  # self.layers' layers, typed as the static layers they are
         self.kind = kind
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
         self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
@@ -61,39 +62,39 @@ class StaticKVCache(Cache):
         step of every column that needs neither (`needs_coding`). `views` off, a KIVI write hands attention no K/V
         (0 columns; decoding the whole region is most of an eager step's time): only when every layer is read by
         cpu_attention's kernel (`kernel_attends`), which attention then must do."""
-        for layer in self.layers:
+        for layer in self.static_layers:
             if isinstance(layer, StaticKiviLayer):
                 layer.code_blocks, layer.views = on, views
 
     def kernel_attends(self, dtype: torch.dtype) -> bool:
         """Whether one-column attention in `dtype` reads every layer through cpu_attention's kernel
         (attention.attend_reduced with this cache handed over)."""
-        return (self.layers[0].device.type == "cpu" and cpu_attention.ready()
-                and all(layer.kernel_reads(dtype) for layer in self.layers))
+        return (self.static_layers[0].device.type == "cpu" and cpu_attention.ready()
+                and all(layer.kernel_reads(dtype) for layer in self.static_layers))
 
     def codes_columns(self) -> bool:
         """Whether writes code blocks or keep sinks (KIVI): a write with `code_blocks` off is then another graph."""
-        return isinstance(self.layers[0], StaticKiviLayer)
+        return isinstance(self.static_layers[0], StaticKiviLayer)
 
     def needs_coding(self, start: int, count: int) -> bool:
         """Whether writing `count` columns from column `start` completes a KIVI block or writes a sink (never for
         other kinds): what a write with `code_blocks` off does not do."""
-        layer = self.layers[0]
-        if not self.codes_columns():
+        layer = self.static_layers[0]
+        if not isinstance(layer, StaticKiviLayer):  # not self.codes_columns()
             return False
         blocks = lambda columns: max(columns - layer.sinks, 0) // layer.residual_len  # noqa: E731
         return start < layer.sinks or blocks(start + count) > blocks(start)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].write(key_states, value_states, self.columns, self.end)
+        return self.static_layers[layer_idx].write(key_states, value_states, self.columns, self.end)
 
     @property
     def batch(self) -> int:
-        return self.layers[0].batch_size
+        return self.static_layers[0].batch_size
 
     @property
     def length(self) -> int:
-        return self.layers[0].max_cache_len
+        return self.static_layers[0].max_cache_len
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -101,14 +102,14 @@ class StaticKVCache(Cache):
     def rollback(self, kept: int, held: int) -> None:
         """The write position moved back from `held` to `kept` columns (a speculative crop): layers that keep
         columns in two forms (KIVI) move the kept ones where a later write expects them."""
-        for layer in self.layers:
+        for layer in self.static_layers:
             if hasattr(layer, "rollback"):
                 layer.rollback(kept, held)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows follow [b] parents; dummy rows past b stay where they are."""
         rest = torch.arange(len(beam_idx), self.batch, device=beam_idx.device)
-        for layer in self.layers:
+        for layer in self.static_layers:
             layer.reorder_cache(torch.cat([beam_idx, rest]))
 
 

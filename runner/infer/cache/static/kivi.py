@@ -25,19 +25,24 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     TENSORS = ("sink_keys", "sink_values", *KiviCodec.QUANTIZED, "ring_keys", "ring_values")
     code_blocks = True  # False: writes only fill the ring (set by StaticKVCache.code_blocks)
     views = True  # False: writes hand attention 0 columns (the kernel reads the layer; StaticKVCache.code_blocks)
+    sink_keys: torch.Tensor  # [B,H,s,Dk], [B,H,s,Dv], [B,H,R,Dk], [B,H,R,Dv] in `storage` (set by allocate)
+    sink_values: torch.Tensor
+    ring_keys: torch.Tensor
+    ring_values: torch.Tensor
 
     @staticmethod
     def columns(options: KindOptions, length: int) -> int:
         """The sinks and whole rings (2r) after them: at least `length` columns."""
-        ring, sinks = 2 * options.residual_len, options.sinks
+        ring, sinks = 2 * options.kivi.residual_len, options.sinks
         return sinks + -(-max(length - sinks, 1) // ring) * ring
 
     def __init__(self, options: KindOptions, *args, levels: tuple[torch.Tensor, torch.Tensor] | None = None,
                  **kwargs):
-        self.key_bits, self.value_bits = options.key_bits, options.value_bits  # kivi3 → 3 and 3, k4v3 → 4 and 3
+        kivi = options.kivi
+        self.key_bits, self.value_bits = kivi.key_bits, kivi.value_bits  # kivi3 → 3 and 3, k4v3 → 4 and 3
         self.value_block = options.value_block  # b64: values in blocks of 64 channels
         self.sinks = options.sinks  # s4: columns 0..3 kept exact, never quantized
-        self.group_size, self.residual_len = options.group_size, options.residual_len
+        self.group_size, self.residual_len = kivi.group_size, kivi.residual_len
         self.ring_len = 2 * self.residual_len  # a write of ≤ r columns after < r held ones never wraps onto itself
         self.outlier_percent = options.outlier_percent
         self.rotate_keys, self.rotate_values = options.rotate_keys, options.rotate_values
@@ -54,7 +59,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         b, h = self.batch_size, self.num_heads
         self._make_rotations(self.k_head_dim, self.v_head_dim, self.device, self.rotate_keys, self.rotate_values)
         if self.levels is not None:
-            self.levels = tuple(levels.to(self.device) for levels in self.levels)
+            key_levels, value_levels = self.levels
+            self.levels = key_levels.to(self.device), value_levels.to(self.device)
         self.kernel_levels = tuple(  # as cpu_attention's kernel loads them; uniform codes: 0, 1, 2, …
             cpu_attention.levels16(self.levels[i] if self.levels is not None else
                                    torch.arange(2**bits, dtype=torch.float32, device=self.device))
@@ -112,8 +118,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         flush = done > self._quantized(columns[0], end)  # 0-d bool: a block was completed
         start = (done - r).clamp(min=0)  # its first region column (0 and no flush while Q is 0)
         block = (start + torch.arange(r, device=columns.device)) % self.ring_len  # [r] its ring slots
-        new = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
-        for name, value in zip(self.QUANTIZED, new):
+        coded = self._quantize(self.ring_keys.index_select(2, block), self.ring_values.index_select(2, block))
+        for name, value in zip(self.QUANTIZED, coded):
             tensor, rows = getattr(self, name), self._block_rows(name, start)
             if not tensor.shape[-1]:  # no outliers (k = 0)
                 continue
@@ -146,7 +152,8 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
                 mins=getattr(self, f"{side}_mins"), bits=bits, chunk=self.group_size,
                 levels=self.kernel_levels[side == "value"],
                 outliers=getattr(self, f"{side}_outliers"), index=getattr(self, f"{side}_outlier_index"), **layout))
-        return tuple(sides)
+        keys, values = sides
+        return keys, values
 
     def segments(self, side: str) -> list[cpu_attention.Segment]:
         """K's or V's segments under the kernel's limit Q (`_quantized`): the sinks [0, s), the region [s, s + Q)
@@ -155,15 +162,15 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         s, dim = self.sinks, self.k_head_dim if side == "key" else self.v_head_dim
         rotated = (self.key_rotation if side == "key" else self.value_rotation) is not None
         storage = cpu_attention.STORAGE_FORMATS[self.storage]
-        plain = dict(query=int(rotated), output=int(rotated))  # the sinks and ring: the unrotated query / output
+        plain = int(rotated)  # the sinks and ring: the unrotated query / output
         region = self.sides()[side == "value"]
         segments = [cpu_attention.Segment(region, start=s, stop=s, base=s),
                     cpu_attention.Segment(cpu_attention.Side(getattr(self, f"ring_{side}s"), storage, dim), start=s,
                                           stop=self.max_cache_len, start_plus_limit=True, stop_plus_limit=False,
-                                          base=s, modulo=self.ring_len, **plain)]
+                                          base=s, modulo=self.ring_len, query=plain, output=plain)]
         if s:
             segments.append(cpu_attention.Segment(cpu_attention.Side(getattr(self, f"sink_{side}s"), storage, dim),
-                                                  stop=s, stop_plus_limit=False, **plain))
+                                                  stop=s, stop_plus_limit=False, query=plain, output=plain))
         return segments
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,

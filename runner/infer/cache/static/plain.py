@@ -21,6 +21,7 @@ class StaticPlainLayer(StaticLayer):
     (the full-precision columns of a subclass: KIVI's sinks and ring)."""
 
     TENSORS: tuple[str, ...] = ("keys", "values")
+    device: torch.device  # given to __init__, never None
 
     @staticmethod
     def columns(options: KindOptions, length: int) -> int:
@@ -47,9 +48,15 @@ class StaticPlainLayer(StaticLayer):
     def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """[B,H,T,D] new K/V into `columns` [T] → all [B,H,S,D] K/V in the dtype they came in. Columns from `end`
         (0-d) on are padding of a compiled prefill: written, masked, overwritten later."""
-        self.keys.index_copy_(2, columns, keys.to(self.storage))
-        self.values.index_copy_(2, columns, values.to(self.storage))
-        return self.keys.to(keys.dtype), self.values.to(values.dtype)
+        held_keys, held_values = self._held()
+        held_keys.index_copy_(2, columns, keys.to(self.storage))
+        held_values.index_copy_(2, columns, values.to(self.storage))
+        return held_keys.to(keys.dtype), held_values.to(values.dtype)
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V [B,H,S,D] (this class's layout: subclasses that store codes never call it)."""
+        assert self.keys is not None and self.values is not None, "allocate() sets keys and values"
+        return self.keys, self.values
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.TENSORS]
@@ -63,8 +70,9 @@ class StaticPlainLayer(StaticLayer):
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
         """K and V as cpu_attention's kernel reads them."""
         storage = cpu_attention.STORAGE_FORMATS[self.storage]
-        return (cpu_attention.Side(self.keys, storage, self.k_head_dim),
-                cpu_attention.Side(self.values, storage, self.v_head_dim))
+        keys, values = self._held()
+        return (cpu_attention.Side(keys, storage, self.k_head_dim),
+                cpu_attention.Side(values, storage, self.v_head_dim))
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor, scaling: float, columns: torch.Tensor,
                end: torch.Tensor) -> torch.Tensor:
@@ -76,7 +84,7 @@ class StaticPlainLayer(StaticLayer):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Rows follow their parent beams, in place (the storage keeps its address)."""
         for t in self.tensors():
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
@@ -89,6 +97,10 @@ class StaticQuantLayer(StaticPlainLayer):
     """codes + scales of K and V per column (quant.quantize along D); attention reads them dequantized."""
 
     TENSORS = ("key_codes", "key_scales", "value_codes", "value_scales")
+    key_codes: torch.Tensor  # [B,H,S,C], [B,H,S,NB] (set by allocate)
+    key_scales: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
 
     def __init__(self, options: KindOptions, *args, **kwargs):
         self.kind = options.name
@@ -107,9 +119,10 @@ class StaticQuantLayer(StaticPlainLayer):
 
     def sides(self) -> tuple[cpu_attention.Side, cpu_attention.Side]:
         levels = NF4_KERNEL_LEVELS if self.kind == "nf4" else None
-        return tuple(cpu_attention.Side(getattr(self, f"{side}_codes"), self.kind, dim,
-                                        scales=getattr(self, f"{side}_scales"), levels=levels)
-                     for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)))
+        keys, values = (cpu_attention.Side(getattr(self, f"{side}_codes"), self.kind, dim,
+                                           scales=getattr(self, f"{side}_scales"), levels=levels)
+                        for side, dim in (("key", self.k_head_dim), ("value", self.v_head_dim)))
+        return keys, values
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, end: torch.Tensor):
         """Quantize the new [B,H,T,D] K/V into `columns` [T] → all [B,H,S,D] K/V dequantized."""
