@@ -187,13 +187,13 @@ def _resume_folder(args, manifest, record: str) -> Path | None:
         return folder
     if not args.resume:
         return None
-    folder = latest_unfinished(manifest.tracking.runs_dir, manifest.name, record)
-    if folder is None:
+    unfinished = latest_unfinished(manifest.tracking.runs_dir, manifest.name, record)
+    if unfinished is None:
         kind = "sweep" if record == "sweep.json" else "run"
         raise RunnerError(f"--resume: no unfinished {kind} of '{manifest.name}' under "
                           f"{Path(manifest.tracking.runs_dir).resolve()}; run without --resume")
-    print(f"[runner] resuming {folder}", file=sys.stderr, flush=True)
-    return folder
+    print(f"[runner] resuming {unfinished}", file=sys.stderr, flush=True)
+    return unfinished
 
 
 def _catch_signals() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -94,7 +95,7 @@ class Store:
 
 def results_table(store: Store, experiment: str | None = None, name: str | None = None, mode: str | None = None,
                   columns: list[str] | None = None, limit: int = 50, all_runs: bool = False,
-                  where: list[str] = ()) -> pd.DataFrame:
+                  where: Sequence[str] = ()) -> pd.DataFrame:
     """One row per run, newest first: steps only (runs with a mode) unless `all_runs`; `where` holds
     KEY=VALUE conditions on a metric, param or tag (e.g. sweep.temperature=0.7)."""
     clauses = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -98,7 +99,8 @@ def expand(arguments: list[str], file: str, from_manifest: list[str] | None = No
         (combinations,) = BasicSweeper.split_arguments(parsed, None)
     except (HydraException, ValueError) as exc:
         raise ManifestError([Problem("sweep", hydra_reason(exc), where or file)], file) from None
-    swept = [_key(o.input_line) for o in parsed if o.is_sweep_override()] + list(from_manifest or ())
+    swept = [_key(argument) for argument, o in zip(arguments, parsed)  # each override's input line, in order
+             if o.is_sweep_override()] + list(from_manifest or ())
     points = []
     for index, combination in enumerate(combinations):
         values = {_key(o): _text(override_value(o)[0]) for o in combination if _key(o) in swept}
@@ -122,6 +124,7 @@ def _check_count(parsed: list, max_points: int, file: str, where: str) -> None:
     for override in parsed:
         value, key = override.value(), _key(override.input_line)
         if isinstance(value, RangeSweep):
+            assert value.start is not None and value.stop is not None  # a parsed range() has both (as Hydra asserts)
             if not value.step:
                 raise ManifestError([Problem("sweep", f"{key}: a range's step cannot be 0", where or file)], file)
             sizes[key] = max(0, math.ceil((value.stop - value.start) / value.step))
@@ -149,7 +152,7 @@ def manifest_keys(manifest_sweep: dict, overrides: list[str]) -> list[str]:
     return [key for key in manifest_sweep if key not in given]
 
 
-def validate_points(path: Path, points: list[Point], from_manifest: list[str] = ()) -> None:
+def validate_points(path: Path, points: list[Point], from_manifest: Sequence[str] = ()) -> None:
     """Compose and validate every point; all bad points are reported at once, each named. A value that came
     from the manifest's sweep: is located at its entry there, not at the override it became."""
     from runner.manifest.sources import read_sources
@@ -177,8 +180,10 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
-            GlobalHydra.instance().hydra.compose_config(path.stem, [*HYDRA_SETTINGS, *hydra_args, *arguments],
-                                                        run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+            hydra = GlobalHydra.instance().hydra
+            assert hydra is not None  # set by initialize_config_dir
+            hydra.compose_config(path.stem, [*HYDRA_SETTINGS, *hydra_args, *arguments], run_mode=RunMode.MULTIRUN,
+                                 with_log_configuration=False)
     except (HydraException, OmegaConfBaseException) as exc:
         named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
         where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
@@ -225,8 +230,9 @@ def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list
         GlobalHydra.instance().clear()
         try:
             with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
-                GlobalHydra.instance().hydra.multirun(config_name=path.stem, task_function=task,
-                                                      overrides=overrides)
+                hydra = GlobalHydra.instance().hydra
+                assert hydra is not None  # set by initialize_config_dir
+                hydra.multirun(config_name=path.stem, task_function=task, overrides=overrides)
             state = "finished"
         except (HydraException, OmegaConfBaseException) as exc:
             state = "failed"
@@ -274,6 +280,7 @@ def run_point(context: dict, cfg) -> dict:
         folder.finish("skipped")
         return {"index": point.index, "state": "skipped"}
     raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)  # Hydra composed it from the manifest, a mapping
     raw.setdefault("name", context["name"])
     raw.pop("sweep", None)  # the point's resolved manifest runs just this point again
     manifest_path = Path(context["manifest"])

@@ -97,7 +97,8 @@ class Tracker:
     def end_stale(self, tag: str, value: str) -> list[str]:
         raise NotImplementedError
 
-    def log(self, run_id: str | None, **what) -> None:
+    def log(self, run_id: str | None, params: dict | None = None, metrics: dict | None = None,
+            artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
         raise NotImplementedError
 
     @contextmanager
@@ -171,21 +172,22 @@ class MlflowMirror(Tracker):
                 self.client.set_terminated(run.info.run_id, "KILLED")
         return [run.info.run_id for run in runs]
 
-    def log(self, run_id: str, params: dict | None = None, metrics: dict | None = None,
+    def log(self, run_id: str | None, params: dict | None = None, metrics: dict | None = None,
             artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
         """`series`: name → list of values, logged as one metric's history (step = index), e.g. k per round."""
         from mlflow.entities import Metric, Param
 
+        assert run_id is not None  # runs in an MLflow store have ids (only NoTracking's have none)
         now = int(datetime.now(timezone.utc).timestamp() * 1000)
         history = [Metric(k, float(v), now, step) for k, values in (series or {}).items()
                    for step, v in enumerate(values)]
-        params = [Param(k, _param_value(v)) for k, v in flatten(params or {}).items()]
-        metrics = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history
+        param_list = [Param(k, _param_value(v)) for k, v in flatten(params or {}).items()]
+        metric_list = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history
         with self.lock:
-            for start in range(0, len(params), 100):  # MLflow takes at most 100 params and 1000 metrics a call
-                self.client.log_batch(run_id, params=params[start:start + 100])
-            for start in range(0, len(metrics), 1000):
-                self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
+            for start in range(0, len(param_list), 100):  # MLflow takes at most 100 params and 1000 metrics a call
+                self.client.log_batch(run_id, params=param_list[start:start + 100])
+            for start in range(0, len(metric_list), 1000):
+                self.client.log_batch(run_id, metrics=metric_list[start:start + 1000])
             if artifacts is not None:
                 self.client.log_artifacts(run_id, str(artifacts), artifact_path)
 
@@ -222,7 +224,8 @@ class NoTracking(Tracker):
     def end_stale(self, tag: str, value: str) -> list[str]:
         return []
 
-    def log(self, run_id, **what) -> None:
+    def log(self, run_id: str | None, params: dict | None = None, metrics: dict | None = None,
+            artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
         pass
 
     def end(self, run_id, state: str) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from runner.infer.config.decoding import ENGINES, GenerateConfig, SpeculativeConfig
 from runner.infer.config.kinds import DTYPES, parse_kind
@@ -23,6 +24,13 @@ from runner.infer.loading.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
 NAME_MAX = 200  # a folder name is at most 255 bytes, with the run folder's time stamp in front
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range
+
+# DTYPES and ENGINES spelled as types (a Literal cannot be built from a variable a type checker reads); the same
+# values, checked at import.
+Dtype = Literal["float32", "float16", "bfloat16"]
+Engine = Literal["eager", "compiled"]
+if typing.get_args(Dtype) != tuple(DTYPES) or typing.get_args(Engine) != tuple(ENGINES):
+    raise RuntimeError("runner.manifest.blocks: Dtype and Engine differ from DTYPES and ENGINES")
 
 
 
@@ -70,7 +78,7 @@ class ModelBlock(Strict):
         "random weights like `config` (paths relative to the manifest)."))
     config: dict | None = Field(None, description=(
         "A transformers config (model_type + sizes) built with random weights from the seed."))
-    dtype: Literal[tuple(DTYPES)] = Field("float32", description="Weights and compute dtype.")
+    dtype: Dtype = Field("float32", description="Weights and compute dtype.")
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, cuda[:N] or mps.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a Hugging Face id.")
     trust_remote_code: bool = Field(False, description="Run code shipped with a hub model. Off unless set.")
@@ -145,15 +153,20 @@ class PromptSource(NumbersNotBooleans):
 STRATEGY_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                  "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
                  "penalty_alpha", "seed", "decode_plan", "decode_q_chunk", "decode_local_window", "decode_sink_tokens")
-def _optional(field):
+def _optional(field: FieldInfo) -> Any:
     """The field's type (with its bounds) or None."""
-    return Annotated[(field.annotation | None, *field.metadata)] if field.metadata else field.annotation | None
+    assert field.annotation is not None  # GenerateConfig's fields are all annotated
+    if not field.metadata:
+        return field.annotation | None
+    annotated = (field.annotation | None, *field.metadata)  # Annotated[type, bound, ...]
+    return Annotated[annotated]
 
 
+STRATEGY_FIELDS: dict[str, Any] = {key: (_optional(GenerateConfig.model_fields[key]),
+                                         Field(None, description=GenerateConfig.model_fields[key].description))
+                                   for key in STRATEGY_KEYS}
 Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys and bounds, each overriding the block's
-    "Strategy", __base__=Strict,
-    **{key: (_optional(GenerateConfig.model_fields[key]),
-             Field(None, description=GenerateConfig.model_fields[key].description)) for key in STRATEGY_KEYS})
+    "Strategy", __base__=Strict, **STRATEGY_FIELDS)
 
 
 StrategyName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]  # names columns and metrics
@@ -254,7 +267,7 @@ class BenchBlock(Strict):
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi3, kivi2, KIVI options as in "
         "kivi3:g128:r128:s4:o1); default: the model's dtype."))
-    dtypes: list[Literal[tuple(DTYPES)]] | None = Field(None, min_length=1, description=(
+    dtypes: list[Dtype] | None = Field(None, min_length=1, description=(
         "Weight dtypes (the model is reloaded for each); default: the target's."))
     quantizations: list[str] | None = Field(None, min_length=1, description=(
         "Weight quantizations (none, int8, int8-dynamic, int4, int4:g32, ...; the model is quantized for each); "
@@ -262,7 +275,7 @@ class BenchBlock(Strict):
     speculative: BenchDraft | None = Field(None, description="Also run every cell with speculative decoding.")
     repeats: int = Field(5, ge=1, le=1000, description="Timed repeats per cell; medians, p90 and spread over them.")
     warmup: int = Field(1, ge=0, le=100, description="Untimed runs before the timed repeats.")
-    engines: list[Literal[ENGINES]] = Field(["eager"], min_length=1, description=(
+    engines: list[Engine] = Field(["eager"], min_length=1, description=(
         "Our decode engines, an axis of the matrix (engine: one value is the same): eager, compiled (static "
         "caches, a compiled decode step; compile seconds reported apart). The compiled engine takes every cache "
         "kind."))
@@ -275,7 +288,7 @@ class BenchBlock(Strict):
     data: str = Field("pydoc", min_length=1, json_schema_extra={"input_file": "text"}, description=(
         "Text the prompts are cut from: pydoc, shakespeare, britannica, a .txt file or hf:OWNER/REPO/PATH."))
 
-    engine: Literal[ENGINES] | None = Field(None, exclude=True, description=(
+    engine: Engine | None = Field(None, exclude=True, description=(
         "One engine, the same as engines: [it] (not both)."))
 
     @model_validator(mode="before")
@@ -320,7 +333,10 @@ class BenchBlock(Strict):
 
 
 
-def library_config(block: BaseModel, config_class: type[BaseModel], **updates) -> BaseModel:
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def library_config(block: BaseModel, config_class: type[ConfigT], **updates) -> ConfigT:
     """The library's config (GenerateConfig, SpeculativeConfig) inside a manifest block: what the user set,
     plus `updates`; the block's own keys (prompts, draft, ...) stay behind."""
     fields = block.model_dump(exclude_unset=True).items()

@@ -48,12 +48,12 @@ def load_points(path: Path, override_lists: list[tuple[str, ...]]) -> list[Manif
         resolved = _resolve(copy.deepcopy(base), sources) if refs is not None else None
     except ManifestError:
         resolved = None  # each point reports it, resolved on its own
-    outcome = []
+    outcome: list[ManifestError | None] = []
     for overrides in override_lists:
         try:
             check_overrides(sources, overrides)
-            independent = resolved is not None and _independent(overrides, refs, base)
-            raw = _apply(resolved if independent else base, overrides)
+            independent = resolved is not None and refs is not None and _independent(overrides, refs, base)
+            raw = _apply(resolved if resolved is not None and independent else base, overrides)
             if raw is None:
                 load_manifest(path, overrides)
             else:
@@ -80,7 +80,7 @@ def _independent(overrides, refs: set, base: dict) -> bool:
         parts = tuple(key.split("."))
         if "${" in value or any(ref[: len(parts)] == parts or parts[: len(ref)] == ref for ref in refs):
             return False
-        node = base
+        node: object = base
         for part in parts[:-1]:
             node = node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else \
                 node.get(part) if isinstance(node, dict) else None
@@ -197,6 +197,7 @@ def _compose(path: Path, overrides: list[str], sources: Sources, resolve: bool =
     finally:
         GlobalHydra.instance().clear()
     raw = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(raw, dict)  # a composed config is a mapping
     raw.pop("hydra", None)
     return _resolve(raw, sources, overrides) if resolve else raw
 
@@ -207,12 +208,14 @@ def _resolve(raw: dict, sources: Sources, overrides=()) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+        resolved = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
     except OmegaConfBaseException as exc:
         loc = _key_loc(_full_key(exc))
         message = hydra_reason(exc) + _interpolation_hint(str(exc), raw)
         raise ManifestError([Problem(format_loc(loc), message, source_of(loc, sources, overrides))],
                             sources.file) from None
+    assert isinstance(resolved, dict)  # created from a dict
+    return resolved
 
 
 def _apply(base: dict, overrides) -> dict | None:
@@ -270,7 +273,8 @@ def override_value(override: str) -> tuple[object, bool]:
 
 def hydra_reason(exc: Exception) -> str:
     """Hydra's message and its causes (where the real reason often is), one line each, without internals."""
-    lines, current = [], exc
+    lines: list[str] = []
+    current: BaseException | None = exc
     while current is not None and len(lines) < 4:
         text = str(current).strip().split("Config search path:")[0]
         text = re.sub(r"(Available options in '[^']*'):\s*\n(.*)", lambda m: m.group(1) + ": "
@@ -287,11 +291,12 @@ def hydra_reason(exc: Exception) -> str:
     return reason + (f" (did you mean '{close[0]}'?)" if close else "")
 
 
-def _full_key(exc: Exception | None) -> str:
+def _full_key(exc: BaseException | None) -> str:
     """OmegaConf's key path of the value that failed, from the error or its causes (Hydra wraps them)."""
     while exc is not None:
-        if getattr(exc, "full_key", None):
-            return str(exc.full_key)
+        full_key = getattr(exc, "full_key", None)
+        if full_key:
+            return str(full_key)
         exc = exc.__cause__ or exc.__context__
     return ""
 
@@ -316,7 +321,7 @@ def _interpolation_hint(message: str, raw: dict) -> str:
     if not found:
         return ""
     *parents, name = found.group(1).split(".")
-    node = raw
+    node: object = raw
     for part in parents:
         node = node.get(part) if isinstance(node, dict) else None
     close = difflib.get_close_matches(name, [str(k) for k in node], n=1) if isinstance(node, dict) else []

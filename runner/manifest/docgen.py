@@ -175,7 +175,7 @@ def _inner(annotation) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "**required**"
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.get_default(call_default_factory=True)
     if value is None or value is PydanticUndefined:
         return "unset"
     if isinstance(value, BaseModel):

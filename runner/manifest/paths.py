@@ -40,7 +40,7 @@ class InputFile:
     digest: str  # sha256 of the content (text kinds) or of the folder listing (model)
 
 
-def is_input(kind: str, value) -> bool:
+def is_input(kind: str, value: object) -> bool:
     """Whether a marked field's value names a local file (builtin texts, hf: and hub ids do not)."""
     if not isinstance(value, str) or not value:
         return False
@@ -102,7 +102,9 @@ def text_source(source: str, base_dir: Path) -> str:
 def model_source(block: dict, base_dir: Path) -> dict:
     """A model block (plain dict) with a local path id resolved, as the loader takes it."""
     model_id = block.get("id")
-    return {**block, "id": str(input_file(model_id, base_dir, "model").path)} if is_input("model", model_id) else block
+    if isinstance(model_id, str) and is_input("model", model_id):
+        return {**block, "id": str(input_file(model_id, base_dir, "model").path)}
+    return block
 
 
 def _readable(path: Path, name: str, what: str) -> None:
@@ -179,7 +181,7 @@ class _PromptLines:
 def _folder_digest(path: Path, name: str) -> str:
     """The files directly in a model folder (where transformers looks), at most MAX_FOLDER_FILES of them."""
     try:
-        entries = []
+        entries: list[tuple[str, os.stat_result]] = []
         for child in path.iterdir():
             if len(entries) >= MAX_FOLDER_FILES:
                 raise InputFileError(f"model folder {name!r} holds more than {MAX_FOLDER_FILES:,} files: is it a "
@@ -211,6 +213,8 @@ def marked_inputs(obj, loc: tuple = ()) -> list[tuple[tuple, str, str]]:
             value = getattr(obj, name)
             kind = (field.json_schema_extra or {}).get("input_file") if isinstance(field.json_schema_extra,
                                                                                    dict) else None
+            if kind is not None and not isinstance(kind, str):
+                raise TypeError(f"{type(obj).__name__}.{name}: input_file marks a kind by name, got {kind!r}")
             if kind and is_input(kind, value):
                 out.append((loc + (name,), kind, value))
             elif not kind:
@@ -237,10 +241,10 @@ def input_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
     return problems
 
 
-def input_digests(obj, base_dir: Path) -> dict:
+def input_digests(obj, base_dir: Path) -> dict[str, str | None]:
     """Key path → sha256 of every input file `obj` (a target's model, a run's block) reads; the step hash
     covers them. An input that cannot be read hashes as None (`run check` reports it; the step fails)."""
-    out = {}
+    out: dict[str, str | None] = {}
     for loc, kind, value in marked_inputs(obj):
         try:
             out[".".join(map(str, loc))] = input_file(value, base_dir, kind).digest

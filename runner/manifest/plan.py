@@ -71,7 +71,7 @@ class StepPlan:
 def make_plan(manifest: Manifest, base_dir: str | Path = ".") -> StepPlan:
     """`base_dir`: where the manifest's relative input files are (the manifest's folder)."""
     env = environment_fingerprint()
-    steps = []
+    steps: list[Step] = []
     for target in manifest.targets:
         model = target.model.model_dump(mode="json")
         model_files = {f"model.{k}": v for k, v in input_digests(target.model, Path(base_dir)).items()}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -42,7 +44,7 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
 OUT_OF_RANGE = {"int_parsing_size", "finite_number", "int_from_float"}
 
 
-def _describe(err: dict, loc: Loc) -> tuple[str, str]:
+def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
     kind, message = err["type"], err["msg"].removeprefix("Value error, ")
     if kind == "extra_forbidden":
         valid = fields_at(loc[:-1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -25,7 +26,8 @@ from runner.manifest.blocks import (
     Strict,
 )
 
-MODES = ("generate", "auto-cache-select", "speculative", "bench")
+Mode = Literal["generate", "auto-cache-select", "speculative", "bench"]
+MODES = typing.get_args(Mode)
 BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
           "bench": "bench"}  # mode → its block
 
@@ -33,7 +35,7 @@ BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative"
 class Run(Strict):
     id: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description=(
         "Unique within its target; names the results folder."))
-    mode: Literal[MODES] = Field(description="What the run does: " + ", ".join(MODES) + ".")
+    mode: Mode = Field(description="What the run does: " + ", ".join(MODES) + ".")
     generate: GenerateBlock | None = Field(None, description=(
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
     speculative: SpeculativeBlock | None = Field(None, description="Speculative decoding: the draft and its settings.")
@@ -51,19 +53,21 @@ class Run(Strict):
 
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> Run:
-        block = BLOCKS.get(self.mode)
+        block = BLOCKS[self.mode]
         others = [name for name in ("generate", "speculative", "bench")
                   if name != block and getattr(self, name) is not None]
         if others:
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
         if getattr(self, block) is None:
             raise ValueError(f"mode {self.mode} needs a '{block}' block")
-        if self.mode == "generate" and self.generate.weight_candidates:
-            raise ValueError("weight_candidates is read by mode auto-cache-select (it chooses the weights and the "
-                             "cache kind together): remove it, or use mode: auto-cache-select")
-        if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
-            raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
-                             f"{self.generate.cache_kind} (or use mode: generate)")
+        if self.mode in ("generate", "auto-cache-select"):
+            assert self.generate is not None  # the mode's block, checked above
+            if self.mode == "generate" and self.generate.weight_candidates:
+                raise ValueError("weight_candidates is read by mode auto-cache-select (it chooses the weights and "
+                                 "the cache kind together): remove it, or use mode: auto-cache-select")
+            if self.mode == "auto-cache-select" and self.generate.cache_kind not in (None, "auto"):
+                raise ValueError(f"mode auto-cache-select chooses the cache kind itself: remove cache_kind: "
+                                 f"{self.generate.cache_kind} (or use mode: generate)")
         return self
 
 
@@ -86,7 +90,7 @@ class Target(Strict):
             raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
                              f"model: remove model.quantization ({self.model.quantization})")
         bench = [q for r in self.runs if r.bench is not None for q in r.bench.quantizations or []]
-        int4 = [q for r in joint for q in r.generate.weight_candidates] + bench
+        int4 = [q for r in joint if r.generate is not None for q in r.generate.weight_candidates or []] + bench
         int4 = [q for q in int4 if q.startswith("int4")]
         if int4 and self.model.dtype != "bfloat16" and not any(r.bench and r.bench.dtypes for r in self.runs):
             raise ValueError(f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 takes a path "

@@ -90,7 +90,8 @@ def read_file(path: Path, shown: str, where: str = "") -> str:
         with path.open("rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        reason = {errno.ENOENT: "not found", errno.ELOOP: "a symlink loop"}.get(exc.errno, exc.strerror or str(exc))
+        reasons: dict[int | None, str] = {errno.ENOENT: "not found", errno.ELOOP: "a symlink loop"}
+        reason = reasons.get(exc.errno, exc.strerror or str(exc))
         raise ManifestError([Problem("", f"{what}: {reason}" if what != "file" else
                                      ("file not found" if exc.errno == errno.ENOENT else f"cannot read: {reason}"),
                                      where)], shown) from None
@@ -238,7 +239,9 @@ def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
 
 def _env_problems(root: yaml.Node, file: str) -> list[Problem]:
     """`${oc.env:...}` anywhere in a file: refused at its line (the variable's value is never shown)."""
-    problems, stack, seen = [], [(root, ())], set()
+    problems: list[tuple[int, int, Problem]] = []
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    seen: set[int] = set()
     while stack:
         node, loc = stack.pop()
         if id(node) in seen:

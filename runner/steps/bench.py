@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -96,7 +97,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
 def matrix(block: BenchBlock, model_dtype: str, model_quantization: str = "none") -> list[dict]:
     """Every cell, grouped by dtype and weight quantization (one reload each); cache kinds default to the dtype's
     own."""
-    dtypes = block.dtypes or [model_dtype]
+    dtypes: Sequence[str] = block.dtypes or [model_dtype]
     speculative = ["off", "on"] if block.speculative else ["off"]
     return [dict(zip(AXES, values)) for dtype in dtypes for quantization in block.quantizations or [model_quantization]
             for values in itertools.product([dtype], block.cache_kinds or [DTYPES[dtype]], speculative,
@@ -115,8 +116,11 @@ def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandw
     try:
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
         shared = Cell(cell["new_tokens"], cell["cache_kind"], block.repeats, block.warmup, cell["engine"], bandwidth)
-        speculation = (Speculation(draft, block.speculative.spec_k, block.speculative.spec_k_adaptive, **tokenizers)
-                       if cell["speculative"] == "on" else None)
+        speculation = None
+        if cell["speculative"] == "on":
+            assert block.speculative is not None  # cells run speculative only with a speculative block
+            speculation = Speculation(draft, block.speculative.spec_k, block.speculative.spec_k_adaptive,
+                                      **tokenizers)
         if speculation is not None:
             row |= _prefixed("ours", measure_speculative(model, ids, shared, speculation))
         else:
@@ -258,7 +262,7 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
     panels = sorted(ok[panel].unique())
     fig = Figure(figsize=(4.5 * len(panels), 3.6))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    colours = {}
+    colours: dict[tuple, str] = {}
     for ax, value in zip(axes, panels):
         for (kind, dtype, engine, weights), lines in ok[ok[panel] == value].groupby(
                 ["cache_kind", "dtype", "engine", "quantization"]):

@@ -11,6 +11,7 @@ import csv
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, pro
 def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str], lm: LoadedModel, label: str,
                 progress: ProgressFactory) -> dict:
     """Every prompt through one decoding configuration: records, totals and the decode plans that applied."""
+    assert config.seed is not None  # the step's seed (strategy_configs(seed=step.seed))
     rng = torch.Generator(lm.device).manual_seed(config.seed)
     before = engine_for(lm.model).stats.reading() if config.engine == "compiled" else None
     bar = None if block.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
@@ -60,10 +62,12 @@ def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str]
         with warnings.catch_warnings():  # the plan is printed below, once per distinct plan
             warnings.simplefilter("ignore")
             if config.num_beams > 1:
+                assert bar is not None  # a streaming block (no bar) has no beams: its validator
                 records += _beam_batch(generator, lm.tokenizer, batch, config, bar)
             elif block.stream:
                 records += _stream_one(generator, lm.tokenizer, batch[0], config)
             else:
+                assert bar is not None  # not streaming
                 records += _generate_batch(generator, lm.tokenizer, batch, config, bar)
         plan = generator.stats.plan
         if plan is not None and plan.decode_plan != "none" and plan.as_dict() not in plans:
@@ -74,7 +78,7 @@ def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str]
         bar.close()
         for r in records:
             show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
-    result = {"prompts": records, "metrics": _totals(records, batches)}
+    result: dict[str, Any] = {"prompts": records, "metrics": _totals(records, batches)}
     if before is not None:  # this step's compiling, never inside prefill_s / decode_s: it is reported apart
         seconds, compiles, recompiles = (now - then for now, then in zip(engine_for(lm.model).stats.reading(), before))
         result["compile"] = {"seconds": seconds, "compiles": compiles, "recompiles": recompiles}

@@ -68,9 +68,9 @@ def load_prompts(block: PromptSource, base_dir: Path) -> list[str]:
 def load_draft(block: DraftSource, lm: LoadedModel, step: Step, base_dir: Path):
     """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
     A draft with another tokenizer proposes through text (runner.infer.speculative.text)."""
-    if block.draft == PROMPT_LOOKUP:
-        return PROMPT_LOOKUP, None
     d = block.draft
+    if isinstance(d, str):  # PROMPT_LOOKUP, the one string a draft may be
+        return PROMPT_LOOKUP, None
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)
     draft = load_model_block(model_source(d.model_dump(), base_dir), step.model_seed, base_dir, device=str(lm.device))
     if same_tokenizer(draft.tokenizer, lm.tokenizer):
@@ -89,7 +89,8 @@ def select_for(step: Step, block: GenerateBlock, config: GenerateConfig, lm: Loa
     log.info("[%s] choosing %s among %s (budget %s, max_seq_len %d, batch %d)", step.key,
              "weights × cache kind" if joint else "a cache kind",
              " × ".join(", ".join(c)
-                        for c in ([config.weight_candidates] if joint else []) + [config.cache_candidates]),
+                        for c in ([config.weight_candidates] if config.weight_candidates else [])
+                        + [config.cache_candidates]),
              _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, block.batch_size)
     select = select_weights_and_cache if joint else select_cache_kind
     selection = select(lm.model, lm.tokenizer, config, batch_size=block.batch_size, identity=lm.fingerprint,

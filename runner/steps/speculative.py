@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
     block = SpeculativeBlock.model_validate(step.block)
     config = library_config(block, SpeculativeConfig, seed=step.seed)
+    assert config.seed is not None  # the step's seed
     draft, draft_tokenizer = load_draft(block, lm, step, base_dir)
     prompts = load_prompts(block, base_dir)
     records, spec_s, base_s, stats = [], 0.0, 0.0, []
