@@ -169,7 +169,7 @@ exp = client.get_experiment_by_name("cluster")
 runs = client.search_runs([exp.experiment_id], f"tags.`runner.sweep_id` = '{sys.argv[2].rsplit('/', 1)[1]}'")
 points = {r.data.tags["runner.sweep_point"]: r.info.status for r in runs
           if "runner.sweep_point" in r.data.tags and r.data.tags.get("runner.step_hash") is None}
-parent = [r.info.status for r in runs if r.data.tags.get("runner.execute.sweep") == "parent"]
+parent = [r.info.status for r in runs if r.data.tags.get("runner.sweep") == "parent"]
 print(f"[check] on the server after the fault: sweep {parent}, points {dict(sorted(points.items()))}")
 assert parent == ["FAILED"] and points == {"0": "FINISHED", "1": "KILLED", "2": "FINISHED", "3": "FINISHED"}, points
 assert not [r for r in runs if r.info.status == "RUNNING"], "runs left RUNNING"
