@@ -45,11 +45,8 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.cache.layers import cache_bytes  # noqa: E402
 from runner.infer.cache.registry import estimate_cache_bytes, make_cache, residual_bytes  # noqa: E402
-from runner.infer.config.decoding import (
-    GenerateConfig,  # noqa: E402
-    parse_kind,  # noqa: E402
-)
-from runner.infer.config.kinds import DTYPES
+from runner.infer.config.decoding import GenerateConfig  # noqa: E402
+from runner.infer.config.kinds import DTYPES, parse_kind  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
 from runner.infer.measure.quality import build_probe, compare, kl_divergence, run_probe, teacher_forced_logprobs  # noqa: E402

@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.compiled.engine import engine_for  # noqa: E402
-from runner.infer.config.decoding import DTYPES  # noqa: E402
+from runner.infer.config.kinds import DTYPES  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
 from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved  # noqa: E402

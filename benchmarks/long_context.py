@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.cache.window import DecodePlan  # noqa: E402
-from runner.infer.config.decoding import DTYPES  # noqa: E402
+from runner.infer.config.kinds import DTYPES  # noqa: E402
 from runner.infer.decode.forward import positions_for, prefill  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: status.json (sweep.json for a sweep) says what finished; go on with --resume",
               file=sys.stderr)
+        sys.unraisablehook = _ignore  # a Ctrl-C inside a constructor (a progress bar's) makes its finalizer fail later
         return 130
 
 
@@ -209,6 +210,10 @@ def _positive(text: str) -> int:
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _ignore(unraisable) -> None:
+    pass
 
 
 def _interrupt(signum, frame):

@@ -133,7 +133,7 @@ def test_valid_inputs_still_pass(tmp_path, capsys):
 
 
 def test_a_thousand_point_sweep_is_composed_by_hydra_once(tmp_path, monkeypatch):
-    from runner import compose
+    from runner.manifest import compose
 
     path = manifest(tmp_path)
     calls = []

@@ -168,3 +168,25 @@ def test_on_failure_stop_skips_the_steps_after_a_failure(tmp_path):
     status = json.loads((folder / "status.json").read_text())
     assert {k: v["state"] for k, v in status["steps"].items()} == {"tiny/greedy": "failed", "tiny/sampled": "skipped"}
     assert not (folder / "tiny" / "sampled").exists()
+
+
+def test_a_ctrl_c_inside_a_constructor_ends_without_a_traceback(monkeypatch, capfd):
+    """A Ctrl-C can land in a progress bar's __init__; the half-built bar's __del__ then fails when collected."""
+    import gc
+
+    from runner import cli
+
+    class HalfBuilt:
+        def __del__(self):
+            raise AttributeError("'HalfBuilt' object has no attribute 'pos'")
+
+    def interrupted_while_building(command, argv):
+        bar = HalfBuilt()  # noqa: F841  (alive in the traceback until main has handled the interrupt)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # Python's own, as in `run`; restored after
+    monkeypatch.setattr(cli, "_dispatch", interrupted_while_building)
+    assert cli.main(["tiny.yaml"]) == 130
+    gc.collect()
+    err = capfd.readouterr().err
+    assert "interrupted:" in err and "Traceback" not in err and "HalfBuilt" not in err
