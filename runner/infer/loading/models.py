@@ -104,7 +104,8 @@ def load_model(
     except RunnerError:
         raise
     except Exception as exc:  # noqa: BLE001 -- whatever transformers' config or model constructor refuses
-        raise ModelError(f"model {source or 'config model'} cannot be built: {refusal(exc)}") from None
+        label = source or f"config (model_type {config.get('model_type')!r})" if isinstance(config, dict) else source
+        raise ModelError(f"model {label} cannot be built: {refusal(exc)}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
