@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from runner.infer.config.architecture import config_problem
 from runner.infer.config.decoding import ENGINES, GenerateConfig, SpeculativeConfig
 from runner.infer.config.kinds import DTYPES, parse_kind
 from runner.infer.config.quantization import check_quantizations, parse_quantization
@@ -104,6 +105,8 @@ class ModelBlock(Strict):
             raise ValueError("give either 'id' or 'config', not both")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("'config' needs 'model_type' (e.g. llama, qwen2, gpt2) and the sizes to change")
+        if self.config is not None and (problem := config_problem(self.config)):
+            raise ValueError(f"config: {problem}")
         if self.id is not None and self.id.startswith(ZOO_PREFIX) and self.id[len(ZOO_PREFIX):] not in ZOO:
             raise ValueError(f"unknown zoo model {self.id!r}; the zoo has: {', '.join(ZOO_PREFIX + n for n in ZOO)}")
         return self

@@ -24,8 +24,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from runner.errors import InputFileError
-from runner.infer.loading.texts import BUILTIN_TEXTS  # torch-free, like everything `run check` imports
+from runner.errors import InputFileError, ModelError
+from runner.infer.config.architecture import compiled_refusal
+from runner.infer.loading.model_files import check_gguf, read_config_file  # torch-free, as is all `run check` reads
+from runner.infer.loading.texts import BUILTIN_TEXTS
 
 MAX_INPUT_MB = int(os.environ.get("RUNNER_MAX_INPUT_MB", "256"))  # a prompts file or eval text, in MiB
 CHUNK = 1 << 20
@@ -38,6 +40,7 @@ class InputFile:
     path: Path  # resolved
     kind: str  # prompts | text | model
     digest: str  # sha256 of the content (text kinds) or of the folder listing (model)
+    config: dict | None = None  # a .json model's config, checked (model_files.read_config_file)
 
 
 def is_input(kind: str, value: object) -> bool:
@@ -71,7 +74,7 @@ def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
         raise InputFileError(f"{what} {name!r} does not exist (looked for {path})") from None
     except OSError as exc:
         raise InputFileError(f"{what} {name!r} cannot be read: {exc.strerror} (looked for {path})") from None
-    if kind == "model" and stat.S_ISDIR(info.st_mode) and path.suffix != ".gguf":
+    if kind == "model" and stat.S_ISDIR(info.st_mode) and path.suffix not in (".gguf", ".json"):
         return InputFile(path, kind, _folder_digest(path, name))  # a folder's own time misses edits inside
     key = (str(path), kind, info.st_size, info.st_mtime_ns)
     if key not in _MEMO:
@@ -79,7 +82,7 @@ def input_file(name: str, base_dir: Path, kind: str) -> InputFile:
             raise InputFileError(f"{what} {name!r} is not a regular file (looked for {path})")
         elif kind == "model":
             _readable(path, name, what)
-            _MEMO[key] = InputFile(path, kind, _stat_digest([(path.name, info)]))
+            _MEMO[key] = InputFile(path, kind, _stat_digest([(path.name, info)]), _model_content(path, name))
         else:
             _MEMO[key] = InputFile(path, kind, _text_digest(path, name, what, info.st_size, kind))
     return _MEMO[key]
@@ -105,6 +108,18 @@ def model_source(block: dict, base_dir: Path) -> dict:
     if isinstance(model_id, str) and is_input("model", model_id):
         return {**block, "id": str(input_file(model_id, base_dir, "model").path)}
     return block
+
+
+def _model_content(path: Path, name: str) -> dict | None:
+    """A model file checked by its content, as the loader reads it: a .json config's values (None for the rest)."""
+    try:
+        if path.suffix == ".json":
+            return read_config_file(path, name)
+        if path.suffix == ".gguf":
+            check_gguf(path, name)
+    except ModelError as exc:
+        raise InputFileError(str(exc)) from None
+    return None
 
 
 def _readable(path: Path, name: str, what: str) -> None:
@@ -238,7 +253,44 @@ def input_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
             input_file(value, base_dir, kind)
         except InputFileError as exc:
             problems.append((loc, str(exc)))
+    return problems + compiled_problems(manifest, base_dir)
+
+
+def compiled_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
+    """(key path of the engine, message) for every run on the compiled engine whose model (the target's, or a
+    speculative draft) is given as a config that attends through a sliding window (architecture.compiled_refusal,
+    the engine's own decision). A model given otherwise is judged when it is loaded, before anything compiles."""
+    problems = []
+    for t, target in enumerate(manifest.targets):
+        for r, run in enumerate(target.runs):
+            at, draft = ("targets", t, "runs", r), None
+            if run.generate is not None and run.generate.engine == "compiled":
+                loc = at + ("generate", "engine")
+            elif run.speculative is not None and run.speculative.engine == "compiled":
+                loc, draft = at + ("speculative", "engine"), run.speculative.draft
+            elif run.bench is not None and "compiled" in run.bench.engines:
+                loc = at + ("bench", "engine" if run.bench.engine is not None else "engines")
+                draft = run.bench.speculative.draft if run.bench.speculative is not None else None
+            else:
+                continue
+            models = [(target.model, "the model")] + ([] if draft is None or isinstance(draft, str) else
+                                                      [(draft, "the draft")])
+            reasons = [reason for model, whose in models
+                       if (reason := compiled_refusal(_config_of(model, base_dir), whose))]
+            problems += [(loc, reasons[0])] if reasons else []
     return problems
+
+
+def _config_of(model, base_dir: Path) -> dict:
+    """A model block's config: given inline, or read from its .json file ({} when it is neither, or unreadable)."""
+    if model.config is not None:
+        return model.config
+    if isinstance(model.id, str) and model.id.endswith(".json"):
+        try:
+            return input_file(model.id, base_dir, "model").config or {}
+        except InputFileError:
+            return {}  # reported as an input problem
+    return {}
 
 
 def input_digests(obj, base_dir: Path) -> dict[str, str | None]:

@@ -27,7 +27,7 @@ import torch
 
 from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
-from runner.infer.compiled.engine import check_compilable, engine_for
+from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import SpeculativeConfig
 from runner.infer.config.kinds import DTYPES
 from runner.infer.measure.timing import PeakMemory, Summary, TokenTiming, on_device, time_once, time_ticks
@@ -83,7 +83,6 @@ def measure_ours(model, ids: torch.Tensor, cell: Cell) -> dict:
 
 def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     """The compiled engine on the cell: prefill into a static state, then compiled one-token greedy steps."""
-    check_compilable(model)
     new_tokens, kind = cell.new_tokens, cell.kind
     engine, columns = engine_for(model), ids.shape[1] + new_tokens
     seconds, _, recompiles = engine.stats.reading()

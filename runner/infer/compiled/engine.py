@@ -46,6 +46,7 @@ from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.cache.static.plain import StaticPlainLayer
 from runner.infer.compiled.attention import reduced_attention
 from runner.infer.compiled.state import StaticDecodeState, decode_step, prefill_pieces, set_writes
+from runner.infer.config.architecture import compiled_refusal
 from runner.infer.decode.forward import sync
 from runner.infer.kernels import cpu_linear
 from runner.infer.measure.timing import time_interleaved, time_once
@@ -302,16 +303,17 @@ def compile_options(mode: str, own_products: bool = False) -> dict:
 
 
 def engine_for(model) -> CompiledEngine:
-    """The model's engine, made once per model object: compiled steps and caches outlive one Generator."""
+    """The model's engine, made once per model object: compiled steps and caches outlive one Generator. A model the
+    engine cannot serve is refused here, before any kernel is built or step compiled (check_compilable)."""
     if model not in ENGINES_BY_MODEL:
+        check_compilable(model)
         ENGINES_BY_MODEL[model] = CompiledEngine(model)
     return ENGINES_BY_MODEL[model]
 
 
 def check_compilable(model) -> None:
-    """InferenceError when the compiled engine cannot serve this model (every cache kind has a static layout)."""
-    text = model.config.get_text_config(decoder=True)
-    types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"}:
-        raise InferenceError(f"engine 'compiled' serves models whose layers all use full attention; "
-                             f"{text.model_type} has {sorted(types)}: use engine: eager")
+    """InferenceError when the compiled engine cannot serve this model (every cache kind has a static layout; a
+    sliding window it cannot): architecture.compiled_refusal, the decision `run check` takes on a manifest's config."""
+    reason = compiled_refusal(model.config)
+    if reason is not None:
+        raise InferenceError(f"{model.config.model_type}: {reason}")

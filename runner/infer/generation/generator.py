@@ -23,7 +23,7 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer.cache.window import DecodePlan, make_planned_cache, plan_decode
-from runner.infer.compiled.engine import check_compilable, engine_for
+from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.beam import BeamSearch
 from runner.infer.decode.contrastive import ContrastiveSearch
@@ -120,7 +120,6 @@ class Generator:
         if plan.local_window:
             warnings.warn(plan.describe(), stacklevel=3)
         if self.state is None and self.config.engine == "compiled":
-            check_compilable(self.model)
             needed = ids.shape[1] + (self.config.max_new_tokens if self.config.num_beams == 1 else
                                      self.config.max_new_tokens + 1)
             prefill = ids.shape[1] if self.config.prefill == "compiled" else 0

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from runner.errors import ModelError, ResourceError
+from runner.errors import ModelError, ResourceError, RunnerError
 from runner.files import atomic_write_json
+from runner.infer.config.architecture import config_problem
 from runner.infer.config.kinds import torch_dtype
+from runner.infer.loading.model_files import check_gguf, read_config_file
 from runner.infer.loading.pinned import cache_root
 from runner.infer.loading.zoo import ZOO_PREFIX, zoo_entry, zoo_model_dir
 from runner.infer.quant.weights import quantize_model, weight_bytes
@@ -99,6 +101,11 @@ def load_model(
         raise ModelError(f"model {source!r} is a pre-quantized checkpoint that needs a library not installed here: "
                          f"{exc}. Load a full-precision checkpoint and set model.quantization (int8, int8-dynamic, "
                          f"int4) instead") from None
+    except RunnerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- whatever transformers' config or model constructor refuses
+        label = source or f"config (model_type {config.get('model_type')!r})" if isinstance(config, dict) else source
+        raise ModelError(f"model {label} cannot be built: {refusal(exc)}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -119,6 +126,13 @@ def load_model_block(block: dict, seed: int, base_dir: Path | None = None, **ove
                       base_dir=base_dir, quantization=block.get("quantization", "none"))
 
 
+def refusal(exc: BaseException) -> str:
+    """An exception from transformers as one line: its kind and message (a validator's nested lines joined)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines) or "(no message)"
+    return f"{type(exc).__name__}: {text[:500]}{'...' if len(text) > 500 else ''}"
+
+
 def _quant_method(config) -> str:
     return config.get("quant_method", "?") if isinstance(config, dict) else str(getattr(config, "quant_method", "?"))
 
@@ -132,8 +146,9 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
         return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), identity
     path = _local_path(source, base_dir)
     if path.suffix == ".gguf":
-        if not path.is_file():
+        if not path.exists():
             raise ModelError(f"GGUF file not found: {path}")
+        check_gguf(path, source)
         kwargs = {"gguf_file": path.name}
         return (AutoModelForCausalLM.from_pretrained(path.parent, **kwargs),
                 AutoTokenizer.from_pretrained(path.parent, **kwargs),
@@ -163,31 +178,25 @@ def _local_path(source: str, base_dir: Path | None) -> Path:
 
 
 def _config_file(source: str, base_dir: Path | None) -> dict:
-    """A `.json` source: a transformers config (model_type + sizes) for `_from_config`."""
-    path = _local_path(source, base_dir)
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"model config file {path}: {exc}") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelError(f"model config file {path}: expected a JSON object with a model_type (e.g. qwen2) and sizes")
-    return config
+    """A `.json` source: a transformers config (model_type + sizes) for `_from_config`, checked as `run check` does
+    (model_files.read_config_file; any vocab_size, as for a config given inline)."""
+    return read_config_file(_local_path(source, base_dir), source, min_vocab=1)
 
 
 def _from_config(config: dict, seed: int):
     """A random model of a given architecture: fast experiments and tests without any download."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    problem = config_problem(config, min_vocab=1)  # the library's callers may use fewer tokens (ids clamped)
+    if problem:
+        raise ModelError(f"model config: {problem}")
     tokenizer = byte_tokenizer()
     settings = dict(config)
     model_type = settings.pop("model_type")
     settings.setdefault("vocab_size", len(tokenizer))
     settings.setdefault("eos_token_id", tokenizer.eos_token_id)
     settings.setdefault("pad_token_id", tokenizer.pad_token_id)
-    try:
-        hf_config = AutoConfig.for_model(model_type, **settings)
-    except ValueError as exc:
-        raise ModelError(f"model config: {exc}") from None
+    hf_config = AutoConfig.for_model(model_type, **settings)  # what it refuses, load_model says
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config)

@@ -43,7 +43,7 @@ import torch
 
 from runner.errors import InferenceError
 from runner.infer.cache.registry import make_cache
-from runner.infer.compiled.engine import check_compilable, engine_for
+from runner.infer.compiled.engine import engine_for
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
 from runner.infer.decode.forward import eos_ids, pad_id
@@ -243,7 +243,6 @@ class SpeculativeGenerator:
         cfg = self.config
         if cfg.engine == "eager":
             return make_cache(cfg.cache_kind, model)
-        check_compilable(model)
         columns = prompt.numel() + cfg.max_new_tokens + 2 * cfg.spec_k + 2
         lengths = (1, cfg.spec_k + 1) if verify else (1,)
         return engine_for(model).state(cfg.cache_kind, 1, columns, max(cfg.max_seq_len, columns), lengths,

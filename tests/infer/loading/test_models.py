@@ -38,13 +38,39 @@ def test_a_json_config_file_is_the_same_random_model_as_the_config_inline(tmp_pa
     assert load_model("shape.json", base_dir=tmp_path, device="cpu", seed=3).fingerprint == inline.fingerprint
 
 
-@pytest.mark.parametrize("text,message", [("{not json", "shape.json: Expecting property name"),
-                                          ('{"hidden_size": 8}', "expected a JSON object with a model_type"),
-                                          ('{"model_type": "no-such-arch"}', "model config: ")])
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "shape.json' is not valid JSON: Expecting property name enclosed in double quotes"),
+    ("", "shape.json' is empty"),
+    ('{"hidden_size": 8}', "shape.json': no model_type"),
+    ("[1, 2]", "shape.json': expected a transformers config: .* not a list"),
+    ("[" * 5000 + "]" * 5000, "shape.json' nests too deep"),
+    ('{"model_type": "lama"}', r"shape.json': unknown model_type 'lama' \(did you mean 'llama'\?\)"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}',
+     r"shape.json': num_attention_heads \(5\) does not divide hidden_size \(64\)")])
 def test_a_bad_config_file_is_a_model_error_naming_it(tmp_path, text, message):
     (tmp_path / "shape.json").write_text(text)
     with pytest.raises(ModelError, match=message):
         load_model(str(tmp_path / "shape.json"), device="cpu")
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"hidden_act": "no-such-activation"}, r"config \(model_type 'llama'\) cannot be built: KeyError: 'no-such-act"),
+    ({"rope_parameters": {"rope_type": "bogus"}}, "cannot be built: KeyError: 'bogus'"),
+    ({"rms_norm_eps": "small"}, "cannot be built: StrictDataclassFieldValidationError: .*'rms_norm_eps' expected")])
+def test_whatever_transformers_refuses_at_build_is_one_model_error(settings, message):
+    """Values run check cannot judge, refused by transformers' config or model constructor: a ModelError (the step
+    fails with it), never transformers' own exception."""
+    with pytest.raises(ModelError, match=message):
+        load_model(config={**TINY_LLAMA, **settings}, device="cpu")
+
+
+def test_a_gguf_file_is_judged_by_its_magic_bytes_before_transformers_reads_it(tmp_path):
+    (tmp_path / "fake.gguf").write_bytes(b"\x00\x01\x02\x03 weights")
+    with pytest.raises(ModelError, match=r"'fake.gguf' is not a GGUF file: .* it begins with b'\\x00\\x01"):
+        load_model("fake.gguf", base_dir=tmp_path, device="cpu")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelError, match="'empty.gguf' is not a GGUF file: .* it is empty"):
+        load_model("empty.gguf", base_dir=tmp_path, device="cpu")
 
 
 def test_zoo_cached_says_whether_loading_would_download(tmp_path, monkeypatch):
