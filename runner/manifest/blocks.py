@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
 from runner.infer.config.decoding import ENGINES, GenerateConfig, SpeculativeConfig
-from runner.infer.config.kinds import DTYPES, parse_kind
+from runner.infer.config.kinds import DTYPES, parse_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations, parse_quantization
 from runner.infer.loading.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 from runner.manifest.shapes import as_list, schema_hook
@@ -318,9 +318,13 @@ class BenchBlock(Strict):
 
     @field_validator("cache_kinds")
     @classmethod
-    def _known_kinds(cls, values: list[str] | None) -> list[str] | None:
+    def _known_kinds(cls, values: list[str] | None, info) -> list[str] | None:
+        longest = max(info.data.get("prompt_lens") or [0]) + max(info.data.get("max_new_tokens") or [0])
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
+            problem = seq_len_problem(kind, longest, "the longest cell's prompt_len + max_new_tokens")
+            if problem and "prompt_lens" in info.data and "max_new_tokens" in info.data:
+                raise ValueError(problem)
         return values
 
     @field_validator("quantizations")
