@@ -153,7 +153,7 @@ def parse_kind(kind: str | None) -> KindOptions | None:
     name, *fields = kind.split(":")
     name = KIND_ALIASES.get(name, name)
     if name not in KIND_NAMES:
-        close = difflib.get_close_matches(name, KIND_NAMES, n=1)
+        close = difflib.get_close_matches(name.lower(), KIND_NAMES, n=1)  # FP16 → fp16
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown cache kind {kind!r}: {hint}known: {', '.join(KIND_NAMES)} (aliases q8, q4; "
                          f"kivi options as in kivi4:g32:r128)")

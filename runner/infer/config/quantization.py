@@ -19,7 +19,7 @@ def parse_quantization(text: str) -> tuple[str, dict]:
     """
     name, *fields = text.split(":")
     if name not in QUANTIZATIONS:
-        close = difflib.get_close_matches(name, QUANTIZATIONS, n=1)
+        close = difflib.get_close_matches(name.lower(), QUANTIZATIONS, n=1)  # INT8 → int8
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown quantization {text!r}: {hint}known: {', '.join(QUANTIZATIONS)} "
                          f"(int4 takes a group size, e.g. int4:g32)")
