@@ -18,9 +18,10 @@ from pydantic.fields import FieldInfo
 
 from runner.infer.config.architecture import config_problem
 from runner.infer.config.decoding import ENGINES, GenerateConfig, SpeculativeConfig
-from runner.infer.config.kinds import DTYPES, parse_kind
+from runner.infer.config.kinds import DTYPES, parse_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations, parse_quantization
 from runner.infer.loading.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
+from runner.manifest.shapes import as_list, schema_hook
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # safe as a folder name
 NAME_MAX = 200  # a folder name is at most 255 bytes, with the run folder's time stamp in front
@@ -38,7 +39,10 @@ if typing.get_args(Dtype) != tuple(DTYPES) or typing.get_args(Engine) != tuple(E
 
 class NumbersNotBooleans(BaseModel):
     """YAML 1.1 reads yes/no/on/off/true/false as booleans, which pydantic would take as 1 and 0: a number
-    field refuses them (`max_new_tokens: yes` is a mistake, not 1)."""
+    field refuses them (`max_new_tokens: yes` is a mistake, not 1). And one value stands for a one-element list
+    wherever a list of plain values goes (runner.manifest.shapes: the same rule makes the JSON Schema)."""
+
+    model_config = ConfigDict(json_schema_extra=schema_hook)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -46,7 +50,7 @@ class NumbersNotBooleans(BaseModel):
         field = cls.model_fields.get(info.field_name)
         if field is not None and _is_boolean(value) and _takes_numbers(field.annotation):
             raise ValueError("expected a number, not a boolean (YAML reads yes/no/on/off/true/false as booleans)")
-        return value
+        return as_list(field, value)
 
 
 def _is_boolean(value) -> list:
@@ -260,13 +264,16 @@ class BenchDraft(Strict, DraftSource):
     spec_k_adaptive: bool = Field(False, description="Adapt k to the acceptance rate.")
 
 
+Size = Annotated[int, Field(ge=1, le=1_000_000)]  # a bench axis's batch size or token count: bounds in the schema too
+
+
 class BenchBlock(Strict):
     """The `bench` block: a matrix of cells, each timed with warm-up, repeats and (by default) transformers'
     own generate() beside it. Every list also takes a single value."""
 
-    batch_sizes: list[int] = Field([1], min_length=1, description="Prompts decoded together.")
-    prompt_lens: list[int] = Field([128], min_length=1, description="Prompt tokens, cut from the eval text.")
-    max_new_tokens: list[int] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
+    batch_sizes: list[Size] = Field([1], min_length=1, description="Prompts decoded together.")
+    prompt_lens: list[Size] = Field([128], min_length=1, description="Prompt tokens, cut from the eval text.")
+    max_new_tokens: list[Size] = Field([64], min_length=1, description="Tokens generated per prompt (EOS ignored).")
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds (fp32, fp16, bf16, q8_0, q4_0, q4_1, nf4, kivi4, kivi3, kivi2, KIVI options as in "
         "kivi3:g128:r128:s4:o1); default: the model's dtype."))
@@ -282,7 +289,7 @@ class BenchBlock(Strict):
         "Our decode engines, an axis of the matrix (engine: one value is the same): eager, compiled (static "
         "caches, a compiled decode step; compile seconds reported apart). The compiled engine takes every cache "
         "kind."))
-    baseline: list[Literal["hf", "hf-compiled"]] = Field(["hf"], description=(
+    baseline: list[Literal["hf", "hf-compiled", "none"]] = Field(["hf"], description=(
         "Baselines timed on the same model and inputs beside every cell, with ratios: hf (transformers' eager "
         "model.generate() with the same cache kind), hf-compiled (transformers' own static cache and compiled "
         "forward; model dtype only); one value or a list; none = no baseline."))
@@ -305,27 +312,22 @@ class BenchBlock(Strict):
                 data = {**data, "engines": [data["engine"]]}
         return data
 
-    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens", "cache_kinds", "dtypes", "engines", "baseline",
-                     "quantizations", mode="before")
+    @field_validator("baseline")
     @classmethod
-    def _one_or_many(cls, value):
-        if value == "none":
-            return []
-        return [value] if value is not None and not isinstance(value, list) else value
-
-    @field_validator("batch_sizes", "prompt_lens", "max_new_tokens")
-    @classmethod
-    def _positive(cls, values: list[int]) -> list[int]:
-        bad = [v for v in values if v < 1 or v > 1_000_000]
-        if bad:
-            raise ValueError(f"every value must be between 1 and 1000000 (got {bad[0]})")
-        return values
+    def _none_is_no_baseline(cls, values: list[str]) -> list[str]:
+        if "none" in values and len(values) > 1:
+            raise ValueError(f"none means no baseline: give it alone, or leave it out (got {values})")
+        return [] if values == ["none"] else values
 
     @field_validator("cache_kinds")
     @classmethod
-    def _known_kinds(cls, values: list[str] | None) -> list[str] | None:
+    def _known_kinds(cls, values: list[str] | None, info) -> list[str] | None:
+        longest = max(info.data.get("prompt_lens") or [0]) + max(info.data.get("max_new_tokens") or [0])
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
+            problem = seq_len_problem(kind, longest, "the longest cell's prompt_len + max_new_tokens")
+            if problem and "prompt_lens" in info.data and "max_new_tokens" in info.data:
+                raise ValueError(problem)
         return values
 
     @field_validator("quantizations")

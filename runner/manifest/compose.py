@@ -140,12 +140,40 @@ def override_problem(override: str, data) -> str | None:
         return f"the key is {len(key):,} characters long: no key path is"
     if ENV_RESOLVER.search(value):
         return ENV_MESSAGE
+    unclosed = _unclosed(value)
+    if unclosed:
+        return f"{unclosed}; quote it to pass it as text: {key}='...'"
     try:
         override_value(hydra_override(override))  # plain numbers and words need no parser
     except HydraException as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot read the value {value!r} ({reason}); quote it to pass it as text: {key}='...'"
     return _path_problem(key, data)
+
+
+CLOSING = {"[": "]", "{": "}", "(": ")"}
+
+
+def _unclosed(value: str) -> str | None:
+    """A bracket the value opens and never closes (or closes with another), in words; quoted text skipped."""
+    stack: list[tuple[str, int]] = []
+    quote = ""
+    for i, char in enumerate(value):
+        if quote:
+            quote = "" if char == quote and value[i - 1] != "\\" else quote
+        elif char in "'\"":
+            quote = char
+        elif char in CLOSING:
+            stack.append((char, i))
+        elif char in CLOSING.values():
+            if not stack or CLOSING[stack[-1][0]] != char:
+                return f"the value {value!r} closes {char!r} at character {i + 1} that nothing opened"
+            stack.pop()
+    if stack:
+        char, i = stack[-1]
+        return (f"the value {value!r} opens {char!r} at character {i + 1} and never closes it: add "
+                f"{CLOSING[char]!r}")
+    return None
 
 
 def _path_problem(key: str, data) -> str | None:

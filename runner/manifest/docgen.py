@@ -23,11 +23,12 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from runner.manifest import schema
+from runner.manifest.shapes import FILLED_IN
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "manifest.md"
 COMMAND = "python -m runner.manifest.docgen --write"
 # Keys the schema requires but composition fills in before validation when the file leaves them out.
-FILLED_BY_COMPOSE = {("Manifest", "name"): "the file's stem"}  # runner/manifest/compose.py: raw.setdefault("name", ...)
+FILLED_BY_COMPOSE = FILLED_IN  # keys the loader fills in (runner.manifest.shapes)
 
 
 def render() -> str:
@@ -43,6 +44,10 @@ def render() -> str:
         "Every block forbids unknown keys (an unknown key is an error naming the file, the line and the",
         "closest valid key). A key left out takes its default; *unset* means the key is off or taken from",
         "elsewhere, as its description says. Sizes named `_mb` are MiB (2^20 bytes).",
+        "",
+        "Wherever a list of plain values goes, one value alone is a one-element list (`quantizations: none` is",
+        "`[none]`, `cache_kinds: fp16` is `[fp16]`), and a model block may be given as its id alone",
+        "(`model: zoo:smollm2-135m`); the JSON Schema says the same (`runner/manifest/shapes.py` holds both rules).",
         "",
         "Blocks:",
         "",

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from runner.errors import Problem, format_loc
 from runner.manifest.blocks import StrategyError
-from runner.manifest.schema import Manifest
+from runner.manifest.schema import Manifest, RunError
 from runner.manifest.sources import Sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
@@ -34,6 +34,9 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
         if isinstance(error, StrategyError):
             loc += ("strategies", error.name) + ((error.key,) if error.key else ())
             err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
+        elif isinstance(error, RunError):  # about one run of a target: at that run's key, naming the run
+            loc += ("runs", error.index, *error.key)
+            err = {**err, "msg": str(error), "input": {}}
         message, hint = _describe(err, loc)
         if loc and loc[-1] == "[key]":  # a mapping's key (a strategy's name) is what is wrong
             loc, message = loc[:-1], f"the name {loc[-2]!r}: {message}"
@@ -56,10 +59,9 @@ def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
     if kind in OUT_OF_RANGE:
         message = f"expected {_expected(loc)}"
     hint = ""
-    if kind == "literal_error" and isinstance(err.get("input"), str):
+    if kind == "literal_error" and isinstance(err.get("input"), (str, bool)):
         valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
-        close = difflib.get_close_matches(err["input"], valid, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else ""
+        hint = closest(err["input"], valid)
     shown_input = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"],
                                                                                                 (dict, list))
     if shown_input and not (kind == "value_error" and str(err["input"]) in message):  # our messages name it
@@ -69,6 +71,25 @@ def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
         else:
             message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
     return message, hint
+
+
+YAML_BOOLEANS = {True: ("yes", "on", "true", "y"), False: ("no", "off", "false", "n")}  # YAML 1.1's spellings
+
+
+def closest(given: str | bool, valid: list[str]) -> str:
+    """The did-you-mean hint: compared without case (`HF` → 'hf'); a value YAML 1.1 read as a boolean is
+    compared as the words it may have been (`no` → 'none'), and the hint says to quote it."""
+    lowered = {v.lower(): v for v in valid}
+    if isinstance(given, bool):
+        for word in YAML_BOOLEANS[given]:
+            close = difflib.get_close_matches(word, lowered, n=1, cutoff=0.6)
+            if close:
+                spellings = "/".join(YAML_BOOLEANS[given][:3])
+                return (f"did you mean '{lowered[close[0]]}'? YAML 1.1 reads {spellings} as {str(given).lower()}: "
+                        f"quote the value as text")
+        return ""
+    close = difflib.get_close_matches(given.lower(), lowered, n=1, cutoff=0.6)
+    return f"did you mean '{lowered[close[0]]}'?" if close else ""
 
 
 def _expected(loc: Loc) -> str:

@@ -71,6 +71,14 @@ class Run(Strict):
         return self
 
 
+class RunError(ValueError):
+    """A target's check that concerns one of its runs: reported at that run (its index and key), naming its id."""
+
+    def __init__(self, index: int, run_id: str, key: tuple[str, ...], message: str):
+        self.index, self.run_id, self.key = index, run_id, key
+        super().__init__(f"run {run_id!r}: {message}")
+
+
 class Target(Strict):
     type: Literal["experiment"] = Field("experiment", description="Kind of target (only 'experiment' for now).")
     name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX, description="Unique within the manifest.")
@@ -89,12 +97,17 @@ class Target(Strict):
         if joint and self.model.quantization != "none":
             raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
                              f"model: remove model.quantization ({self.model.quantization})")
-        bench = [q for r in self.runs if r.bench is not None for q in r.bench.quantizations or []]
-        int4 = [q for r in joint if r.generate is not None for q in r.generate.weight_candidates or []] + bench
-        int4 = [q for q in int4 if q.startswith("int4")]
-        if int4 and self.model.dtype != "bfloat16" and not any(r.bench and r.bench.dtypes for r in self.runs):
-            raise ValueError(f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 takes a path "
-                             "hundreds of times slower): set model.dtype: bfloat16, or leave int4 out")
+        for i, run in enumerate(self.runs):  # int4 weights need bfloat16: each run judged by its own dtypes
+            if run.bench is not None:
+                quantizations, dtypes = run.bench.quantizations or [], run.bench.dtypes or [self.model.dtype]
+                key, fix = ("bench", "quantizations"), "add bfloat16 to its dtypes (or set model.dtype: bfloat16)"
+            else:
+                quantizations = run.generate.weight_candidates or [] if run.generate is not None else []
+                dtypes, key, fix = [self.model.dtype], ("generate", "weight_candidates"), "set model.dtype: bfloat16"
+            int4 = [q for q in quantizations if q.startswith("int4")]
+            if int4 and "bfloat16" not in dtypes:
+                raise RunError(i, run.id, key, f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 "
+                               f"takes a path hundreds of times slower): {fix}, or leave int4 out")
         return self
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from runner.errors import ManifestError, Problem, format_loc
-from runner.manifest.yamlsafe import load_checked, location
+from runner.manifest.yamlsafe import MERGE, load_checked, location
 
 MAX_FILE_BYTES = 4 * 2**20  # a manifest or a fragment: a few KiB in practice
 MAX_DEPTH = 8  # fragments that name fragments
@@ -217,17 +217,28 @@ def _closest(path: Path) -> str:
 
 
 def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
+    """Key path → `file:line:col` of its key. A key a merge key (`<<: *anchor`) brings in is located at itself,
+    inside the anchored mapping, under the path it is merged into (a key written beside `<<:` wins, as in YAML).
+    Bounded: yamlsafe has already refused anything that expands past MAX_VALUES."""
     out: dict[Loc, str] = {}
     stack = [(root, prefix)]
-    seen: set[int] = set()
+    seen: set[tuple[int, Loc]] = set()
     while stack:
         node, loc = stack.pop()
-        if id(node) in seen:
+        if (id(node), loc) in seen:
             continue
-        seen.add(id(node))
+        seen.add((id(node), loc))
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
+                if key.tag == MERGE:
+                    merged = value.value if isinstance(value, yaml.SequenceNode) else [value]
+                    for mapping in merged:
+                        if isinstance(mapping, yaml.MappingNode):
+                            for k, v in mapping.value:
+                                if isinstance(k, yaml.ScalarNode) and k.tag != MERGE:
+                                    out.setdefault(loc + (k.value,), location(file, k.start_mark))
+                                    stack.append((v, loc + (k.value,)))
+                elif isinstance(key, yaml.ScalarNode):
                     out[loc + (key.value,)] = location(file, key.start_mark)
                     stack.append((value, loc + (key.value,)))
         elif isinstance(node, yaml.SequenceNode):

@@ -26,6 +26,12 @@ def compose_checked(text: str, file: str) -> yaml.Node | None:
     """The root node of `text` (None when empty), or a ManifestError naming the file, line and column."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as exc:  # a character YAML refuses (NUL, other controls): it has no mark
+        before = text[:exc.position]
+        where = f"{file}:{before.count(chr(10)) + 1}:{exc.position - before.rfind(chr(10))}"
+        problem = Problem("", f"YAML syntax error: the character U+{exc.character:04X} is not "
+                          "allowed in YAML (a NUL or other control character): remove it", where)
+        raise ManifestError([problem], file) from None
     except yaml.YAMLError as exc:
         problem = Problem("", f"YAML syntax error: {_reason(exc)}", location(file, _mark(exc)))
         raise ManifestError([problem], file) from None

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind
+from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations
 
 Engine = Literal["eager", "compiled"]  # decode engines (see ENGINE_DESCRIPTION)
@@ -92,6 +92,14 @@ ENGINE_DESCRIPTION = (
     "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
 
 
+def _fits(kind: str | None, max_seq_len: int | None) -> str | None:
+    """The kind, when its token counts fit max_seq_len (unknown when max_seq_len itself did not validate)."""
+    problem = seq_len_problem(kind, max_seq_len) if max_seq_len is not None else None
+    if problem:
+        raise ValueError(problem)
+    return kind
+
+
 def _engine_conflicts(engine: str, **settings) -> None:
     """What the compiled engine cannot serve, as an error naming the key."""
     if engine != "compiled":
@@ -168,8 +176,8 @@ class GenerateConfig(AutoCacheConfig):
 
     @field_validator("cache_kind")
     @classmethod
-    def _known_kind(cls, value: str | None) -> str | None:
-        return checked_kind(value)
+    def _known_kind(cls, value: str | None, info) -> str | None:
+        return _fits(checked_kind(value), info.data.get("max_seq_len"))
 
     @model_validator(mode="after")
     def _strategies_combine(self) -> GenerateConfig:
@@ -195,6 +203,8 @@ class GenerateConfig(AutoCacheConfig):
                 raise ValueError("contrastive search takes top_k candidates: remove top_p, min_p and typical_p")
         elif self.penalty_alpha and not (self.top_k and self.top_k > 1):
             raise ValueError("penalty_alpha (contrastive search) needs top_k > 1 candidates, e.g. top_k: 4")
+        for candidate in self.cache_candidates if "cache_candidates" in self.model_fields_set else ():
+            _fits(candidate, self.max_seq_len)  # the defaults are judged by the gates; what the user wrote, here
         if self.decode_bucket_mid < self.decode_bucket_short:
             raise ValueError(f"decode_bucket_mid ({self.decode_bucket_mid}) must be ≥ decode_bucket_short "
                              f"({self.decode_bucket_short})")
@@ -266,11 +276,11 @@ class SpeculativeConfig(BaseModel):
 
     @field_validator("cache_kind")
     @classmethod
-    def _known_kind(cls, value: str | None) -> str | None:
+    def _known_kind(cls, value: str | None, info) -> str | None:
         if value == "auto":
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
-        return checked_kind(value)
+        return _fits(checked_kind(value), info.data.get("max_seq_len"))
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,8 @@ KIVI_OPTIONS = {"g": "group_size", "r": "residual_len", "s": "sinks", "o": "outl
 KIVI_FLAGS = {"rot": "rotate_keys", "rotv": "rotate_values", "nuq": "nuq"}  # a word alone
 KIVI_SPELLING = ("g<group>, r<residual>, s<sinks>, o<outlier %>, b<value block>, k<key bits>v<value bits>, rot, "
                  "rotv, nuq")
+OPTION_MAX = {"group_size": 10_000_000, "residual_len": 10_000_000, "sinks": 10_000_000,  # max_seq_len's bound
+              "value_block": 4096}  # channels: no attention head has more
 _SPLIT_BITS = re.compile(r"k([234])v([234])")  # "k4v2": keys at 4 bits, values at 2
 # What a budget that fits only 3 or 2 bits can still pass the default gates with (docs/performance.md#kivi-options):
 # keys at 4 bits over groups of 128, values at 3 in blocks of 64, sinks; kivi2 with sinks, 2 % outliers, values in
@@ -151,7 +153,7 @@ def parse_kind(kind: str | None) -> KindOptions | None:
     name, *fields = kind.split(":")
     name = KIND_ALIASES.get(name, name)
     if name not in KIND_NAMES:
-        close = difflib.get_close_matches(name, KIND_NAMES, n=1)
+        close = difflib.get_close_matches(name.lower(), KIND_NAMES, n=1)  # FP16 → fp16
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown cache kind {kind!r}: {hint}known: {', '.join(KIND_NAMES)} (aliases q8, q4; "
                          f"kivi options as in kivi4:g32:r128)")
@@ -160,19 +162,47 @@ def parse_kind(kind: str | None) -> KindOptions | None:
             raise ValueError(f"cache kind {name!r} takes no options (got {kind!r})")
         return KindOptions(name)
     given: dict = {}
+    spelt: dict = {}
     for part in fields:
         option, value = _kivi_field(part)
-        if option is None or option in given:
+        if option in given:  # the last would silently win
+            raise ValueError(f"cache kind {kind!r} gives option {_letter(part)!r} twice ({spelt[option]}, then "
+                             f"{part}): give each option at most once")
+        if option is None:
             close = difflib.get_close_matches(part, [*KIVI_FLAGS, "g32", "r128", "s4", "o1"], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close and option is None else ""
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"bad option {part!r} in cache kind {kind!r}{hint}: expected {KIVI_SPELLING}, each at "
                              f"most once, e.g. {name}:g32:r128:s4:o1")
-        given[option] = value
+        if isinstance(value, int) and not isinstance(value, bool) and value > OPTION_MAX.get(option, value):
+            raise ValueError(f"cache kind {kind!r}: {part} is far beyond what a cache holds ({option} at most "
+                             f"{OPTION_MAX[option]:,})")
+        given[option], spelt[option] = value, part
     key_bits, value_bits = given.pop("split_bits", (None, None))
     try:
         return KindOptions(name, key_bits=key_bits, value_bits=value_bits, **given)
     except ValueError as error:
         raise ValueError(f"cache kind {kind!r}: {error}") from None
+
+
+def _letter(part: str) -> str:
+    """The option a KIVI field spells: its letter (g, r, s, o, b), k..v for split bits, or the flag itself."""
+    return part if part in KIVI_FLAGS else "k..v" if _SPLIT_BITS.fullmatch(part) else part[:1]
+
+
+def seq_len_problem(kind: str | None, max_seq_len: int, what: str = "max_seq_len") -> str | None:
+    """Why a KIVI kind's token counts cannot fit a cache of `max_seq_len` tokens (sinks, residual window), or
+    None. Checked with the manifest, so that a typo such as s40000 is an error there, not an allocation later."""
+    options = parse_kind(kind) if kind not in (None, "auto") else None
+    if options is None or options.family != "kivi":
+        return None
+    residual = options.kivi.residual_len
+    if options.sinks >= max_seq_len:
+        return (f"cache kind {kind!r}: {options.sinks} sink tokens (s{options.sinks}) leave no room in {what} "
+                f"{max_seq_len}")
+    if residual > max_seq_len:
+        return (f"cache kind {kind!r}: the residual window r{residual} is longer than {what} {max_seq_len} "
+                f"(nothing would ever be quantized)")
+    return None
 
 
 def _kivi_field(part: str) -> tuple[str | None, object]:
@@ -184,6 +214,8 @@ def _kivi_field(part: str) -> tuple[str | None, object]:
     option, number = KIVI_OPTIONS.get(part[:1]), part[1:]
     if option is None or not number.isascii():
         return None, None
+    if len(number) > 12 and number.isdigit():
+        return option, 10**12  # far past OPTION_MAX, said so; never a 4,300-digit int() or a 64-bit overflow
     if option == "outlier_percent":
         whole, _, fraction = number.partition(".")
         return (option, float(number)) if whole.isdigit() and (not fraction or fraction.isdigit()) else (None, None)

@@ -19,7 +19,7 @@ def parse_quantization(text: str) -> tuple[str, dict]:
     """
     name, *fields = text.split(":")
     if name not in QUANTIZATIONS:
-        close = difflib.get_close_matches(name, QUANTIZATIONS, n=1)
+        close = difflib.get_close_matches(name.lower(), QUANTIZATIONS, n=1)  # INT8 → int8
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown quantization {text!r}: {hint}known: {', '.join(QUANTIZATIONS)} "
                          f"(int4 takes a group size, e.g. int4:g32)")
@@ -29,12 +29,16 @@ def parse_quantization(text: str) -> tuple[str, dict]:
         return name, {}
     options = {"group_size": INT4_DEFAULT_GROUP, "embedding_bits": 4}
     keys = {"g": "group_size", "e": "embedding_bits"}
+    seen: dict[str, str] = {}
     for field in fields:
         key, digits = keys.get(field[:1]), field[1:]
-        if key is None or not (digits.isascii() and digits.isdigit()) or fields.count(field) > 1:
+        if key is None or not (digits.isascii() and digits.isdigit()) or len(digits) > 6:
             raise ValueError(f"bad option in quantization {text!r}: expected int4:g<group size>[:e8], e.g. int4:g32 "
                              f"or int4:g32:e8 (the embedding in int8)")
-        options[key] = int(digits)
+        if key in seen:  # the last would silently win
+            raise ValueError(f"quantization {text!r} gives option {field[:1]!r} twice ({seen[key]}, then {field}): "
+                             f"give each option at most once")
+        options[key], seen[key] = int(digits), field
     if options["group_size"] not in INT4_GROUPS:
         raise ValueError(f"quantization {text!r}: int4 group size must be one of "
                          f"{', '.join(map(str, INT4_GROUPS))} (got {options['group_size']})")

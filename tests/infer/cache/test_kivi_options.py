@@ -177,9 +177,11 @@ def test_kind_strings_name_their_options_and_one_spelling():
     ("kivi3:rto", "did you mean 'rot'"),
     ("kivi3:nuqq", "did you mean 'nuq'"),
     ("kivi4:o60", "between 0 and 50"),
-    ("kivi4:s4:s8", "bad option 's8'"),
+    ("kivi4:s4:s8", "gives option 's' twice \\(s4, then s8\\)"),
+    ("kivi4:g99999999999999999999999", "far beyond what a cache holds \\(group_size at most 10,000,000\\)"),
+    ("kivi2:b1000000", "value_block at most 4,096"),
     ("kivi2:o1.x", "bad option 'o1.x'"),
-    ("kivi3:rot:rot", "bad option 'rot'"),
+    ("kivi3:rot:rot", "gives option 'rot' twice"),
     ("kivi5", "did you mean"),
     ("kivi3:k4v4", "average 4: kivi3 takes splits whose average rounds down to 3"),
     ("kivi3:k2v2", "average 2"),
@@ -190,6 +192,15 @@ def test_kind_strings_name_their_options_and_one_spelling():
 def test_bad_options_are_rejected_with_the_closest_valid_one(kind, message):
     with pytest.raises(ValueError, match=message):
         parse_kind(kind)
+
+
+def test_token_counts_past_max_seq_len_are_named_before_any_cache_is_made():
+    from runner.infer.config.kinds import seq_len_problem
+
+    assert "4096 sink tokens (s4096) leave no room in max_seq_len 2048" in seq_len_problem("kivi4:s4096", 2048)
+    assert "residual window r256 is longer than max_seq_len 128" in seq_len_problem("kivi2:g128:r256", 128)
+    assert seq_len_problem("kivi4:g32:r128:s4", 128) is None and seq_len_problem("q8_0", 1) is None
+    assert seq_len_problem("auto", 1) is None and seq_len_problem(None, 1) is None
 
 
 def test_nuq_needs_levels_and_a_model_load_model_made(tiny_lm):

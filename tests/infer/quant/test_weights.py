@@ -175,7 +175,11 @@ def test_names_and_group_sizes_are_checked():
     with pytest.raises(ValueError, match="embedding's bits must be 4 or 8"):
         parse_quantization("int4:e2")
     with pytest.raises(ValueError, match="bad option .*int4:g32:e8 \\(the embedding in int8\\)"):
-        parse_quantization("int4:g32:g32")
+        parse_quantization("int4:x32")
+    with pytest.raises(ValueError, match="gives option 'g' twice \\(g32, then g128\\)"):  # not the last one silently
+        parse_quantization("int4:g32:g128")
+    with pytest.raises(ValueError, match="gives option 'e' twice"):
+        parse_quantization("int4:e8:e8")
     with pytest.raises(ValueError, match="did you mean 'int8'"):
         parse_quantization("int9")
     with pytest.raises(ValueError, match="group size must be one of 32, 64, 128"):
