@@ -43,6 +43,24 @@ def test_an_unwritable_folder_raises_oserror(tmp_path):
         atomic_write(blocked / "x.json", "{}")  # a file where the folder should be
 
 
+def test_inductor_caches_in_a_cache_folder_that_cannot_hold_them_are_a_warning(tmp_path, monkeypatch, caplog):
+    import torch._inductor.config as inductor_config
+
+    from runner.infer.compiled import engine
+
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with caplog.at_level("WARNING", logger=engine.__name__), inductor_config.patch(fx_graph_cache=False):
+        engine.use_compile_cache()  # the patch puts back what was there (before the next test: its monkeypatch of
+        # fx_graph_cache leaves torch reporting the option as hidden to a later read)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write {tmp_path}/cache/inductor in runner's cache folder {tmp_path}/cache: {tmp_path}/cache is a "
+        "file, not a folder; set RUNNER_CACHE to a writable folder; inductor keeps its caches in its default "
+        "temporary folder instead"]
+
+
 def test_runner_cache_moves_every_cache_folder(tmp_path, monkeypatch):
     """One cache folder: $RUNNER_CACHE moves the downloads, the codebooks, the C++ kernels and inductor's caches."""
     import torch._inductor.config as inductor_config
@@ -142,3 +160,4 @@ def test_a_read_only_cache_folder_is_a_cache_error_naming_it(tmp_path, monkeypat
     finally:
         (tmp_path / "cache" / "codebooks").chmod(0o700)
         (tmp_path / "cache").chmod(0o700)
+
