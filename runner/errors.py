@@ -64,6 +64,11 @@ class InferenceError(RunnerError):
     no cache kind within the budget or through the quality gates."""
 
 
+class CacheError(RunnerError):
+    """runner's cache folder ($RUNNER_CACHE, else ~/.cache/runner) cannot hold a file it must keep: a file where a
+    folder should be, no write permission, a full disk. The message names the path, what is wrong and what to do."""
+
+
 class DataError(RunnerError):
     """Evaluation text cannot be found, fetched, verified or is too short for what was asked."""
 

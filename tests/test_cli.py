@@ -190,3 +190,26 @@ def test_a_ctrl_c_inside_a_constructor_ends_without_a_traceback(monkeypatch, cap
     gc.collect()
     err = capfd.readouterr().err
     assert "interrupted:" in err and "Traceback" not in err and "HalfBuilt" not in err
+
+
+def test_a_cache_folder_that_is_a_file_fails_the_step_that_needs_it_and_the_others_run(tmp_path):
+    """RUNNER_CACHE names a file: the selection that must download its evaluation text into the cache fails with
+    the reason (no traceback), the generate step after it still finishes (its kernels and inductor caches are only
+    warnings), and the exit status is the failure policy's: 2."""
+    runs = """      - id: select
+        mode: auto-cache-select
+        generate: {cache_candidates: [q8_0], cache_quality_data: shakespeare}
+""" + RUNS.split("      - id: sampled")[0]
+    path = tiny_manifest(tmp_path, runs)
+    (tmp_path / "cache").write_text("not a folder")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RUNNER_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "runner", str(path), "tracking.mlflow=false"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    reason = (f"cannot write {tmp_path}/cache/data in runner's cache folder {tmp_path}/cache: {tmp_path}/cache is a "
+              "file, not a folder; set RUNNER_CACHE to a writable folder")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"step tiny/select failed: {reason}" in done.stderr
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    status = json.loads((folder / "status.json").read_text())
+    assert status["steps"]["tiny/select"] == {**status["steps"]["tiny/select"], "state": "failed", "error": reason}
+    assert status["steps"]["tiny/greedy"]["state"] == "finished" and status["state"] == "failed"

@@ -43,6 +43,24 @@ def test_an_unwritable_folder_raises_oserror(tmp_path):
         atomic_write(blocked / "x.json", "{}")  # a file where the folder should be
 
 
+def test_inductor_caches_in_a_cache_folder_that_cannot_hold_them_are_a_warning(tmp_path, monkeypatch, caplog):
+    import torch._inductor.config as inductor_config
+
+    from runner.infer.compiled import engine
+
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with caplog.at_level("WARNING", logger=engine.__name__), inductor_config.patch(fx_graph_cache=False):
+        engine.use_compile_cache()  # the patch puts back what was there (before the next test: its monkeypatch of
+        # fx_graph_cache leaves torch reporting the option as hidden to a later read)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot write {tmp_path}/cache/inductor in runner's cache folder {tmp_path}/cache: {tmp_path}/cache is a "
+        "file, not a folder; set RUNNER_CACHE to a writable folder; inductor keeps its caches in its default "
+        "temporary folder instead"]
+
+
 def test_runner_cache_moves_every_cache_folder(tmp_path, monkeypatch):
     """One cache folder: $RUNNER_CACHE moves the downloads, the codebooks, the C++ kernels and inductor's caches."""
     import torch._inductor.config as inductor_config
@@ -80,3 +98,66 @@ def test_package_version_is_the_installed_one_or_none():
 
     assert package_version("pytest") == metadata.version("pytest")
     assert package_version("no-such-package-runner-test") is None
+
+
+def test_cache_folder_is_made_and_returned(tmp_path, monkeypatch):
+    from runner.files import cache_folder, cache_write
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    assert cache_folder("codebooks") == tmp_path / "cache" / "codebooks" and (tmp_path / "cache" / "codebooks").is_dir()
+    assert cache_write(tmp_path / "cache" / "a" / "b.json", "{}").read_text() == "{}"
+
+
+def test_runner_cache_that_is_a_file_is_a_cache_error_naming_it(tmp_path, monkeypatch):
+    """Fails for root too: no permission bits involved."""
+    from runner.errors import CacheError, RunnerError
+    from runner.files import cache_folder, cache_write
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CacheError) as raised:
+        cache_folder("models")
+    assert isinstance(raised.value, RunnerError)
+    assert str(raised.value) == (f"cannot write {tmp_path}/cache/models in runner's cache folder {tmp_path}/cache: "
+                                 f"{tmp_path}/cache is a file, not a folder; set RUNNER_CACHE to a writable folder")
+    with pytest.raises(CacheError) as raised:
+        cache_write(tmp_path / "cache" / "codebooks" / "x.json", "{}")
+    assert str(raised.value) == (f"cannot write {tmp_path}/cache/codebooks/x.json in runner's cache folder "
+                                 f"{tmp_path}/cache: {tmp_path}/cache is a file, not a folder; set RUNNER_CACHE to a "
+                                 "writable folder")
+
+
+def test_a_subfolder_that_is_a_file_is_a_cache_error_naming_it(tmp_path, monkeypatch):
+    from runner.errors import CacheError
+    from runner.files import cache_folder
+
+    (tmp_path / "kernels").write_text("")
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    with pytest.raises(CacheError, match="^cannot write .*: (.*) is a file, not a folder; set RUNNER_CACHE") as raised:
+        cache_folder("kernels")
+    assert f": {tmp_path}/kernels is a file, not a folder;" in str(raised.value)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into a folder whatever its permission bits say: no error to see")
+def test_a_read_only_cache_folder_is_a_cache_error_naming_it(tmp_path, monkeypatch):
+    from runner.errors import CacheError
+    from runner.files import cache_folder, cache_write
+
+    (tmp_path / "cache" / "codebooks").mkdir(parents=True)
+    (tmp_path / "cache").chmod(0o500)
+    (tmp_path / "cache" / "codebooks").chmod(0o500)
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    try:
+        with pytest.raises(CacheError) as raised:
+            cache_folder("codebooks")
+        assert str(raised.value) == (f"cannot write {tmp_path}/cache/codebooks in runner's cache folder "
+                                     f"{tmp_path}/cache: {tmp_path}/cache/codebooks is not writable (permission "
+                                     "denied); set RUNNER_CACHE to a writable folder")
+        with pytest.raises(CacheError) as raised:
+            cache_write(tmp_path / "cache" / "models" / "x", "")
+        assert f": {tmp_path}/cache is not writable (permission denied);" in str(raised.value)
+    finally:
+        (tmp_path / "cache" / "codebooks").chmod(0o700)
+        (tmp_path / "cache").chmod(0o700)
+

@@ -17,7 +17,7 @@ ROOT = RUNNER.parent
 INFER_LAYERS = ["config", "kernels", "quant", "loading", "decode", "cache", "measure", "compiled", "select",
                 "generation", "speculative", "bench"]
 RUNNER_LAYERS = ["errors", "files", "report", "infer", "manifest", "steps", "execute", "cli", "__main__"]
-BOTTOM = {"errors", "files", "report"}  # import nothing of runner themselves
+BOTTOM = {"errors", "files", "report"}  # import nothing of runner themselves but runner.errors
 
 
 def _runner_imports(tree: ast.Module) -> list[tuple[str, int, bool]]:
@@ -93,6 +93,7 @@ def test_steps_import_no_other_step():
 def test_bottom_utilities_import_nothing_of_runner():
     for name in BOTTOM:
         imports = _runner_imports(ast.parse((RUNNER / f"{name}.py").read_text(encoding="utf-8")))
+        imports = [i for i in imports if not i[0].startswith("runner.errors.")]  # the errors every layer raises
         assert imports == [], f"runner/{name}.py imports {imports}"
 
 

@@ -4,7 +4,9 @@ quantize them (after the sinks, rotated and with outliers removed when those opt
 
 Fitted once per (model, bits, options) and kept as JSON under ~/.cache/runner/codebooks/<content key>.json; the key
 is a sha256 of the model's fingerprint (content hash, dtype), the options and the calibration settings, so another
-model or option never reads it. Calibration: 4 windows of 512 tokens of `pydoc` from the odd eighths of the text
+model or option never reads it. A file that is not JSON, or does not fit (another layer count, level count or model)
+is fitted again with a warning naming it; a cache folder that cannot hold the codes is a warning (they serve this
+process only). Calibration: 4 windows of 512 tokens of `pydoc` from the odd eighths of the text
 (the quality probe's 3 windows start at 0, 1/3, 2/3: no overlap). Needs the tokenizer load_model recorded.
 """
 
@@ -13,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from typing import TypedDict
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
-from runner.errors import InferenceError
-from runner.files import atomic_write_json
+from runner.errors import CacheError, InferenceError
+from runner.files import cache_write_json
 from runner.infer.config.kinds import KindOptions
 from runner.infer.loading.models import LOADED
 from runner.infer.loading.pinned import cache_root
@@ -60,16 +63,64 @@ def fitted_levels(model, options: KindOptions) -> list[tuple[torch.Tensor, torch
                                      "calibration": CALIBRATION}, sort_keys=True, default=str).encode()).hexdigest()
     if key not in _FITTED:
         path = cache_root() / "codebooks" / f"{key}.json"
-        try:
-            layers = json.loads(path.read_text())["levels"]
-        except (OSError, ValueError, KeyError):
+        doc = {"model": fingerprint, "bits": bits, "options": fitted}
+        layers = read_codebook(path, doc, model.config.get_text_config().num_hidden_layers,
+                               (kivi.key_bits, kivi.value_bits))
+        if layers is None:
             log.info("fitting %s-bit nuq codes to %s (%s)", bits, fingerprint.get("source", "the model"), path.name)
             layers = fit_model_levels(model, tokenizer, options)
-            atomic_write_json(path, {"levels": layers, "model": fingerprint, "bits": bits, "options": fitted})
+            try:
+                cache_write_json(path, {"levels": layers, **doc})
+            except CacheError as exc:
+                log.warning("%s; the fitted codes serve this process only", exc)
         device = next(model.parameters()).device
         _FITTED[key] = [(torch.tensor(k, dtype=torch.float16, device=device),
                          torch.tensor(v, dtype=torch.float16, device=device)) for k, v in layers]
     return _FITTED[key]
+
+
+def read_codebook(path, doc: dict, layers: int, bits: tuple[int, int]) -> list | None:
+    """The levels the codebook file `path` holds, or None (fit them) when there is none or it does not fit (said
+    at warning level, naming the file and what did not match)."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:
+        problem = f"is unreadable ({exc.strerror})" if isinstance(exc, OSError) else f"is not JSON ({exc})"
+    else:
+        problem = codebook_problem(found, doc, layers, bits)
+    if problem:
+        log.warning("codebook %s %s: fitting it again", path, problem)
+        return None
+    return found["levels"]
+
+
+def codebook_problem(found, doc: dict, layers: int, bits: tuple[int, int]) -> str:
+    """What makes the codebook `found` (a file's JSON) unfit for the model and options `doc` names, with `layers`
+    layers and (key, value) `bits`; "" when it fits."""
+    if not isinstance(found, dict):
+        return "is not a JSON object"
+    missing = [name for name in ("levels", *doc) if name not in found]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for name, want in doc.items():
+        if found[name] != json.loads(json.dumps(want, default=str)):
+            return f"is for {name} {found[name]!r}, not {want!r}"
+    levels = found["levels"]
+    if not isinstance(levels, list) or len(levels) != layers:
+        count = f"{len(levels)} layers" if isinstance(levels, list) else "levels that are not a list"
+        return f"has {count}; the model has {layers}"
+    for n, layer in enumerate(levels):
+        if not (isinstance(layer, list) and len(layer) == 2):
+            return f"layer {n}: expected [key levels, value levels]"
+        for side, values, b in zip(("key", "value"), layer, bits):
+            if not (isinstance(values, list) and len(values) == 1 << b):
+                count = len(values) if isinstance(values, list) else "no list of"
+                return f"layer {n}: {count} {side} levels; {b} bits take {1 << b}"
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+                return f"layer {n}: a {side} level that is not a finite number"
+    return ""
 
 
 @torch.inference_mode()

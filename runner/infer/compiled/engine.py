@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.errors import InferenceError
-from runner.files import cache_dir
+from runner.errors import CacheError, InferenceError
+from runner.files import cache_folder
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.cache.static.plain import StaticPlainLayer
 from runner.infer.compiled.attention import reduced_attention
@@ -74,8 +74,13 @@ def length_bucket(columns: int, max_seq_len: int) -> int:
 
 def use_compile_cache() -> None:
     """Point inductor's on-disk caches (FX graphs, kernels) at the cache folder's inductor/ (runner.files.cache_dir)
-    unless the user chose."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    unless the user chose. A cache folder that cannot hold them is only a warning: inductor then keeps them in its
+    default temporary folder (compiling works, later processes compile again)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        try:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_folder("inductor"))
+        except CacheError as exc:
+            log.warning("%s; inductor keeps its caches in its default temporary folder instead", exc)
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True

@@ -7,8 +7,9 @@ KIVI's outliers), built once per machine with the system's compiler into one lib
 The library goes to <cache folder>/kernels/runner_kernels-<hash>.so (runner.files.cache_dir: $RUNNER_CACHE or
 ~/.cache/runner); the hash covers the sources, the flags, the compiler, this CPU (-march=native: a home directory
 shared by other CPUs gets one build each) and torch's version (the ops are built against its headers, as
-torch.utils.cpp_extension would). No compiler, or a failed build: load() is False, said once at warning level with the
-reason, and callers keep their torch expressions.
+torch.utils.cpp_extension would). A cached library that cannot be loaded is built again, once.
+No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
+level with the reason, and callers keep their torch expressions.
 Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py and
 kvcodes.py do).
 """
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from runner.files import atomic_write, cache_dir
+from runner.errors import CacheError
+from runner.files import cache_dir, cache_folder, cache_write
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,9 @@ def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> 
     digest = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), " ".join(flags).encode(),
                                         compiler.encode(), _machine().encode(), torch.__version__.encode()]))
     target = kernel_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
+    if target.is_file():
         return target
+    cache_folder("kernels")  # CacheError before compiling when the library could not be kept
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / f"{name}.so"
         compiled = [str(s) for s in sources if s.suffix == ".cpp"]
@@ -81,7 +84,7 @@ def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> 
             raise RuntimeError(f"the C++ compiler {compiler} cannot be run ({error.strerror or error})") from error
         if run.returncode:
             raise RuntimeError(f"{compiler} failed on {', '.join(s.name for s in sources)}:\n{run.stderr[-2000:]}")
-        atomic_write(target, built.read_bytes())
+        cache_write(target, built.read_bytes())
     log.info("built %s", target)
     return target
 
@@ -90,9 +93,21 @@ def load() -> bool:
     """Build (first time on this machine) and load the ops; False when they cannot be (logged once)."""
     if "loaded" not in _STATE:
         try:
-            torch.ops.load_library(str(build()))
+            _load_built()
             _STATE["loaded"] = True
-        except (OSError, RuntimeError) as error:
+        except (OSError, RuntimeError, CacheError) as error:
             _STATE["loaded"] = False
             log.warning("runner's C++ kernels unavailable, products and attention stay torch expressions: %s", error)
     return _STATE["loaded"]
+
+
+def _load_built() -> None:
+    """Load the built library; one the cache holds that cannot be loaded (cut short, not a library) is built again,
+    once."""
+    path = build()
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        log.warning("the cached kernel library %s cannot be loaded (%s): building it again", path, error)
+        path.unlink(missing_ok=True)
+        torch.ops.load_library(str(build()))

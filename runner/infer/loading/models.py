@@ -226,6 +226,9 @@ def content_hash(files: list[Path]) -> str:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
+    if not (isinstance(memo, dict) and all(isinstance(v, str) and len(v) == 64 for v in memo.values())):
+        log.warning("content hashes %s are not {file: sha256}: hashing again", memo_path)
+        memo = {}
     digest = hashlib.sha256()
     for f in files:
         stat = f.stat()

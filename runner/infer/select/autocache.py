@@ -27,6 +27,7 @@ from runner.infer.cache.layers import STORAGE_DTYPES
 from runner.infer.cache.registry import bytes_per_token, estimate_cache_bytes
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.kinds import canonical_kind
+from runner.infer.config.quantization import canonical_quantization
 from runner.infer.loading.texts import EvalText, load_text, token_windows
 from runner.infer.measure.quality import build_probe, compare, run_probe
 from runner.infer.measure.timing import Stopwatch, device_name
@@ -82,7 +83,9 @@ def planned_selection(fields: dict, config: GenerateConfig, measure_and_choose, 
     """The persisted cache plan of `fields` while fresh (nothing measured); else `measure_and_choose()` → a cache
     plan ({kind, source, reason, rows}, joint selection: weights too), persisted under the fields' key."""
     key, store = cache_plan_key(fields), CachePlanStore(Path(config.cache_plan_path))
-    cache_plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec)
+    joint = "weight_candidates" in fields["settings"]
+    cache_plan, why = store.lookup(key, config.cache_plan_probe, config.cache_plan_probe_interval_sec,
+                                   validate=lambda plan: cache_plan_problem(plan, joint))
     if cache_plan is not None:
         return Selection(cache_plan["kind"], cache_plan["source"], True,
                          f"reused cache plan {key[:12]} ({why}): {cache_plan['reason']}", cache_plan["rows"], key,
@@ -96,6 +99,41 @@ def planned_selection(fields: dict, config: GenerateConfig, measure_and_choose, 
     return Selection(cache_plan["kind"], cache_plan["source"], False,
                      f"{cache_plan['reason']} (cache plan {key[:12]} was {why})", cache_plan["rows"], key, fields,
                      str(store.path), watch.lap(), persist_error, weights=cache_plan.get("weights"))
+
+
+ROW_NUMBERS = ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s",
+               "tokens_per_s_spread", "prefill_ms", "weight_mib", "total_mib")
+
+
+def cache_plan_problem(plan: dict, joint: bool = False) -> str:
+    """What makes a persisted cache plan unfit to reuse ("" when it is fit): a missing or mistyped field, a kind or
+    weight quantization this runner does not know, a row it could not report, a measured choice no passing row
+    holds. `joint`: a (weights, cache kind) plan."""
+    want = {"kind": str, "source": str, "reason": str, "rows": list, **({"weights": str} if joint else {})}
+    wrong = [name for name, kind in want.items() if not isinstance(plan.get(name), kind)]
+    if wrong:
+        return f"{', '.join(wrong)} missing or of the wrong type"
+    if plan["source"] not in ("measured", "gate_failed"):
+        return f"source {plan['source']!r} is neither 'measured' nor 'gate_failed'"
+    try:
+        canonical_kind(plan["kind"])  # raises ValueError naming an unknown kind
+        for n, row in enumerate(plan["rows"]):
+            if not (isinstance(row, dict) and isinstance(row.get("kind"), str) and isinstance(row.get("passed"), bool)
+                    and isinstance(row.get("verdict"), str) and (not joint or isinstance(row.get("weights"), str))):
+                return f"row {n} lacks kind, passed, verdict{' or weights' if joint else ''}"
+            canonical_kind(row["kind"])
+            bad = [k for k in ROW_NUMBERS if row.get(k) is not None and (isinstance(row[k], bool)
+                                                                          or not isinstance(row[k], (int, float)))]
+            if bad:
+                return f"row {n}: {', '.join(bad)} not a number"
+        for weights in [plan["weights"], *(row["weights"] for row in plan["rows"])] if joint else []:
+            canonical_quantization(weights)
+    except ValueError as exc:
+        return str(exc)
+    chosen = [row for row in plan["rows"] if row["kind"] == plan["kind"] and row.get("weights") == plan.get("weights")]
+    if plan["source"] == "measured" and not any(row["passed"] for row in chosen):
+        return f"the chosen kind {plan['kind']!r} has no passing row"
+    return ""
 
 
 def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int, text: EvalText,

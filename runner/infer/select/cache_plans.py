@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,12 +72,18 @@ class CachePlanStore:
         age = _age(cache_plan, now)
         return age is not None and age < interval_sec
 
-    def lookup(self, key: str, probe: bool, interval_sec: float, now: float | None = None) -> tuple[dict | None, str]:
-        """The cache plan if it may be reused (else None: re-measure), and why: "fresh ...", "stale ..." or
-        "missing"."""
+    def lookup(self, key: str, probe: bool, interval_sec: float, now: float | None = None,
+               validate: Callable[[dict], str] | None = None) -> tuple[dict | None, str]:
+        """The cache plan if it may be reused (else None: re-measure), and why: "fresh ...", "stale ...", "missing"
+        or "unusable (...)" when `validate` (the caller's check of what a plan holds) names a problem, which is also
+        said at warning level naming the file: the plan is measured again and replaced, never used as is."""
         cache_plan = self.get(key)
         if cache_plan is None:
             return None, "missing"
+        problem = validate(cache_plan) if validate else ""
+        if problem:
+            log.warning("cache plan %s in %s is unusable (%s): measuring again", key[:12], self.path, problem)
+            return None, f"unusable ({problem})"
         now = time.time() if now is None else now  # one clock reading for the verdict and its reason
         age = _age(cache_plan, now)
         if not self.is_fresh(cache_plan, probe, interval_sec, now):

@@ -121,3 +121,22 @@ def test_zoo_registry_matches_models_md():
     assert zoo.DEFAULT_MODEL == "zoo:smollm2-135m"
     assert zoo.ZOO["smollm2-135m"].sha256.startswith("b179c952")
     assert len(zoo.ZOO["qwen2.5-coder-1.5b"].packages) == 22
+
+
+@pytest.mark.parametrize("memo", ['["not", "a", "mapping"]', '{"x:1:2": 7}'])
+def test_a_content_hash_memo_that_is_not_file_to_sha256_is_hashed_again_with_a_warning(tmp_path, monkeypatch,
+                                                                                      caplog, memo):
+    import hashlib
+
+    from runner.infer.loading import models
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "content_hashes.json").write_text(memo)
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"weights")
+    with caplog.at_level("WARNING", logger=models.__name__):
+        digest = models.content_hash([weights])
+    assert digest == hashlib.sha256(hashlib.sha256(b"weights").hexdigest().encode()).hexdigest()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"content hashes {tmp_path}/cache/content_hashes.json are not {{file: sha256}}: hashing again"]

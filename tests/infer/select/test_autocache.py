@@ -1,5 +1,7 @@
 """auto cache selection: budget filter, each gate, the on-fail policy, plan reuse and staleness."""
 
+import json
+
 import pytest
 import torch
 
@@ -241,3 +243,38 @@ def test_the_speed_pick_on_the_compiled_engine_compiles_before_timing_and_never_
     assert all(row["timed_on"] == "compiled" and row["compile_s"] > 0 for row in selection.rows)
     assert stats.recompiles == 0 and sorted(key[0] for key in stats.compile_s) == ["fp32", "q8_0"]
     assert {row["speed_verdict"] for row in selection.rows} <= {"fastest", "tied", "slower"}
+
+
+def _stored(path):
+    doc = json.loads(path.read_text())
+    (key,) = doc["plans"]
+    return doc, key
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda p: p.update(kind="fp12"), "unknown cache kind 'fp12': "),
+    (lambda p: p.pop("rows"), "rows missing or of the wrong type"),
+    (lambda p: p.update(source="guessed"), "source 'guessed' is neither 'measured' nor 'gate_failed'"),
+    (lambda p: p["rows"][0].pop("passed"), "row 0 lacks kind, passed, verdict"),
+    (lambda p: p["rows"][1].update(estimated_mib="lots"), "row 1: estimated_mib not a number"),
+    (lambda p: p.update(kind="q4_0"), "the chosen kind 'q4_0' has no passing row"),
+])
+def test_a_reused_plan_that_does_not_fit_is_measured_again_with_a_warning(tiny_lm, tmp_path, monkeypatch, caplog,
+                                                                         change, problem):
+    config = _config(tmp_path, cache_candidates=["fp32", "q8_0"], cache_quality_max_mean_kl=10,
+                     cache_auto_benchmark=False)  # the first passing: the same choice each time
+    first = _select(tiny_lm, config)
+    doc, key = _stored(tmp_path / "plans.json")
+    change(doc["plans"][key])
+    (tmp_path / "plans.json").write_text(json.dumps(doc))
+    measured = []
+    real = autocache.measure_candidates
+    monkeypatch.setattr(autocache, "measure_candidates", lambda *a, **k: measured.append(1) or real(*a, **k))
+    with caplog.at_level("WARNING", logger="runner.infer.select.cache_plans"):
+        second = _select(tiny_lm, config)
+    assert measured == [1] and not second.reused and second.kind == first.kind
+    (message,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    prefix = f"cache plan {key[:12]} in {tmp_path / 'plans.json'} is unusable ({problem}"
+    assert message.startswith(prefix) and message.endswith("): measuring again")
+    assert f"(cache plan {key[:12]} was unusable ({problem}" in second.reason
+    assert autocache.cache_plan_problem(_stored(tmp_path / "plans.json")[0]["plans"][key]) == ""  # replaced
