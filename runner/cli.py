@@ -55,7 +55,8 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "plan": "Print the plan: one line per step, with its content hash.",
     }
     args = _parse(_parser(command, descriptions[command]), argv, intermixed=True)
-    from runner.execute.sweep import is_hydra_override, split_sweep
+    from runner.execute.launchers import is_hydra_override, is_launcher_fragment
+    from runner.execute.sweep import split_sweep
     from runner.manifest.compose import load_manifest
 
     path = Path(args.manifest)
@@ -68,6 +69,10 @@ def _dispatch(command: str, argv: list[str]) -> int:
     if swept:
         raise RunnerError(f"override '{swept[0]}' is a sweep: add -m (multirun) to run every value, "
                           f"or give one value")
+    launcher = [o for o in overrides if is_launcher_fragment(o)]
+    if launcher:
+        raise RunnerError(f"override '{launcher[0]}' chooses Hydra's launcher, which runs sweeps only: add -m "
+                          "(multirun), or leave it out to run here")
     if hydra_args:
         raise RunnerError(f"override '{hydra_args[0]}' configures Hydra's launcher: add -m (multirun)")
     return _single(command, args, path, manifest, resolved)
@@ -83,8 +88,11 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
     if command == "plan":
         print(plan.describe())
         return 0
+    from runner.execute.tracking import RunFolder, require_server
+
+    if manifest.tracking.mlflow:  # before torch is imported: a server that does not answer is said in seconds
+        require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
     from runner.execute.executor import execute
-    from runner.execute.tracking import RunFolder
 
     previous = _resume_folder(args, manifest, "status.json")
     folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
@@ -146,14 +154,15 @@ def _browse(command: str, argv: list[str]) -> int:
 
 
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
-    from runner.execute import sweep
+    from runner.execute import launchers, sweep
     from runner.manifest.sources import read_sources
 
+    launchers.refuse_unsweepable(overrides + hydra_args, manifest.sweep, path)
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
     points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
     sweep.validate_points(path, points, sweep.manifest_keys(manifest.sweep, overrides))
-    sweep.validate_launcher(path, arguments, hydra_args)
+    launchers.validate_launcher(path, arguments, hydra_args)
     if command == "check":
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
         return 0
@@ -165,6 +174,10 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
             print(f"point {point.index}: {point.label}")
             print(make_plan(load_manifest(path, list(point.overrides))[0], path.parent).describe())
         return 0
+    from runner.execute.tracking import require_server
+
+    if manifest.tracking.mlflow:
+        require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
     previous = _resume_folder(args, manifest, "sweep.json")
     _catch_signals()
     outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous, progress=Bar)
