@@ -129,8 +129,8 @@ def _browse(command: str, argv: list[str]) -> int:
     else:
         parser = _parser("compare", "Two runs' metrics side by side; a change is flagged only when it is larger "
                          "than the runs' own recorded spread.", manifest=False)
-        parser.add_argument("a", help="MLflow run id (or a unique prefix) of the baseline")
-        parser.add_argument("b", help="MLflow run id (or a unique prefix) to compare with it")
+        parser.add_argument("a", help="the baseline invocation: its MLflow run id (or a unique prefix) or run folder")
+        parser.add_argument("b", help="the invocation to compare with it: run id, prefix or run folder")
         parser.add_argument("--all", action="store_true", help="every metric, not only those that differ")
         parser.add_argument("--fail-on-regression", action="store_true", help="exit 1 when a regression is flagged")
     parser.add_argument("--runs-dir", default="runs", help="where run folders and mlflow.db are (default runs)")
@@ -138,6 +138,9 @@ def _browse(command: str, argv: list[str]) -> int:
     args = _parse(parser, argv)
     for condition in getattr(args, "where", ()):  # the options' form first, before any store is opened
         results.where_condition(condition)
+    problem = results.mode_problem(args.mode) if getattr(args, "mode", None) else None
+    if problem:
+        raise RunnerError(problem)
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
