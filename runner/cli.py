@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from runner import __version__, report
-from runner.errors import RunnerError
+from runner.errors import ManifestError, RunnerError
 
 COMMANDS = ("check", "plan", "schema", "results", "compare")
 
@@ -55,7 +55,7 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "plan": "Print the plan: one line per step, with its content hash.",
     }
     args = _parse(_parser(command, descriptions[command]), argv, intermixed=True)
-    from runner.execute.launchers import is_hydra_override, is_launcher_fragment
+    from runner.execute.launchers import is_hydra_override, is_launcher_fragment, refuse_missing_plugin
     from runner.execute.sweep import split_sweep
     from runner.manifest.compose import load_manifest
 
@@ -63,7 +63,11 @@ def _dispatch(command: str, argv: list[str]) -> int:
     hydra_args = [o for o in args.overrides if is_hydra_override(o)]
     overrides = [o for o in args.overrides if not is_hydra_override(o)]
     fixed, swept = split_sweep(overrides, str(path))
-    manifest, resolved = load_manifest(path, fixed)
+    try:
+        manifest, resolved = load_manifest(path, fixed)
+    except ManifestError as exc:  # a launcher fragment composed with the manifest: its plugin may be missing
+        refuse_missing_plugin(str(exc))
+        raise
     if args.multirun or manifest.sweep:  # a manifest with a sweep: block is a sweep without -m
         return _sweep(command, args, path, manifest, overrides, hydra_args)
     if swept:

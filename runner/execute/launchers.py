@@ -13,6 +13,7 @@ from __future__ import annotations
 import getpass
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -119,6 +120,7 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
             choice = cfg.hydra.runtime.choices.get("hydra/launcher") or "basic"
             settings = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     except (HydraException, OmegaConfBaseException) as exc:
+        refuse_missing_plugin(hydra_reason(exc))
         named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
         where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
         raise ManifestError([Problem("hydra", hydra_reason(exc), where)], str(path)) from None
@@ -127,6 +129,16 @@ def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -
     problem = launcher_problem(choice, settings if isinstance(settings, dict) else {})
     if problem:
         raise RunnerError(f"the sweep's launcher ({choice}) cannot start: {problem}; nothing ran")
+
+
+def refuse_missing_plugin(reason: str) -> None:
+    """Hydra's composition failing on a launcher we know (`Could not find 'hydra/launcher/ray'`): its plugin is not
+    installed, so say how to install it. Called wherever `+launchers=` or `hydra/launcher=` is composed."""
+    plugin = re.search(r"Could not (?:find|load) 'hydra/launcher/(\w+)'", reason)
+    if plugin and plugin.group(1) in LAUNCHERS:
+        known = LAUNCHERS[plugin.group(1)]
+        raise RunnerError(f"the sweep's launcher ({plugin.group(1)}) cannot start: {known.what} is not installed here "
+                          f"(Hydra has no hydra/launcher/{plugin.group(1)}): {known.install}; nothing ran")
 
 
 def launcher_problem(choice: str, settings: dict) -> str | None:

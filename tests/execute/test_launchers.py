@@ -104,3 +104,14 @@ def test_a_launcher_that_can_start_passes(capsys, tmp_path):
     assert main(["check", str(SWEEP), "-m", "+launchers=local"]) == 0
     assert launchers.launcher_problem("basic", {}) is None
     assert launchers.launcher_problem("some_other_plugin", {"n_jobs": 0}) is None  # Hydra found it; we know no more
+
+
+def test_a_launcher_plugin_not_installed_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    from hydra.core.config_store import ConfigStore
+
+    assert main(["check", str(SWEEP), "-m", "+launchers=local"]) == 0  # the plugins are scanned: their configs stored
+    capsys.readouterr()
+    monkeypatch.delitem(ConfigStore.instance().repo["hydra"]["launcher"], "submitit_slurm.yaml")  # as if not installed
+    assert refused(capsys, tmp_path, "+launchers=slurm") == (
+        "error: the sweep's launcher (submitit_slurm) cannot start: Hydra's SLURM launcher (submitit) is not installed "
+        "here (Hydra has no hydra/launcher/submitit_slurm): pip install -e \".[slurm]\"; nothing ran")
