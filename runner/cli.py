@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from runner import __version__, report
-from runner.errors import RunnerError
+from runner.errors import ManifestError, RunnerError
 
 COMMANDS = ("check", "plan", "schema", "results", "compare")
 
@@ -55,19 +55,28 @@ def _dispatch(command: str, argv: list[str]) -> int:
         "plan": "Print the plan: one line per step, with its content hash.",
     }
     args = _parse(_parser(command, descriptions[command]), argv, intermixed=True)
-    from runner.execute.sweep import is_hydra_override, split_sweep
+    from runner.execute.launchers import is_hydra_override, is_launcher_fragment, refuse_missing_plugin
+    from runner.execute.sweep import split_sweep
     from runner.manifest.compose import load_manifest
 
     path = Path(args.manifest)
     hydra_args = [o for o in args.overrides if is_hydra_override(o)]
     overrides = [o for o in args.overrides if not is_hydra_override(o)]
     fixed, swept = split_sweep(overrides, str(path))
-    manifest, resolved = load_manifest(path, fixed)
+    try:
+        manifest, resolved = load_manifest(path, fixed)
+    except ManifestError as exc:  # a launcher fragment composed with the manifest: its plugin may be missing
+        refuse_missing_plugin(str(exc))
+        raise
     if args.multirun or manifest.sweep:  # a manifest with a sweep: block is a sweep without -m
         return _sweep(command, args, path, manifest, overrides, hydra_args)
     if swept:
         raise RunnerError(f"override '{swept[0]}' is a sweep: add -m (multirun) to run every value, "
                           f"or give one value")
+    launcher = [o for o in overrides if is_launcher_fragment(o)]
+    if launcher:
+        raise RunnerError(f"override '{launcher[0]}' chooses Hydra's launcher, which runs sweeps only: add -m "
+                          "(multirun), or leave it out to run here")
     if hydra_args:
         raise RunnerError(f"override '{hydra_args[0]}' configures Hydra's launcher: add -m (multirun)")
     return _single(command, args, path, manifest, resolved)
@@ -83,8 +92,11 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
     if command == "plan":
         print(plan.describe())
         return 0
+    from runner.execute.tracking import RunFolder, require_server
+
+    if manifest.tracking.mlflow:  # before torch is imported: a server that does not answer is said in seconds
+        require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
     from runner.execute.executor import execute
-    from runner.execute.tracking import RunFolder
 
     previous = _resume_folder(args, manifest, "status.json")
     folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
@@ -121,8 +133,8 @@ def _browse(command: str, argv: list[str]) -> int:
     else:
         parser = _parser("compare", "Two runs' metrics side by side; a change is flagged only when it is larger "
                          "than the runs' own recorded spread.", manifest=False)
-        parser.add_argument("a", help="MLflow run id (or a unique prefix) of the baseline")
-        parser.add_argument("b", help="MLflow run id (or a unique prefix) to compare with it")
+        parser.add_argument("a", help="the baseline invocation: its MLflow run id (or a unique prefix) or run folder")
+        parser.add_argument("b", help="the invocation to compare with it: run id, prefix or run folder")
         parser.add_argument("--all", action="store_true", help="every metric, not only those that differ")
         parser.add_argument("--fail-on-regression", action="store_true", help="exit 1 when a regression is flagged")
     parser.add_argument("--runs-dir", default="runs", help="where run folders and mlflow.db are (default runs)")
@@ -130,6 +142,9 @@ def _browse(command: str, argv: list[str]) -> int:
     args = _parse(parser, argv)
     for condition in getattr(args, "where", ()):  # the options' form first, before any store is opened
         results.where_condition(condition)
+    problem = results.mode_problem(args.mode) if getattr(args, "mode", None) else None
+    if problem:
+        raise RunnerError(problem)
     store = results.Store(args.tracking_uri, args.runs_dir)
     if command == "results":
         columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
@@ -146,14 +161,15 @@ def _browse(command: str, argv: list[str]) -> int:
 
 
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
-    from runner.execute import sweep
+    from runner.execute import launchers, sweep
     from runner.manifest.sources import read_sources
 
+    launchers.refuse_unsweepable(overrides + hydra_args, manifest.sweep, path)
     arguments = sweep.sweep_arguments(manifest.sweep, overrides)
     where = "command line" if args.multirun and not manifest.sweep else read_sources(path).at(("sweep",))
     points = sweep.expand(arguments, str(path), list(manifest.sweep), manifest.sweep_max_points, where)
     sweep.validate_points(path, points, sweep.manifest_keys(manifest.sweep, overrides))
-    sweep.validate_launcher(path, arguments, hydra_args)
+    launchers.validate_launcher(path, arguments, hydra_args)
     if command == "check":
         print(f"{path}: ok (sweep of {_count(len(points), 'point')}, each valid)")
         return 0
@@ -165,6 +181,10 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
             print(f"point {point.index}: {point.label}")
             print(make_plan(load_manifest(path, list(point.overrides))[0], path.parent).describe())
         return 0
+    from runner.execute.tracking import require_server
+
+    if manifest.tracking.mlflow:
+        require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
     previous = _resume_folder(args, manifest, "sweep.json")
     _catch_signals()
     outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous, progress=Bar)

@@ -30,7 +30,7 @@ class Store:
     """A read-only view of an MLflow store."""
 
     def __init__(self, tracking_uri: str | None, runs_dir: str = "runs"):
-        from runner.execute.tracking import default_tracking_uri, quiet_mlflow
+        from runner.execute.tracking import default_tracking_uri, quiet_mlflow, require_server
         from runner.manifest.schema import tracking_uri_problem
 
         problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
@@ -45,6 +45,7 @@ class Store:
                 raise RunnerError(f"no MLflow store at {db.resolve()}: run a manifest first, or pass --runs-dir "
                                   "or --tracking-uri")
             tracking_uri = default_tracking_uri(runs_dir)
+        require_server(tracking_uri, "--tracking-uri", "leave --tracking-uri out to read <runs-dir>/mlflow.db")
         quiet_mlflow()
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a read-only view answers, or says why, fast
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -89,6 +90,20 @@ class Store:
             raise RunnerError(f"{what} with an id starting {prefix!r} in {self.uri} (see 'run results')")
         return matches[0]
 
+    def invocation(self, given: str, which: str):
+        """The parent run (one invocation) that `given` names: its MLflow run id (or a unique prefix), or its run
+        folder; a step's run or folder is refused, naming the invocation to pass instead."""
+        folder = Path(given)
+        if folder.is_dir():
+            given = _folder_run_id(folder, which)
+        run = self.run(given)
+        parent = run.data.tags.get("mlflow.parentRunId")
+        if "runner.mode" in run.data.tags:
+            raise RunnerError(f"{which} {given!r} is the run of one step ({run.info.run_name}), not of an invocation: "
+                              f"'run compare' compares invocations step by step; pass its parent run, {parent} "
+                              "(see 'run results --all')")
+        return run
+
     def children(self, run) -> list:
         return self.runs(filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'")
 
@@ -111,6 +126,7 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
     for column in columns or ():  # (a --where key no run has simply matches nothing)
         _check_column(column, known)
     for key, wanted in conditions:
+        _check_comparable(key, wanted, runs)
         runs = [r for r in runs if _matches(_value(r, key), wanted)]
     runs = runs[:limit]
     names = {e.experiment_id: e.name for e in store.experiments(None)}
@@ -119,6 +135,17 @@ def results_table(store: Store, experiment: str | None = None, name: str | None 
              "started": pd.Timestamp(r.info.start_time, unit="ms", tz="UTC").strftime("%Y-%m-%d %H:%M"),
              **{c: _value(r, c) for c in (columns or _default_columns(runs))}} for r in runs]
     return pd.DataFrame(rows)
+
+
+def mode_problem(mode: str) -> str | None:
+    """`--mode` names one of the manifest's modes (no run has any other)."""
+    from runner.manifest.schema import MODES
+
+    if mode in MODES:
+        return None
+    close = difflib.get_close_matches(mode, MODES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"--mode {mode!r}: no such mode: {hint}the modes are {', '.join(MODES)}"
 
 
 def where_condition(condition: str) -> tuple[str, str]:
@@ -145,6 +172,22 @@ def _check_column(name: str, known: set[str]) -> None:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise RunnerError(f"no run has a metric, param or tag {name!r}: {hint}(see 'run results --all' for runs, "
                           "'run compare A B --all' for a run's metrics)")
+
+
+def _check_comparable(key: str, wanted: str, runs: list) -> None:
+    """A column that is a number in every run that has it matches only a number: a text value is a mistake."""
+    values = [v for v in (_value(r, key) for r in runs) if v is not None]
+    if values and all(_is_number(v) for v in values) and not _is_number(wanted):
+        raise RunnerError(f"--where {key}={wanted}: {key} holds numbers (e.g. {values[0]}), and {wanted!r} is not "
+                          "one")
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _local_store(uri: str) -> Path | None:
@@ -180,9 +223,32 @@ def _matches(value, wanted: str) -> bool:
         return str(value) == wanted
 
 
+def _folder_run_id(folder: Path, which: str) -> str:
+    """A run folder's MLflow run id (from its status.json); a step's folder or a sweep's is refused."""
+    import json
+
+    for record in ("status.json", "sweep.json"):
+        try:
+            data = json.loads((folder / record).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if record == "sweep.json":
+            raise RunnerError(f"{which} {str(folder)!r} is a sweep's folder: compare two of its points' folders "
+                              f"({folder / '0'}, ...) or their runs (see 'run results --all')")
+        if data.get("mlflow_run_id"):
+            return data["mlflow_run_id"]
+        raise RunnerError(f"{which} {str(folder)!r}: its status.json names no MLflow run (tracking.mlflow was false?)")
+    run_folder = next((p for p in folder.resolve().parents if (p / "status.json").is_file()), None)
+    if run_folder is not None:
+        raise RunnerError(f"{which} {str(folder)!r} is a step's folder, not an invocation's: 'run compare' compares "
+                          f"invocations step by step; pass the run folder {run_folder} (or its MLflow run id)")
+    raise RunnerError(f"{which} {str(folder)!r} is a folder but not a run folder (no status.json): pass an MLflow "
+                      "run id (see 'run results --all') or a run folder")
+
+
 def compare_table(store: Store, a: str, b: str) -> pd.DataFrame:
     """Metrics of A and B side by side with delta, relative delta, the larger recorded spread and a verdict."""
-    left, right = _metrics(store, store.run(a)), _metrics(store, store.run(b))
+    left, right = _metrics(store, store.invocation(a, "A")), _metrics(store, store.invocation(b, "B"))
     rows = []
     for name in sorted(set(left) | set(right)):
         if name.endswith("_spread"):

@@ -6,7 +6,7 @@ composed and validated before anything runs: a bad point stops the sweep naming 
 launcher then runs the points (basic: one after another in this process; joblib: parallel processes;
 submitit: SLURM jobs; ray: a Ray cluster). Each point is one call of `run_point` into its own run
 folder `<sweep folder>/<N>/` and its own MLflow run, nested under the sweep's and tagged
-`sweep.<key>=<value>`. Nothing here schedules jobs. With compose.py, the only importer of hydra.
+`sweep.<key>=<value>`. Nothing here schedules jobs. With compose.py and launchers.py, the only importers of hydra.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from runner.errors import ManifestError, Problem, RunnerError
+from runner.execute.launchers import HYDRA_SETTINGS
 from runner.execute.tracking import RunFolder, new_folder, tracker_for, utc_now
 from runner.files import atomic_write_json
 from runner.manifest.compose import hydra_override, hydra_reason, load_points, override_problem, override_value, shown
@@ -27,12 +28,6 @@ from runner.manifest.schema import Manifest
 from runner.report import ProgressFactory, no_progress
 
 log = logging.getLogger(__name__)
-
-# Set by us for every sweep: the sweep folder is Hydra's sweep dir; Hydra writes no .hydra/ copies and
-# leaves logging alone; points run in the caller's working directory (relative paths keep their meaning).
-HYDRA_SETTINGS = ("hydra.sweep.subdir=${hydra.job.num}", "hydra.output_subdir=null", "hydra.job.chdir=false",
-                  "hydra/job_logging=none", "hydra/hydra_logging=none")
-
 
 @dataclass(frozen=True)
 class Point:
@@ -50,11 +45,6 @@ class SweepOutcome:
     folder: Path
     states: dict[int, str] = field(default_factory=dict)  # point index → finished / failed / skipped / ...
     failed: dict[int, str] = field(default_factory=dict)  # point index → what failed
-
-
-def is_hydra_override(override: str) -> bool:
-    """`hydra/launcher=joblib`, `hydra.launcher.n_jobs=2`: for Hydra's launcher, not for the manifest."""
-    return override.lstrip("+~").startswith("hydra")
 
 
 def split_sweep(overrides: list[str], file: str) -> tuple[list[str], list[str]]:
@@ -167,29 +157,6 @@ def validate_points(path: Path, points: list[Point], from_manifest: Sequence[str
                                  f"{located.get(p.source, p.source)}", p.hint) for p in error.problems]
     if problems:
         raise ManifestError(problems, f"{path} (sweep of {len(points)} points; nothing ran)")
-
-
-def validate_launcher(path: Path, arguments: list[str], hydra_args: list[str]) -> None:
-    """Compose the multirun config as the launch will (launcher choice and settings), before anything runs."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from hydra.types import RunMode
-    from omegaconf.errors import OmegaConfBaseException
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None, job_name=path.stem):
-            hydra = GlobalHydra.instance().hydra
-            assert hydra is not None  # set by initialize_config_dir
-            hydra.compose_config(path.stem, [*HYDRA_SETTINGS, *hydra_args, *arguments], run_mode=RunMode.MULTIRUN,
-                                 with_log_configuration=False)
-    except (HydraException, OmegaConfBaseException) as exc:
-        named = [o for o in hydra_args if o.split("=", 1)[0].lstrip("+~") in str(exc)]
-        where = f"override '{named[0]}'" if named else "Hydra's launcher settings"
-        raise ManifestError([Problem("hydra", hydra_reason(exc), where)], str(path)) from None
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def run_sweep(path: Path, manifest: Manifest, arguments: list[str], points: list[Point], hydra_args: list[str],

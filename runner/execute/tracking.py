@@ -242,6 +242,30 @@ def tracker_for(tracking, default_experiment: str) -> Tracker:
                         tracking.experiment or default_experiment, runs_dir / "mlartifacts")
 
 
+RUN_ADVICE = ("set tracking.mlflow=false, or leave tracking.tracking_uri out to keep runs in <runs_dir>/mlflow.db (a "
+              "local store); nothing ran")
+
+
+def require_server(uri: str | None, what: str, advice: str = RUN_ADVICE, timeout_s: float = 5.0) -> None:
+    """An HTTP tracking server that does not answer is a RunnerError now, within `timeout_s`, before any work:
+    MLflow itself would retry for minutes, silently. Any HTTP answer (an error status too) counts as an answer."""
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered (behind a proxy or an auth layer, /health may say no: MLflow's calls will tell)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        said = f"no answer within {timeout_s:g} s" if isinstance(reason, TimeoutError) or "timed out" in str(reason) \
+            else getattr(reason, "strerror", None) or str(reason)
+        raise RunnerError(f"{what}: the MLflow server at {uri} does not answer ({said}): start it (mlflow server "
+                          f"--host HOST --port PORT), or {advice}") from None
+
+
 def quiet_mlflow() -> None:
     """No artifact progress bars, no alembic/mlflow info chatter."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

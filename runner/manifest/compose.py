@@ -1,4 +1,5 @@
-"""Manifest file + overrides → validated Manifest. With sweep.py, the only importer of hydra and omegaconf.
+"""Manifest file + overrides → validated Manifest. With execute/sweep.py and launchers.py, the only
+importers of hydra and omegaconf.
 
 Hydra composes (a `defaults:` list may pull fragments from folders beside the manifest, and
 `key=value` overrides any field); pydantic validates. Hydra forgets where values came from, so

@@ -119,3 +119,38 @@ def test_verdict_needs_a_spread_and_a_direction():
     assert verdict("cells", 3.0, 1.0) == "changed"
     assert verdict("ttft_ms", 3.0, 1.0) == "REGRESSION"
     assert verdict("ttft_ms", -3.0, 1.0) == "improvement"
+
+
+def test_where_on_a_numeric_column_with_a_text_value_is_refused(store):
+    from runner.errors import RunnerError
+
+    with pytest.raises(RunnerError) as caught:
+        results_table(store[1], where=["tokens_per_s=fast"])
+    assert str(caught.value) == ("--where tokens_per_s=fast: tokens_per_s holds numbers (e.g. 35.0), and 'fast' is "
+                                 "not one")
+    with pytest.raises(RunnerError, match="generate.temperature holds numbers"):  # a param, numbers in every run
+        results_table(store[1], where=["params.generate.temperature=hot"])
+    assert results_table(store[1], where=["runner.mode=bench"])["mode"].tolist() == ["bench", "bench"]  # text: fine
+
+
+def test_compare_given_a_step_or_a_folder_says_what_it_got_and_what_to_pass(store, tmp_path, capsys):
+    import json
+
+    from runner.cli import main
+
+    runs_dir, s, ids = store
+    step = s.children(s.run(ids["a"]))[0].info.run_id
+    assert main(["compare", step, ids["b"], "--runs-dir", str(runs_dir)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: A '{step}' is the run of one step (smol/matrix), not of an invocation: 'run compare' compares "
+        f"invocations step by step; pass its parent run, {ids['a']} (see 'run results --all')"]
+    run_folder, step_folder = tmp_path / "20260101T000000Z-bench", tmp_path / "20260101T000000Z-bench" / "smol" / "m"
+    step_folder.mkdir(parents=True)
+    (step_folder / "results.json").write_text("{}")
+    (run_folder / "status.json").write_text(json.dumps({"state": "finished", "mlflow_run_id": ids["a"]}))
+    assert main(["compare", str(step_folder), ids["b"], "--runs-dir", str(runs_dir)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: A '{step_folder}' is a step's folder, not an invocation's: 'run compare' compares invocations step "
+        f"by step; pass the run folder {run_folder} (or its MLflow run id)"]
+    assert main(["compare", str(run_folder), ids["b"], "--runs-dir", str(runs_dir)]) == 0  # a run folder: its run
+    assert "smol/matrix/b1.ours_tokens_per_s" in capsys.readouterr().out

@@ -227,7 +227,7 @@ def test_example_sweep_on_smollm2_reproduces_a_sampled_point_from_its_resolved_m
 
 
 def test_an_unknown_launcher_or_launcher_setting_is_named_before_anything_runs():
-    from runner.execute.sweep import validate_launcher
+    from runner.execute.launchers import validate_launcher
 
     path = ROOT / "manifests" / "sweep.yaml"
     validate_launcher(path, [], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=3"])

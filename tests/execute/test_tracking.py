@@ -53,3 +53,43 @@ def test_no_tracking_takes_the_same_calls_and_keeps_nothing():
     with NoTracking().run("step", {}) as run:
         run.log(metrics={"x": 1.0})
     assert run.id is None and NoTracking().end_stale("tag", "value") == []
+
+
+@pytest.mark.parametrize("command", [["single"], ["sweep", "-m", "seed=1,2"]])
+def test_a_tracking_server_that_never_answers_is_refused_in_seconds_before_anything_runs(command, tmp_path, capsys):
+    """A loopback socket that accepts and never replies: MLflow alone would retry for minutes, in silence."""
+    import socket
+    import time
+    from pathlib import Path
+
+    from runner.cli import main
+
+    manifest = Path(__file__).resolve().parents[2] / "manifests" / "tiny.yaml"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # the kernel accepts connections; nobody ever reads or answers them
+        uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+        started = time.perf_counter()
+        code = main([str(manifest), *command[1:], f"tracking.tracking_uri={uri}",
+                     f"tracking.runs_dir={tmp_path / 'r'}"])
+        elapsed = time.perf_counter() - started
+    assert code == 2 and elapsed < 30
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: tracking.tracking_uri: the MLflow server at {uri} does not answer (no answer within 5 s): start it "
+        "(mlflow server --host HOST --port PORT), or set tracking.mlflow=false, or leave tracking.tracking_uri out to "
+        "keep runs in <runs_dir>/mlflow.db (a local store); nothing ran"]
+    assert not (tmp_path / "r").exists(), "no run folder, no store: nothing was started"
+
+
+def test_run_results_on_a_server_nobody_runs_says_so_at_once(capsys):
+    import socket
+
+    from runner.cli import main
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: refused
+        assert main(["results", "--tracking-uri", uri]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --tracking-uri: the MLflow server at {uri} does not answer (Connection refused): start it "
+        "(mlflow server --host HOST --port PORT), or leave --tracking-uri out to read <runs-dir>/mlflow.db"]
