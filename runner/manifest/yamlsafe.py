@@ -17,6 +17,7 @@ from runner.errors import ManifestError, Problem, format_loc
 
 STR, MERGE = "tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"
 MAX_VALUES = 100_000  # a manifest expanded: scalars, lists and mappings counted
+MAX_DEPTH = 64  # lists and mappings inside each other; a manifest needs under ten
 MAX_DIGITS = 100  # Python refuses to read integers past 4,300 digits; no setting needs more than 20
 PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "map",
                                                          "seq", "merge", "timestamp")}
@@ -25,6 +26,7 @@ PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "b
 def compose_checked(text: str, file: str) -> yaml.Node | None:
     """The root node of `text` (None when empty), or a ManifestError naming the file, line and column."""
     try:
+        _check_depth(text, file)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.reader.ReaderError as exc:  # a character YAML refuses (NUL, other controls): it has no mark
         before = text[:exc.position]
@@ -35,13 +37,24 @@ def compose_checked(text: str, file: str) -> yaml.Node | None:
     except yaml.YAMLError as exc:
         problem = Problem("", f"YAML syntax error: {_reason(exc)}", location(file, _mark(exc)))
         raise ManifestError([problem], file) from None
-    except RecursionError:  # PyYAML composes recursively
-        raise ManifestError([Problem("", "the YAML nests too deep (hundreds of levels of lists or mappings): a "
-                                     "manifest is shallow", file)], file) from None
     if root is not None:
         _check_size(root, file)
         _check_nodes(root, file)
     return root
+
+
+def _check_depth(text: str, file: str) -> None:
+    """Refuse deep nesting from the event stream, which PyYAML parses iteratively: its composer recurses, and
+    where its recursion would end depends on the stack and on the recursion limit other libraries set."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ManifestError([Problem("", f"the YAML nests more than {MAX_DEPTH} levels of lists or mappings "
+                                             "deep: a manifest is shallow", location(file, event.start_mark))], file)
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
 
 
 def load_checked(text: str, file: str):
