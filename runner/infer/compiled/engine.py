@@ -312,8 +312,25 @@ def engine_for(model) -> CompiledEngine:
     engine cannot serve is refused here, before any kernel is built or step compiled (check_compilable)."""
     if model not in ENGINES_BY_MODEL:
         check_compilable(model)
+        check_compiler(next(model.parameters()).device)
         ENGINES_BY_MODEL[model] = CompiledEngine(model)
     return ENGINES_BY_MODEL[model]
+
+
+def check_compiler(device: torch.device) -> None:
+    """InferenceError when inductor has no working C++ compiler for CPU code: said before anything is built, where
+    torch would say it inside the first compiled step (InvalidCxxCompiler, after loading and prefill)."""
+    if device.type != "cpu":
+        return
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except InvalidCxxCompiler:
+        raise InferenceError("the compiled engine needs a working C++ compiler on CPU (inductor builds its kernels "
+                             "with one) and torch found none ($CXX, then g++ on PATH): install g++ (apt install g++), "
+                             "or set CXX to one, or use engine: eager") from None
 
 
 def check_compilable(model) -> None:

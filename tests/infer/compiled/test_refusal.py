@@ -109,3 +109,19 @@ def test_a_model_that_cannot_serve_fails_its_step_and_the_others_run(tmp_path, c
     steps = json.loads((folder / "status.json").read_text())["steps"]
     assert steps["bad/first"] == {**steps["bad/first"], "state": "failed", "error": reason}
     assert steps["good/first"]["state"] == "finished"
+
+
+def test_no_cxx_compiler_is_said_before_the_engine_is_built(tmp_path, monkeypatch, no_build):
+    """inductor builds CPU kernels with a C++ compiler; without one torch says so inside the first compiled step."""
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++ (inductor finds compilers through PATH)
+    from torch._inductor import cpp_builder
+
+    lm = load_model(config=TINY_LLAMA, device="cpu", seed=0)
+    cpp_builder.cpp_compiler_search.cache_clear()  # torch remembers the compiler it found, once per process
+    try:
+        with pytest.raises(InferenceError, match=r"needs a working C\+\+ compiler on CPU .* or use engine: eager$"):
+            engine_module.engine_for(lm.model)
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert no_build == []
