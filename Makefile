@@ -12,11 +12,11 @@ quickstart: setup
 # The whole suite (what CI runs). Tiers (pyproject.toml's markers): slow = a real model from the zoo (or building
 # the package), compile = torch.compile of real shapes, gpu = needs CUDA (skipped without it).
 test: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist load --durations=25
 
 # Everyday work: the suite without slow, compile and gpu tests (under 3 minutes on 2 cores).
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow and not compile and not gpu"
+	$(BIN)/python -m pytest -q -n auto --dist load -m "not slow and not compile and not gpu"
 
 # Lint and import order (ruff) and types (mypy) on runner/, configured in pyproject.toml; CI runs it first.
 lint: setup

@@ -42,8 +42,9 @@ class Launcher:
     bounds: dict[str, tuple[float, bool]] = field(default_factory=dict)  # setting → (minimum, may be null)
 
 
-SUBMITIT_BOUNDS = {"timeout_min": (1, False), "nodes": (1, False), "tasks_per_node": (1, False),
-                   "cpus_per_task": (1, False), "gpus_per_node": (0, True), "mem_gb": (1, True)}
+SUBMITIT_BOUNDS: dict[str, tuple[float, bool]] = {
+    "timeout_min": (1, False), "nodes": (1, False), "tasks_per_node": (1, False), "cpus_per_task": (1, False),
+    "gpus_per_node": (0, True), "mem_gb": (1, True)}
 LAUNCHERS = {
     "basic": Launcher("Hydra's basic launcher", (), ""),
     "joblib": Launcher("Hydra's joblib launcher", ("hydra_plugins.hydra_joblib_launcher", "joblib"),
@@ -231,7 +232,7 @@ def _installed(module: str) -> bool:
 
 
 def _get(settings: dict, key: str):
-    node = settings
+    node: object = settings
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node

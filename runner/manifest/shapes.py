@@ -67,7 +67,7 @@ def schema_hook(schema: dict[str, Any], cls: type[BaseModel]) -> None:
             del schema["required"]
     if cls.__name__ in SHORTHAND:
         whole = dict(schema)
-        keep = {k: whole.pop(k) for k in ("title", "description") if k in whole}
+        keep: dict[str, Any] = {k: whole.pop(k) for k in ("title", "description") if k in whole}
         schema.clear()
         schema.update(keep, anyOf=[SHORTHAND[cls.__name__], whole])
 

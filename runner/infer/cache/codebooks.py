@@ -116,8 +116,8 @@ def codebook_problem(found, doc: dict, layers: int, bits: tuple[int, int]) -> st
             return f"layer {n}: expected [key levels, value levels]"
         for side, values, b in zip(("key", "value"), layer, bits):
             if not (isinstance(values, list) and len(values) == 1 << b):
-                count = len(values) if isinstance(values, list) else "no list of"
-                return f"layer {n}: {count} {side} levels; {b} bits take {1 << b}"
+                found = len(values) if isinstance(values, list) else "no list of"
+                return f"layer {n}: {found} {side} levels; {b} bits take {1 << b}"
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
                 return f"layer {n}: a {side} level that is not a finite number"
     return ""

@@ -203,7 +203,8 @@ class GenerateConfig(AutoCacheConfig):
                 raise ValueError("contrastive search takes top_k candidates: remove top_p, min_p and typical_p")
         elif self.penalty_alpha and not (self.top_k and self.top_k > 1):
             raise ValueError("penalty_alpha (contrastive search) needs top_k > 1 candidates, e.g. top_k: 4")
-        for candidate in self.cache_candidates if "cache_candidates" in self.model_fields_set else ():
+        written = "cache_candidates" in self.model_fields_set and self.cache_candidates != list(DEFAULT_CANDIDATES)
+        for candidate in self.cache_candidates if written else ():  # a step's block carries the defaults written out
             _fits(candidate, self.max_seq_len)  # the defaults are judged by the gates; what the user wrote, here
         if self.decode_bucket_mid < self.decode_bucket_short:
             raise ValueError(f"decode_bucket_mid ({self.decode_bucket_mid}) must be ≥ decode_bucket_short "

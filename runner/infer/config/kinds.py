@@ -199,7 +199,8 @@ def seq_len_problem(kind: str | None, max_seq_len: int, what: str = "max_seq_len
     if options.sinks >= max_seq_len:
         return (f"cache kind {kind!r}: {options.sinks} sink tokens (s{options.sinks}) leave no room in {what} "
                 f"{max_seq_len}")
-    if residual > max_seq_len:
+    written = any(_letter(part) == "r" for part in str(kind).split(":")[1:])  # the default window fits any cache
+    if written and residual > max_seq_len:
         return (f"cache kind {kind!r}: the residual window r{residual} is longer than {what} {max_seq_len} "
                 f"(nothing would ever be quantized)")
     return None

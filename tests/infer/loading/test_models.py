@@ -79,7 +79,9 @@ def test_zoo_cached_says_whether_loading_would_download(tmp_path, monkeypatch):
     entry = zoo.zoo_entry("zoo:smollm2-135m")
     folder = tmp_path / "models" / f"{entry.name}-{entry.sha256[:12]}"
     folder.mkdir(parents=True)
-    (folder / "runner-zoo.json").write_text("{}")
+    (folder / "runner-zoo.json").write_text("{}")  # a marker that names no pin: not a finished conversion
+    assert not zoo.zoo_cached("zoo:smollm2-135m")
+    (folder / "runner-zoo.json").write_text(json.dumps({"name": entry.name, "sha256": entry.sha256}))
     assert zoo.zoo_cached("zoo:smollm2-135m") and zoo.zoo_model_dir("zoo:smollm2-135m") == folder
 
 
