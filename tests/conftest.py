@@ -4,6 +4,10 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # make test: -n auto. Each worker, and each `run` it starts, gets its
+    # share of the cores: torch's threads from several workers on the same cores wait on each other (set before torch)
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
 
 import pytest  # noqa: E402
 
