@@ -100,18 +100,23 @@ def test_a_built_wheel_carries_the_kernel_sources_and_loads_the_kernels_from_the
     assert f"loaded {tmp_path / 'cache' / 'kernels'}" in done.stdout
 
 
-def test_a_cache_folder_that_cannot_hold_the_library_is_one_warning_and_nothing_compiled(tmp_path, monkeypatch):
-    (tmp_path / "cache").write_text("")  # RUNNER_CACHE is a file
-    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled what cannot be kept"))
+def _warnings_of_a_failed_load() -> list[str]:
+    """native.load() is False; the warnings it logged on the way."""
     records = _Records()
     logging.getLogger(native.__name__).addHandler(records)
     try:
         assert native.load() is False
     finally:
         logging.getLogger(native.__name__).removeHandler(records)
-    assert [r.getMessage() for r in records.records if r.levelno >= logging.WARNING] == [
+    return [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
+
+
+def test_a_cache_folder_that_cannot_hold_the_library_is_one_warning_and_nothing_compiled(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("")  # RUNNER_CACHE is a file
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled what cannot be kept"))
+    assert _warnings_of_a_failed_load() == [
         "runner's C++ kernels unavailable, products and attention stay torch expressions: cannot write "
         f"{tmp_path}/cache/kernels in runner's cache folder {tmp_path}/cache: {tmp_path}/cache is a file, not a "
         "folder; set RUNNER_CACHE to a writable folder"]
@@ -128,14 +133,8 @@ def test_a_cached_library_that_cannot_be_loaded_is_built_again_once(tmp_path, mo
 
     monkeypatch.setattr(native, "build", build)
     monkeypatch.setattr(native, "_STATE", {})
-    records = _Records()
-    logging.getLogger(native.__name__).addHandler(records)
-    try:
-        assert native.load() is False
-    finally:
-        logging.getLogger(native.__name__).removeHandler(records)
+    messages = _warnings_of_a_failed_load()
     assert len(built) == 2  # built again once, not in a loop
-    messages = [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
     assert messages == [
         f"the cached kernel library {bad} cannot be loaded (Could not load this library: {bad}): building it again",
         f"runner's C++ kernels unavailable, products and attention stay torch expressions: Could not load this "

@@ -74,6 +74,16 @@ def test_a_runner_cache_that_is_a_file_fails_before_any_download(tmp_path, monke
         zoo.fetch_gguf(entry())
 
 
+def _fake_zoo_folder(tmp_path, monkeypatch):
+    """A zoo entry 'fake' and its converted folder (made, empty) under a RUNNER_CACHE in tmp_path."""
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    fake = entry()
+    monkeypatch.setitem(zoo.ZOO, "fake", fake)
+    target = zoo._model_dir(fake)
+    target.mkdir(parents=True)
+    return fake, target
+
+
 @pytest.mark.parametrize("marker, problem", [
     (None, "missing"),
     ('{"name": "fake", "sha2', "runner-zoo.json is not JSON (Unterminated string starting at: line 1 column 18 "
@@ -84,11 +94,7 @@ def test_a_runner_cache_that_is_a_file_fails_before_any_download(tmp_path, monke
 ])
 def test_a_converted_folder_whose_marker_is_not_this_pin_is_converted_again(tmp_path, monkeypatch, caplog, marker,
                                                                             problem):
-    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
-    fake = entry()
-    monkeypatch.setitem(zoo.ZOO, "fake", fake)
-    target = zoo._model_dir(fake)
-    target.mkdir(parents=True)
+    fake, target = _fake_zoo_folder(tmp_path, monkeypatch)
     (target / "model.safetensors").write_bytes(b"stale")
     if marker is not None:
         (target / "runner-zoo.json").write_text(marker)
@@ -104,11 +110,7 @@ def test_a_converted_folder_whose_marker_is_not_this_pin_is_converted_again(tmp_
 
 
 def test_a_converted_folder_with_its_marker_is_used(tmp_path, monkeypatch):
-    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
-    fake = entry()
-    monkeypatch.setitem(zoo.ZOO, "fake", fake)
-    target = zoo._model_dir(fake)
-    target.mkdir(parents=True)
+    fake, target = _fake_zoo_folder(tmp_path, monkeypatch)
     (target / "runner-zoo.json").write_text(f'{{"name": "fake", "sha256": "{fake.sha256}"}}')
     monkeypatch.setattr(zoo, "fetch_gguf", lambda e: pytest.fail("fetched a cached model"))
     assert zoo.zoo_cached("zoo:fake") and zoo.zoo_model_dir("zoo:fake") == target
