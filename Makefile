@@ -14,9 +14,9 @@ quickstart: setup
 test: setup
 	$(BIN)/python -m pytest -q -n auto --dist load --durations=25
 
-# Everyday work: the suite without slow, compile and gpu tests (8.5 min with -n auto on 2 AVX2 cores, 2026-11-26).
+# Everyday work: the suite without slow, compile, gpu and e2e tests (time: see docs/performance.md).
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto --dist load -m "not slow and not compile and not gpu"
+	$(BIN)/python -m pytest -q -n auto --dist load -m "not slow and not compile and not gpu and not e2e"
 
 # Lint and import order (ruff) and types (mypy) on runner/, configured in pyproject.toml; CI runs it first.
 lint: setup

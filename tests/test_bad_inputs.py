@@ -55,6 +55,7 @@ def test_bad_manifest_gets_exactly_its_error_and_exit_2(path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("name", ["alias_bomb", "python_object_tag", "duplicate_key_nested", "missing_local_model"])
+@pytest.mark.e2e
 def test_the_full_run_command_refuses_them_the_same_way(name):
     path = HERE / f"{name}.yaml"
     done = run_cli(path.name, cwd=HERE, timeout=60)

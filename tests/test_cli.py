@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import tiny_manifest
 
 RUNS = """      - id: greedy
@@ -35,6 +37,7 @@ def test_check_imports_no_torch(tmp_path):
     assert done.stdout.split("\n")[-2] == "[]"
 
 
+@pytest.mark.e2e
 def test_bad_manifest_exits_2_with_a_located_message_and_no_traceback(tmp_path):
     path = tiny_manifest(tmp_path, RUNS.replace("max_new_tokens: 6", "max_new_tokenz: 6"))
     for command in (["check"], ["plan"], []):
@@ -44,17 +47,20 @@ def test_bad_manifest_exits_2_with_a_located_message_and_no_traceback(tmp_path):
         assert f"{path}:" in done.stderr and "did you mean 'max_new_tokens'?" in done.stderr
 
 
+@pytest.mark.e2e
 def test_usage_errors_exit_2(tmp_path):
     done = run_cli()
     assert done.returncode == 2 and "manifest" in done.stderr
 
 
+@pytest.mark.e2e
 def test_schema_prints_json_schema():
     done = run_cli("schema")
     assert done.returncode == 0
     assert json.loads(done.stdout)["title"] == "Manifest"
 
 
+@pytest.mark.e2e
 def test_run_writes_the_run_folder_and_mlflow(tmp_path):
     path = tiny_manifest(tmp_path, RUNS)
     done = run_cli(path, cwd=tmp_path)
@@ -89,6 +95,7 @@ def test_run_writes_the_run_folder_and_mlflow(tmp_path):
     assert "results.json" in artifacts
 
 
+@pytest.mark.e2e
 def test_greedy_rerun_of_the_resolved_manifest_gives_identical_tokens(tmp_path):
     path = tiny_manifest(tmp_path, RUNS, extra="")
     assert run_cli(path, "tracking.mlflow=false", cwd=tmp_path).returncode == 0
@@ -102,6 +109,7 @@ def test_greedy_rerun_of_the_resolved_manifest_gives_identical_tokens(tmp_path):
         assert [r["token_ids"] for r in a["prompts"]] == [r["token_ids"] for r in b["prompts"]]
 
 
+@pytest.mark.e2e
 def test_a_failing_step_is_recorded_and_the_others_run(tmp_path):
     runs = RUNS.replace('generate: {prompts: ["hi"]', 'generate: {prompts: ["far too long"], max_seq_len: 3')
     path = tiny_manifest(tmp_path, runs)
@@ -114,6 +122,7 @@ def test_a_failing_step_is_recorded_and_the_others_run(tmp_path):
     assert status["steps"]["tiny/sampled"]["state"] == "failed" and status["state"] == "failed"
 
 
+@pytest.mark.e2e
 def test_unknown_local_model_is_a_clear_error(tmp_path):
     path = tiny_manifest(tmp_path, RUNS)
     text = path.read_text().replace("    model:\n", "    model:\n      id: ./no-such-model\n      x_removed: 1\n")
@@ -124,10 +133,14 @@ def test_unknown_local_model_is_a_clear_error(tmp_path):
     assert f"model path './no-such-model' does not exist (looked for {tmp_path / 'no-such-model'})" in done.stderr
 
 
+@pytest.mark.e2e
 def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_path):
     runs = RUNS.split("      - id: sampled")[0] + """      - id: long
         mode: generate
         generate: {prompts: ["x"], max_new_tokens: 100000, max_seq_len: 200000, temperature: 1.0, eos_token_id: []}
+      - id: after
+        mode: generate
+        generate: {prompts: ["x"], max_new_tokens: 2}
 """
     path = tiny_manifest(tmp_path, runs)
     proc = subprocess.Popen([sys.executable, "-m", "runner", str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -147,6 +160,8 @@ def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_
     assert status["state"] == "interrupted"
     assert status["steps"]["tiny/greedy"]["state"] == "finished"
     assert status["steps"]["tiny/long"]["state"] == "interrupted"
+    after = status["steps"]["tiny/after"]
+    assert (after["state"], after["reason"]) == ("skipped", "not run: tiny/long interrupted")
     assert (status_files[0].parent / "tiny" / "greedy" / "results.json").is_file()
 
     from mlflow.tracking import MlflowClient
@@ -157,6 +172,7 @@ def test_interrupt_marks_the_run_folder_and_mlflow_and_keeps_finished_steps(tmp_
     assert runs_by_name == {"t": "KILLED", "tiny/greedy": "FINISHED", "tiny/long": "KILLED"}
 
 
+@pytest.mark.e2e
 def test_on_failure_stop_skips_the_steps_after_a_failure(tmp_path):
     runs = RUNS.replace('generate: {prompts: ["hello", "a longer prompt"]', 'generate: {prompts: ["far too long"], '
                         'max_seq_len: 3')
@@ -192,6 +208,7 @@ def test_a_ctrl_c_inside_a_constructor_ends_without_a_traceback(monkeypatch, cap
     assert "interrupted:" in err and "Traceback" not in err and "HalfBuilt" not in err
 
 
+@pytest.mark.e2e
 def test_a_cache_folder_that_is_a_file_fails_the_step_that_needs_it_and_the_others_run(tmp_path):
     """RUNNER_CACHE names a file: the selection that must download its evaluation text into the cache fails with
     the reason (no traceback), the generate step after it still finishes (its kernels and inductor caches are only

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from runner.infer.select.cache_plans import CachePlanStore
 from tests.conftest import TINY_LLAMA
 
@@ -28,6 +30,7 @@ targets:
     return path
 
 
+@pytest.mark.e2e
 def test_eight_concurrent_selections_leave_every_plan_and_run_intact(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "runner", str(manifest(tmp_path, i))], cwd=tmp_path, env=env,

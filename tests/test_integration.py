@@ -37,6 +37,7 @@ def test_second_turn_continues_the_conversation(smollm):
     assert first.shape[1] > 0
 
 
+@pytest.mark.e2e
 def test_quickstart_manifest_runs_end_to_end(tmp_path):
     done = run_cli(ROOT / "manifests" / "quickstart.yaml", f"tracking.runs_dir={tmp_path / 'runs'}", timeout=900)
     assert done.returncode == 0, done.stderr
@@ -46,6 +47,7 @@ def test_quickstart_manifest_runs_end_to_end(tmp_path):
     assert greedy["metrics"]["tokens_per_s"] > 0 and greedy["prompts"][0]["output"].startswith(" Paris")
 
 
+@pytest.mark.e2e
 def test_seed_guide_manifest_runs_as_written(tmp_path):
     """The seed guide's `cache_kind: auto` example: the default model, one default prompt, a 1024 MB budget."""
     done = run_cli(ROOT / "manifests" / "seed_guide.yaml", "tracking.mlflow=false", cwd=tmp_path, timeout=900)
@@ -73,6 +75,7 @@ def test_q8_0_cache_keeps_quality_on_the_real_model(smollm):
     assert q4["mean_kl"] > q8["mean_kl"] and q4["ppl_ratio"] > q8["ppl_ratio"]
 
 
+@pytest.mark.e2e
 def test_speculative_lookup_manifest_runs_and_is_exact(tmp_path):
     """Prompt lookup on SmolLM2: greedy output equals the target's own; lookup drafts are accepted."""
     done = run_cli(ROOT / "manifests" / "speculative_lookup.yaml", "tracking.mlflow=false", cwd=tmp_path,
@@ -90,6 +93,7 @@ def test_speculative_lookup_manifest_runs_and_is_exact(tmp_path):
         assert record["token_ids"] == greedy[:len(record["token_ids"])] and len(record["token_ids"]) > 0
 
 
+@pytest.mark.e2e
 def test_a_draft_with_another_tokenizer_gives_the_targets_greedy_output(tmp_path):
     """A random-weight draft with a byte tokenizer (not SmolLM2's) drafts through text: the speculative step's
     tokens are the target's own greedy tokens, which the generate step beside it decodes."""
@@ -114,6 +118,7 @@ def test_a_draft_with_another_tokenizer_gives_the_targets_greedy_output(tmp_path
     assert len(greedy["token_ids"]) == 8 and spec["token_ids"] == greedy["token_ids"]
 
 
+@pytest.mark.e2e
 def test_bench_manifest_runs_on_the_real_model(tmp_path):
     """manifests/bench.yaml, one repeat a cell: every cell measured, ours beside transformers' generate()."""
     done = run_cli(ROOT / "manifests" / "bench.yaml", "targets.0.runs.0.bench.repeats=1", cwd=tmp_path, timeout=1200)

@@ -29,6 +29,7 @@ def test_no_shell_eval_or_unsafe_yaml_in_the_package():
     assert offenders == []
 
 
+@pytest.mark.e2e
 def test_remote_code_is_off_unless_asked_and_loud_when_on(tmp_path):
     runs = """      - id: g
         mode: generate
@@ -50,6 +51,7 @@ def test_a_write_that_fails_is_a_clear_error_and_leaves_no_temporary_file(tmp_pa
     assert not list(folder.path.glob("*.tmp"))
 
 
+@pytest.mark.e2e
 def test_an_unusable_runs_dir_fails_before_any_work(tmp_path):
     (tmp_path / "blocker").write_text("a file where the runs folder should be")
     runs = """      - id: g
@@ -62,6 +64,7 @@ def test_an_unusable_runs_dir_fails_before_any_work(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.e2e
 def test_an_interrupted_bench_keeps_its_measured_cells(tmp_path, sig):
     runs = """      - id: matrix
         mode: bench

@@ -154,8 +154,10 @@ def _run_steps(todo: list[Step], context: RunContext, outcome: Outcome) -> None:
                     return
                 continue
             except BaseException as exc:
-                folder.set_step(step.key, "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed",
-                                error=repr(exc))
+                how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "crashed"
+                folder.set_step(step.key, how, error=repr(exc))
+                for later in todo[n + 1:]:  # the folder says what did not run; a rerun runs them
+                    folder.set_step(later.key, "skipped", reason=f"not run: {step.key} {how}")
                 raise
             params, series = result.pop("params", {}), result.get("series", {})
             try:

@@ -30,7 +30,7 @@ class Store:
     """A read-only view of an MLflow store."""
 
     def __init__(self, tracking_uri: str | None, runs_dir: str = "runs"):
-        from runner.execute.tracking import default_tracking_uri, quiet_mlflow, require_server
+        from runner.execute.tracking import default_tracking_uri, http_timeouts, quiet_mlflow, require_server
         from runner.manifest.schema import tracking_uri_problem
 
         problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
@@ -47,8 +47,7 @@ class Store:
             tracking_uri = default_tracking_uri(runs_dir)
         require_server(tracking_uri, "--tracking-uri", "leave --tracking-uri out to read <runs-dir>/mlflow.db")
         quiet_mlflow()
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a read-only view answers, or says why, fast
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        http_timeouts()  # a read-only view answers, or says why, fast
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri

@@ -23,6 +23,8 @@ from runner import __version__
 from runner.errors import ResourceError, RunnerError
 from runner.files import atomic_write
 
+log = logging.getLogger(__name__)
+
 
 class RunFolder:
     """`<runs_dir>/<utc-stamp>-<name>/` (or a given folder, e.g. a sweep point's) with atomic JSON writes.
@@ -124,12 +126,16 @@ class MlflowMirror(Tracker):
     """Runs nested as sweep → manifest (or sweep point) → step; explicit client, no global active run.
 
     Every call to the store holds a file lock beside it: processes sharing one sqlite store (parallel
-    sweep points, runs started side by side) would otherwise race its creation and migrations."""
+    sweep points, runs started side by side) would otherwise race its creation and migrations. A store that fails
+    mid-run (a server that hangs or goes away, a full disk) loses the mirror, not the run: said once, at error
+    level; the later calls are skipped and the run folder keeps everything."""
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path):
         from filelock import FileLock
 
         quiet_mlflow()
+        http_timeouts()
+        self.uri, self.lost = tracking_uri, ""
         from mlflow.tracking import MlflowClient
 
         artifact_root.parent.mkdir(parents=True, exist_ok=True)
@@ -146,44 +152,61 @@ class MlflowMirror(Tracker):
         """A new run, nested under `parent` (a run id) when given."""
         if parent:
             tags = {**tags, "mlflow.parentRunId": parent}
-        with self.lock:
-            run = self.client.create_run(self.experiment_id, run_name=name,
-                                         tags={k: str(v) for k, v in tags.items()})
-        return run.info.run_id
+        run = self._call(f"starting run {name}", self.client.create_run, self.experiment_id, run_name=name,
+                         tags={k: str(v) for k, v in tags.items()})
+        return run.info.run_id if run else None
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on the store, under its lock; None, said once, when the store fails."""
+        if self.lost:
+            return None
+        try:
+            with self.lock:
+                return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 -- MLflow raises its own, requests' and OS errors alike
+            self.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.error("MLflow at %s failed while %s (%s): the run goes on without it; its run folder keeps every "
+                      "result", self.uri, what, self.lost)
+            return None
 
     def reopen(self, run_id: str) -> str | None:
         """A resumed folder's run goes on in the same MLflow run instead of a duplicate; None if this
         store does not have it (e.g. the tracking URI changed since)."""
         from mlflow.exceptions import MlflowException
 
+        if self.lost:
+            return None
         try:
             with self.lock:
                 self.client.update_run(run_id, status="RUNNING")
-        except MlflowException:
+        except MlflowException:  # not in this store (or the store failed: starting a run will say so)
             return None
         return run_id
 
     def end_stale(self, tag: str, value: str) -> list[str]:
         """Runs tagged `tag=value` still RUNNING (their process was killed, e.g. kill -9) end KILLED."""
-        with self.lock:
+        def end_them() -> list[str]:
             runs = self.client.search_runs([self.experiment_id], filter_string=(
                 f"attributes.status = 'RUNNING' and tags.`{tag}` = '{value}'"), max_results=10_000)
             for run in runs:
                 self.client.set_terminated(run.info.run_id, "KILLED")
-        return [run.info.run_id for run in runs]
+            return [run.info.run_id for run in runs]
+
+        return self._call("ending stale runs", end_them) or []
 
     def log(self, run_id: str | None, params: dict | None = None, metrics: dict | None = None,
             artifacts: Path | None = None, artifact_path: str | None = None, series: dict | None = None) -> None:
         """`series`: name → list of values, logged as one metric's history (step = index), e.g. k per round."""
         from mlflow.entities import Metric, Param
 
-        assert run_id is not None  # runs in an MLflow store have ids (only NoTracking's have none)
+        if run_id is None:  # the store failed before this run started
+            return
         now = int(datetime.now(timezone.utc).timestamp() * 1000)
         history = [Metric(k, float(v), now, step) for k, values in (series or {}).items()
                    for step, v in enumerate(values)]
         param_list = [Param(k, _param_value(v)) for k, v in flatten(params or {}).items()]
         metric_list = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if v is not None] + history
-        with self.lock:
+        def send() -> None:
             for start in range(0, len(param_list), 100):  # MLflow takes at most 100 params and 1000 metrics a call
                 self.client.log_batch(run_id, params=param_list[start:start + 100])
             for start in range(0, len(metric_list), 1000):
@@ -191,12 +214,18 @@ class MlflowMirror(Tracker):
             if artifacts is not None:
                 self.client.log_artifacts(run_id, str(artifacts), artifact_path)
 
+        self._call("logging results", send)
+
     def end(self, run_id: str | None, state: str) -> None:
         """state: FINISHED, FAILED or KILLED."""
-        if run_id is None:
-            return
-        with self.lock:
-            self.client.set_terminated(run_id, state)
+        if run_id is not None:
+            self._call(f"ending a run {state}", self.client.set_terminated, run_id, state)
+
+
+def http_timeouts() -> None:
+    """MLflow's HTTP calls fail in tens of seconds, not after minutes of silent retries (unless the user set them)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
 
 
 @dataclass

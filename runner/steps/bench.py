@@ -39,7 +39,7 @@ from runner.manifest.blocks import BenchBlock
 from runner.manifest.paths import model_source, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.shared import load_draft
+from runner.steps.shared import load_draft, step_block
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    block = BenchBlock.model_validate(step.block)
+    block = step_block(BenchBlock, step)
     cells = matrix(block, step.model["dtype"], step.model.get("quantization", "none"))
     text = load_text(text_source(block.data, base_dir))
     bandwidth = copy_bandwidth(lm.device) if block.roofline else None

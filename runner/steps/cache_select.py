@@ -15,11 +15,11 @@ from runner.infer.select.autocache import Selection
 from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory
-from runner.steps.shared import describe_selection, select_for, selection_params
+from runner.steps.shared import describe_selection, select_for, selection_params, step_block
 
 
 def run_cache_select(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    block = GenerateBlock.model_validate(step.block)
+    block = step_block(GenerateBlock, step)
     selection = select_for(step, block, library_config(block, GenerateConfig), lm, base_dir, out_dir, progress)
     return {"selection": describe_selection(selection), "metrics": selection_metrics(selection),
             "params": selection_params(selection)}

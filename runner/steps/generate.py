@@ -22,13 +22,13 @@ from runner.infer.loading.models import LoadedModel
 from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
-from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params
+from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params, step_block
 
 log = logging.getLogger(__name__)
 
 
 def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    block = GenerateBlock.model_validate(step.block)
+    block = step_block(GenerateBlock, step)
     configs = block.strategy_configs(seed=step.seed)
     extra = {}
     if any(config.cache_kind == "auto" for config in configs.values()):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 import pandas as pd
+from pydantic import BaseModel, ValidationError
 
 from runner.errors import StepError
 from runner.files import atomic_write_json
@@ -28,6 +30,7 @@ from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
 
 log = logging.getLogger(__name__)
+Block = TypeVar("Block", bound=BaseModel)
 
 DEFAULT_PROMPTS = ("Once upon a time",)  # when a generate block names no prompts (the seed guide's example)
 COLUMNS = {  # row key → table heading
@@ -40,6 +43,16 @@ JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib":
 
 
 # -- prompts and the draft --------------------------------------------------------------------------------------------
+
+
+def step_block(cls: type[Block], step: Step) -> Block:
+    """The step's block, validated again where it runs (a resumed plan may come from an older runner): settings
+    that no longer validate fail this step alone, with the reason, instead of crashing the run."""
+    try:
+        return cls.model_validate(step.block)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or step.mode}: {e['msg']}" for e in exc.errors())
+        raise StepError(f"step {step.key}: its {step.mode} settings do not validate: {problems}") from None
 
 def load_prompts(block: PromptSource, base_dir: Path) -> list[str]:
     if block.prompts is not None:

@@ -22,13 +22,13 @@ from runner.infer.speculative.generator import PROMPT_LOOKUP, SpeculativeGenerat
 from runner.manifest.blocks import SpeculativeBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.shared import load_draft, load_prompts
+from runner.steps.shared import load_draft, load_prompts, step_block
 
 log = logging.getLogger(__name__)
 
 
 def run_speculative(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    block = SpeculativeBlock.model_validate(step.block)
+    block = step_block(SpeculativeBlock, step)
     config = library_config(block, SpeculativeConfig, seed=step.seed)
     assert config.seed is not None  # the step's seed
     draft, draft_tokenizer = load_draft(block, lm, step, base_dir)

@@ -83,6 +83,7 @@ def test_compare_flags_only_changes_beyond_the_spread(store):
     assert not table.index.str.endswith("_spread").any()
 
 
+@pytest.mark.e2e
 def test_compare_cli_exit_codes(store):
     runs_dir, _, ids = store
     done = run_cli("compare", ids["a"], ids["b"], "--runs-dir", runs_dir, "--fail-on-regression")
@@ -94,6 +95,7 @@ def test_compare_cli_exit_codes(store):
     assert "Traceback" not in missing.stderr
 
 
+@pytest.mark.e2e
 def test_results_cli_prints_the_table_and_explains_a_missing_store(store, tmp_path):
     runs_dir, _, _ = store
     done = run_cli("results", "--runs-dir", runs_dir, "--mode", "generate", "--columns", "tokens_per_s")

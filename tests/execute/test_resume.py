@@ -58,6 +58,7 @@ def _runs_by_name(tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+@pytest.mark.e2e
 def test_interrupted_run_resumes_skipping_finished_steps_without_duplicates_in_mlflow(tmp_path, sig):
     path = tiny_manifest(tmp_path, RUNS)
     proc = _start(path, cwd=tmp_path)
@@ -86,6 +87,7 @@ def test_interrupted_run_resumes_skipping_finished_steps_without_duplicates_in_m
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+@pytest.mark.e2e
 def test_interrupted_sweep_resumes_the_unfinished_point_only(tmp_path, sig):
     runs = RUNS.split("      - id: long")[0]
     path = tiny_manifest(tmp_path, runs.replace("max_new_tokens: 4, temperature: 0",
@@ -114,6 +116,7 @@ def test_interrupted_sweep_resumes_the_unfinished_point_only(tmp_path, sig):
     assert all(states == ["FINISHED"] for name, states in runs.items() if name.startswith("t["))
 
 
+@pytest.mark.e2e
 def test_resume_of_a_changed_sweep_is_refused(tmp_path):
     path = tiny_manifest(tmp_path, RUNS.split("      - id: long")[0])
     assert run_cli(path, "-m", "seed=1", "tracking.mlflow=false", cwd=tmp_path).returncode == 0

@@ -59,6 +59,7 @@ def test_every_bad_point_is_named_before_anything_runs(tmp_path):
     assert "point 0 " not in text
 
 
+@pytest.mark.e2e
 def test_a_bad_point_exits_2_and_creates_nothing(tmp_path):
     path = tiny_manifest(tmp_path, RUNS)
     done = run_cli(path, "-m", f"{TEMP}=0.5,-2", cwd=tmp_path)
@@ -67,6 +68,7 @@ def test_a_bad_point_exits_2_and_creates_nothing(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.e2e
 def test_sweep_without_m_is_a_clear_error(tmp_path):
     done = run_cli("check", tiny_manifest(tmp_path, RUNS), f"{TEMP}=0.5,0.7")
     assert done.returncode == 2 and "add -m" in done.stderr and "Traceback" not in done.stderr
@@ -79,6 +81,7 @@ def _mlflow_runs(tmp_path, experiment="t"):
     return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
 
 
+@pytest.mark.e2e
 def test_sweep_points_get_their_folders_and_child_runs_tagged_with_the_values(tmp_path):
     path = tiny_manifest(tmp_path, RUNS, extra=f"sweep: {{{TEMP}: [0.0, 0.9]}}")
     done = run_cli(path, "-m", "seed=3,4", cwd=tmp_path)
@@ -106,6 +109,7 @@ def test_sweep_points_get_their_folders_and_child_runs_tagged_with_the_values(tm
     assert {r.data.tags["runner.sweep_id"] for r in runs} == {folder.name}
 
 
+@pytest.mark.e2e
 def test_rerunning_a_points_resolved_manifest_reproduces_its_sampled_tokens(tmp_path):
     path = tiny_manifest(tmp_path, RUNS, extra=f"sweep: {{{TEMP}: [0.9]}}")
     assert run_cli(path, "seed=7", "tracking.mlflow=false", cwd=tmp_path).returncode == 0
@@ -120,6 +124,7 @@ def test_rerunning_a_points_resolved_manifest_reproduces_its_sampled_tokens(tmp_
     assert a["hash"] == b["hash"]  # same resolved inputs, code and environment
 
 
+@pytest.mark.e2e
 def test_joblib_launcher_runs_points_in_separate_processes_without_collisions(tmp_path):
     path = tiny_manifest(tmp_path, RUNS)
     done = run_cli(path, "-m", f"{TEMP}=0.0,0.9", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", cwd=tmp_path)
@@ -134,6 +139,7 @@ def test_joblib_launcher_runs_points_in_separate_processes_without_collisions(tm
     assert len({r.data.tags["runner.run_folder"] for r in runs if "runner.run_folder" in r.data.tags}) == 2
 
 
+@pytest.mark.e2e
 def test_on_failure_stop_skips_the_remaining_points_and_continue_runs_them(tmp_path):
     runs = RUNS.replace('prompts: ["hello", "a longer prompt"]', "prompts_file: p.txt")
     (tmp_path / "p.txt").write_text("hello\n")
@@ -211,6 +217,7 @@ def test_the_example_sweep_manifest_has_four_valid_points():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_example_sweep_on_smollm2_reproduces_a_sampled_point_from_its_resolved_manifest(tmp_path):
     short = ["targets.0.runs.0.generate.max_new_tokens=6", "tracking.mlflow=false"]
     done = run_cli(ROOT / "manifests" / "sweep.yaml", *short, f"tracking.runs_dir={tmp_path / 'a'}", cwd=tmp_path)

@@ -93,3 +93,68 @@ def test_run_results_on_a_server_nobody_runs_says_so_at_once(capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"error: --tracking-uri: the MLflow server at {uri} does not answer (Connection refused): start it "
         "(mlflow server --host HOST --port PORT), or leave --tracking-uri out to read <runs-dir>/mlflow.db"]
+
+
+@pytest.mark.e2e
+def test_a_tracking_server_that_hangs_mid_run_loses_the_mirror_not_the_run(tmp_path):
+    """A real MLflow server, stopped (SIGSTOP) while the first step runs: its calls time out, the error is said once,
+    every step still runs and finishes in the run folder, and the exit status is that of the steps."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import tiny_manifest
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--serve-artifacts",
+         "--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        runs = """      - id: first
+        mode: generate
+        generate: {prompts: ["x"], max_new_tokens: 800, max_seq_len: 1000, temperature: 0, eos_token_id: []}
+      - id: second
+        mode: generate
+        generate: {prompts: ["y"], max_new_tokens: 2}
+"""
+        path = tiny_manifest(tmp_path, runs)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2",
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+        proc = subprocess.Popen([sys.executable, "-m", "runner", str(path), f"tracking.tracking_uri={uri}"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        status_file = None
+        while time.time() < deadline and proc.poll() is None:
+            found = list((tmp_path / "runs").glob("*/status.json"))
+            if found and '"tiny/first"' in found[0].read_text():
+                status_file = found[0]
+                os.killpg(server.pid, signal.SIGSTOP)  # it keeps its sockets: calls connect, then hear nothing
+                break
+            time.sleep(0.1)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert status_file is not None, "the first step never started"
+    assert proc.returncode == 0, err
+    assert err.count(f"MLflow at {uri} failed while") == 1, err
+    status = json.loads(status_file.read_text())
+    assert status["state"] == "finished"
+    assert [status["steps"][k]["state"] for k in ("tiny/first", "tiny/second")] == ["finished", "finished"]
+    assert (status_file.parent / "tiny" / "second" / "results.json").is_file()

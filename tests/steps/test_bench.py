@@ -109,6 +109,7 @@ def test_markdown_rounds_and_marks_missing_values():
                                  "| q8\\|0 | 1235 | 0.988 | - |"]
 
 
+@pytest.mark.e2e
 def test_each_dtype_reloads_the_model_and_halves_the_native_cache(tmp_path):
     runs = """      - id: dtypes
         mode: bench
@@ -135,6 +136,7 @@ def test_engines_are_an_axis_and_engine_is_one_of_them():
     assert BenchBlock.model_validate({"engines": ["compiled"], "cache_kinds": ["kivi4"]}).cache_kinds == ["kivi4"]
 
 
+@pytest.mark.e2e
 def test_quantizations_are_an_axis_with_weight_and_total_bytes(tmp_path):
     runs = """      - id: weights
         mode: bench

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
 
@@ -23,6 +25,7 @@ def _runs(plans) -> str:
 """
 
 
+@pytest.mark.e2e
 def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
     plans = tmp_path / "plans" / "cache_plans.json"
     done = run_cli(tiny_manifest(tmp_path, _runs(plans)), cwd=tmp_path)
@@ -54,6 +57,7 @@ def test_selection_is_tabled_plotted_persisted_and_reused(tmp_path):
     assert {"cache_candidates.png", "cache_plan.json"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
 
 
+@pytest.mark.e2e
 def test_nothing_within_budget_fails_the_step_clearly(tmp_path):
     runs = _runs(tmp_path / "plans.json").replace("cache_budget_mb: 0.1", "cache_budget_mb: 0.0001")
     done = run_cli(tiny_manifest(tmp_path, runs), "tracking.mlflow=false", cwd=tmp_path)
@@ -61,6 +65,7 @@ def test_nothing_within_budget_fails_the_step_clearly(tmp_path):
     assert "no cache kind fits cache_budget_mb=0.0001" in done.stderr
 
 
+@pytest.mark.e2e
 def test_a_fixed_cache_kind_in_auto_cache_select_is_a_schema_error(tmp_path):
     runs = _runs(tmp_path / "plans.json").replace("mode: auto-cache-select\n        generate: {",
                                                   "mode: auto-cache-select\n        generate: {cache_kind: q8_0, ")
@@ -68,6 +73,7 @@ def test_a_fixed_cache_kind_in_auto_cache_select_is_a_schema_error(tmp_path):
     assert done.returncode == 2 and "chooses the cache kind itself" in done.stderr
 
 
+@pytest.mark.e2e
 def test_a_plan_that_cannot_be_saved_keeps_every_measurement(tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     plans = tmp_path / "a-file" / "cache_plans.json"  # its folder cannot be made
@@ -83,6 +89,7 @@ def test_a_plan_that_cannot_be_saved_keeps_every_measurement(tmp_path):
         assert (folder / "tiny" / "pick" / name).stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_weight_candidates_choose_weights_and_cache_under_one_memory_budget(tmp_path):
     """The unquantized tiny model's 0.4 MiB of weights are over the 0.3 MiB budget: a quantized pair is chosen; the
     table, plan and MLflow say which weights."""
@@ -106,6 +113,7 @@ def test_weight_candidates_choose_weights_and_cache_under_one_memory_budget(tmp_
     assert (folder / "tiny" / "joint" / "cache_candidates.png").stat().st_size > 10_000
 
 
+@pytest.mark.e2e
 def test_weight_candidates_are_read_by_auto_cache_select_only(tmp_path):
     runs = """      - id: g
         mode: generate

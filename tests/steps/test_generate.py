@@ -25,6 +25,7 @@ STRATEGIES = f"""      - id: compare
 """
 
 
+@pytest.mark.e2e
 def test_strategies_side_by_side(tmp_path, tiny_lm):
     done = run_cli(tiny_manifest(tmp_path, STRATEGIES), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -60,6 +61,7 @@ def test_strategies_side_by_side(tmp_path, tiny_lm):
     ('{prompts: ["a"], num_beams: 2, num_return_sequences: 3}', "num_return_sequences"),
     ('{prompts: ["a"], decode_plan: sometimes}', "'auto', 'fixed' or 'none'"),
 ])
+@pytest.mark.e2e
 def test_strategies_that_do_not_combine_are_manifest_errors(tmp_path, generate, message):
     path = tiny_manifest(tmp_path, f"""      - id: bad
         mode: generate
@@ -70,6 +72,7 @@ def test_strategies_that_do_not_combine_are_manifest_errors(tmp_path, generate, 
     assert message in done.stderr and "targets[0].runs[0].generate" in done.stderr and f"{path}:" in done.stderr
 
 
+@pytest.mark.e2e
 def test_unknown_strategy_key_names_the_closest(tmp_path):
     path = tiny_manifest(tmp_path, """      - id: bad
         mode: generate

@@ -10,6 +10,7 @@ from tests.test_cli import run_cli
 DRAFT = {**TINY_LLAMA, "num_hidden_layers": 1}  # different weights, same byte tokenizer
 
 
+@pytest.mark.e2e
 def test_speculative_greedy_equals_generate_and_reports_telemetry(tmp_path):
     prompts = '["hello hello hello", "abc abc abc abc"]'
     runs = f"""      - id: plain
@@ -48,6 +49,7 @@ def test_speculative_greedy_equals_generate_and_reports_telemetry(tmp_path):
     assert k_over_time == [k for row in spec["telemetry"][0]["k_history"] for k in row] and len(k_over_time) > 1
 
 
+@pytest.mark.e2e
 def test_speculative_needs_its_block_and_reads_no_other(tmp_path):
     runs = """      - id: spec
         mode: speculative
@@ -58,6 +60,7 @@ def test_speculative_needs_its_block_and_reads_no_other(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_draft_with_another_tokenizer_proposes_through_text(tmp_path):
     """SmolLM2 (49k vocabulary) as target, a tiny byte-tokenizer model as draft: the step maps through text and
     the output is the target's greedy output."""
