@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class ValueAt(ValueError):
+    """A validator's error about a key below the object it validates (an item of a list, one run of a target, one
+    strategy of a block): reported at that key. `shown` is the message read there."""
+
+    def __init__(self, key: tuple, message: str, shown: str | None = None):
+        self.key, self.shown = key, message if shown is None else shown
+        super().__init__(message)
+
+
 class RunnerError(Exception):
     """Base class: the message is what the user sees."""
 

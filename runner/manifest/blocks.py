@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from runner.errors import ValueAt
 from runner.infer.config.architecture import config_problem
 from runner.infer.config.decoding import ENGINES, GenerateConfig, SpeculativeConfig
 from runner.infer.config.kinds import DTYPES, parse_kind, seq_len_problem
@@ -179,12 +180,11 @@ Strategy = create_model(  # a decoding strategy: GenerateConfig's decoding keys 
 StrategyName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]  # names columns and metrics
 
 
-class StrategyError(ValueError):
-    """A strategy that does not validate with its block's settings: names the strategy and the key."""
+class StrategyError(ValueAt):
+    """A strategy that does not validate with its block's settings: reported at the strategy (and its key)."""
 
     def __init__(self, name: str, key: str | None, message: str):
-        self.name, self.key = name, key
-        super().__init__(f"strategy {name!r}: {message}")
+        super().__init__(("strategies", name, *((key,) if key else ())), f"strategy {name!r}: {message}", message)
 
 
 class GenerateBlock(GenerateConfig, PromptSource):

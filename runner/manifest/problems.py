@@ -12,9 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from runner.errors import Problem, format_loc
-from runner.manifest.blocks import StrategyError
-from runner.manifest.schema import Manifest, RunError
+from runner.errors import Problem, ValueAt, format_loc
+from runner.manifest.schema import Manifest
 from runner.manifest.sources import Sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
@@ -31,12 +30,9 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         error = (err.get("ctx") or {}).get("error")
-        if isinstance(error, StrategyError):
-            loc += ("strategies", error.name) + ((error.key,) if error.key else ())
-            err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
-        elif isinstance(error, RunError):  # about one run of a target: at that run's key, naming the run
-            loc += ("runs", error.index, *error.key)
-            err = {**err, "msg": str(error), "input": {}}
+        if isinstance(error, ValueAt):  # about a key below the validated object: reported at that key
+            loc += error.key
+            err = {**err, "msg": error.shown, "input": {}}
         message, hint = _describe(err, loc)
         if loc and loc[-1] == "[key]":  # a mapping's key (a strategy's name) is what is wrong
             loc, message = loc[:-1], f"the name {loc[-2]!r}: {message}"

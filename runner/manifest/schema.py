@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from runner.errors import ValueAt
 from runner.infer.loading.zoo import DEFAULT_MODEL
 from runner.manifest.blocks import (
     MAX_SEED,
@@ -71,12 +72,11 @@ class Run(Strict):
         return self
 
 
-class RunError(ValueError):
+class RunError(ValueAt):
     """A target's check that concerns one of its runs: reported at that run (its index and key), naming its id."""
 
     def __init__(self, index: int, run_id: str, key: tuple[str, ...], message: str):
-        self.index, self.run_id, self.key = index, run_id, key
-        super().__init__(f"run {run_id!r}: {message}")
+        super().__init__(("runs", index, *key), f"run {run_id!r}: {message}")
 
 
 class Target(Strict):

@@ -10,6 +10,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from runner.errors import ValueAt
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations
 
@@ -204,8 +205,10 @@ class GenerateConfig(AutoCacheConfig):
         elif self.penalty_alpha and not (self.top_k and self.top_k > 1):
             raise ValueError("penalty_alpha (contrastive search) needs top_k > 1 candidates, e.g. top_k: 4")
         written = "cache_candidates" in self.model_fields_set and self.cache_candidates != list(DEFAULT_CANDIDATES)
-        for candidate in self.cache_candidates if written else ():  # a step's block carries the defaults written out
-            _fits(candidate, self.max_seq_len)  # the defaults are judged by the gates; what the user wrote, here
+        for i, candidate in enumerate(self.cache_candidates if written else ()):  # a step's block carries the
+            problem = seq_len_problem(candidate, self.max_seq_len)  # defaults written out: the gates judge those
+            if problem:
+                raise ValueAt(("cache_candidates", i), problem)
         if self.decode_bucket_mid < self.decode_bucket_short:
             raise ValueError(f"decode_bucket_mid ({self.decode_bucket_mid}) must be ≥ decode_bucket_short "
                              f"({self.decode_bucket_short})")
