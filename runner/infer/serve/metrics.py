@@ -83,7 +83,7 @@ def percentile_name(q: float) -> str:
 def meets(lat: Latencies, slo: Slo) -> bool:
     """Whether one request meets every bound of the SLO (a one-token request has no TPOT, and meets that bound)."""
     values = {"ttft": lat.ttft_s, "tpot": lat.tpot_s, "e2e": lat.e2e_s}
-    return all(values[name] is None or values[name] * MS <= bound for name, bound in slo.bounds.items())
+    return all((value := values[name]) is None or value * MS <= bound for name, bound in slo.bounds.items())
 
 
 def span_s(records: Sequence[RequestRecord]) -> float:
