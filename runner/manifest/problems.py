@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from runner.errors import Problem, format_loc
 from runner.manifest.blocks import StrategyError
 from runner.manifest.schema import Manifest, RunError
+from runner.manifest.serve_block import KeyProblem
 from runner.manifest.sources import Sources
 
 Loc = tuple  # a key path: ("targets", 0, "runs", 1, "generate", "top_p")
@@ -34,6 +35,9 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
         if isinstance(error, StrategyError):
             loc += ("strategies", error.name) + ((error.key,) if error.key else ())
             err = {**err, "msg": str(error).split(": ", 1)[1], "input": {}}
+        elif isinstance(error, KeyProblem):  # about one key of a block: at that key
+            loc += error.key
+            err = {**err, "msg": str(error), "input": {}}
         elif isinstance(error, RunError):  # about one run of a target: at that run's key, naming the run
             loc += ("runs", error.index, *error.key)
             err = {**err, "msg": str(error), "input": {}}
