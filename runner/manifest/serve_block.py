@@ -97,7 +97,7 @@ class ServeBlock(Strict):
     prompt_tokens: LengthsBlock | None = Field(None, description=(
         "Prompt tokens per request, exact; default 128, or a prompts file's prompts whole."))
     output_tokens: LengthsBlock = Field(LengthsBlock(dist="fixed", value=128), description=(
-        "Output tokens per request, exact (EOS ignored until then)."))
+        "Output tokens per request, exact (EOS ignored until then); default 128."))
     prompts_file: str | None = Field(None, json_schema_extra={"input_file": "prompts"}, description=(
         "Prompts instead of cut text: .txt (one a line) or .jsonl ({\"prompt\": ...}), used in turn, each cut to "
         "its drawn prompt_tokens."))
