@@ -66,7 +66,8 @@ def test_a_closed_loop_is_one_point_and_a_duration_replaces_the_count(tmp_path):
 
 
 @pytest.mark.parametrize("serve, expected", [
-    ("{arrival: concurrency}", "serve.arrival: arrival concurrency needs concurrency: N (the users of the closed loop)"),
+    ("{arrival: concurrency}", "serve.arrival: arrival concurrency needs concurrency: N (the users of the closed "
+     "loop)"),
     ("{arrival: concurrency, concurrency: 4, rate: 2}", "serve.rate: arrival concurrency sends a request when one "
      "finishes: remove rate, or use an open-loop arrival (poisson, gamma, constant)"),
     ("{rate: 2, concurrency: 4}", "serve.concurrency: concurrency is the users of a closed loop: set arrival: "
