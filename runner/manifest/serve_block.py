@@ -8,7 +8,7 @@ A check that concerns one key of the block raises KeyProblem, so it is reported 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -194,12 +194,14 @@ class ServeBlock(Strict):
 
     def load_specs(self) -> list[LoadSpec]:
         """One LoadSpec per point (per rate; a closed loop has one)."""
-        common = dict(arrival=self.arrival, burstiness=self.burstiness, concurrency=self.concurrency,
-                      num_requests=self.num_requests if self.duration_s is None else None, duration_s=self.duration_s,
-                      warmup_requests=self.warmup_requests, output_tokens=self.output_tokens.lengths(),
-                      prompt_tokens=self.prompt_tokens.lengths() if self.prompt_tokens is not None else None,
-                      prefix_groups=self.prefix_groups, prefix_tokens=self.prefix_tokens, turns=self.turns,
-                      arrival_seed=self.arrival_seed, data_seed=self.data_seed)
+        common: dict[str, Any] = dict(
+            arrival=self.arrival, burstiness=self.burstiness, concurrency=self.concurrency,
+            num_requests=self.num_requests if self.duration_s is None else None, duration_s=self.duration_s,
+            warmup_requests=self.warmup_requests, output_tokens=self.output_tokens.lengths(),
+            prompt_tokens=self.prompt_tokens.lengths() if self.prompt_tokens is not None else None,
+            prefix_groups=self.prefix_groups, prefix_tokens=self.prefix_tokens, turns=self.turns,
+            arrival_seed=self.arrival_seed, data_seed=self.data_seed)
         if self.num_requests is None and self.duration_s is None:
             common["num_requests"] = 100
-        return [LoadSpec(rate=rate, **common) for rate in (self.rate or [None])]  # type: ignore[arg-type]
+        rates: list[float | None] = list(self.rate) if self.rate else [None]
+        return [LoadSpec(rate=rate, **common) for rate in rates]
