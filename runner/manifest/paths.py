@@ -28,6 +28,7 @@ from runner.errors import InputFileError, ModelError
 from runner.infer.config.architecture import compiled_refusal
 from runner.infer.loading.model_files import check_gguf, read_config_file  # torch-free, as is all `run check` reads
 from runner.infer.loading.texts import BUILTIN_TEXTS
+from runner.infer.serve.prompts import prompt_lines, short_prompt
 
 MAX_INPUT_MB = int(os.environ.get("RUNNER_MAX_INPUT_MB", "256"))  # a prompts file or eval text, in MiB
 CHUNK = 1 << 20
@@ -253,7 +254,27 @@ def input_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
             input_file(value, base_dir, kind)
         except InputFileError as exc:
             problems.append((loc, str(exc)))
-    return problems + compiled_problems(manifest, base_dir)
+    return problems + compiled_problems(manifest, base_dir) + serve_prompt_problems(manifest, base_dir, problems)
+
+
+def serve_prompt_problems(manifest, base_dir: Path, known: list) -> list[tuple[tuple, str]]:
+    """(key path of the prompts file, message) for every serve run whose prompts file is too short for the prompt
+    lengths it may draw (less the shared prefix), judged by bytes (runner.infer.serve.prompts.short_prompt); a file
+    already reported as unreadable is skipped."""
+    problems = []
+    for t, target in enumerate(manifest.targets):
+        for r, run in enumerate(target.runs):
+            loc = ("targets", t, "runs", r, "serve", "prompts_file")
+            serve = run.serve
+            if serve is None or serve.prompts_file is None or serve.prompt_tokens is None or \
+                    any(where == loc for where, _ in known):
+                continue
+            path, text = read_text(serve.prompts_file, base_dir)
+            need = serve.prompt_tokens.lengths().high - serve.prefix_tokens
+            why = short_prompt(prompt_lines(text, path.suffix == ".jsonl"), need)
+            if why:
+                problems.append((loc, f"prompts file {serve.prompts_file!r}, {why}"))
+    return problems
 
 
 def compiled_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:

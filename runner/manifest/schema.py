@@ -26,11 +26,12 @@ from runner.manifest.blocks import (
     SpeculativeBlock,
     Strict,
 )
+from runner.manifest.serve_block import ServeBlock
 
-Mode = Literal["generate", "auto-cache-select", "speculative", "bench"]
+Mode = Literal["generate", "auto-cache-select", "speculative", "bench", "serve"]
 MODES = typing.get_args(Mode)
 BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
-          "bench": "bench"}  # mode → its block
+          "bench": "bench", "serve": "serve"}  # mode → its block
 
 
 class Run(Strict):
@@ -41,6 +42,8 @@ class Run(Strict):
         "Decoding settings and prompts (auto-cache-select: the cache_* settings)."))
     speculative: SpeculativeBlock | None = Field(None, description="Speculative decoding: the draft and its settings.")
     bench: BenchBlock | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
+    serve: ServeBlock | None = Field(None, description=(
+        "Serving under load: arrivals, request lengths, SLO, scheduler limits, axes and baselines."))
 
     @model_validator(mode="before")
     @classmethod
@@ -55,7 +58,7 @@ class Run(Strict):
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> Run:
         block = BLOCKS[self.mode]
-        others = [name for name in ("generate", "speculative", "bench")
+        others = [name for name in ("generate", "speculative", "bench", "serve")
                   if name != block and getattr(self, name) is not None]
         if others:
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")

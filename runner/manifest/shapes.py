@@ -7,7 +7,8 @@ installed on every manifest model through its model_config):
   - ONE OR MANY: a list of plain values (str, numbers, booleans, literals) also takes one value, which becomes a
     one-element list (`quantizations: none` is `[none]`, `cache_kinds: fp16` is `[fp16]`): one rule for every
     such list field. A list of blocks (targets, runs) does not: a single block there is a mistake.
-  - SHORTHAND: a model block also takes a string, its id (`model: zoo:smollm2-135m`).
+  - SHORTHAND: a model block also takes a string, its id (`model: zoo:smollm2-135m`); a serve block's token counts
+    take an integer, a fixed count (`prompt_tokens: 256`).
   - FILLED IN: keys the loader fills in before validation (`name`, the file's stem) are not required in a file.
 No torch, no hydra.
 """
@@ -23,7 +24,9 @@ from pydantic.fields import FieldInfo
 
 PLAIN = (str, int, float, bool)
 FILLED_IN = {("Manifest", "name"): "the file's stem"}  # runner/manifest/compose.py: raw.setdefault("name", ...)
-SHORTHAND = {"ModelBlock": {"type": "string", "minLength": 1, "description": "A model id alone: {id: ...}."}}
+SHORTHAND = {"ModelBlock": {"type": "string", "minLength": 1, "description": "A model id alone: {id: ...}."},
+             "LengthsBlock": {"type": "integer", "minimum": 1, "maximum": 1_000_000,
+                              "description": "A count alone: {dist: fixed, value: ...}."}}
 
 
 def one_or_many(field: FieldInfo) -> bool:

@@ -60,6 +60,9 @@ VALID = {  # spellings the validator takes (and the docs name): one value where 
     "one candidate": _run(mode="auto-cache-select", generate={"cache_candidates": "q8_0", "weight_candidates": "int8"}),
     "draft as a string": _run(mode="speculative", speculative={"draft": "zoo:smollm2-135m"}),
     "engine alone": _run(mode="bench", bench={"engine": "compiled", "baseline": ["hf", "hf-compiled"]}),
+    "serve counts alone": _run(mode="serve", serve={"rate": 2, "prompt_tokens": 64, "percentiles": 99,
+                                                    "output_tokens": {"dist": "uniform", "min": 1, "max": 8},
+                                                    "baselines": "none", "cache_kinds": "q8_0"}),
 }
 
 
@@ -79,7 +82,8 @@ def test_one_value_is_a_one_element_list():
 
 
 INVALID = ["unknown_generate_key", "bool_max_new_tokens", "max_new_tokens_1e30", "seed_beyond_2_63", "bad_dtype",
-           "empty_targets", "wrong_type_list", "bench_zero_batch", "bool_in_bench_list"]
+           "empty_targets", "wrong_type_list", "bench_zero_batch", "bool_in_bench_list", "serve_rate_zero",
+           "serve_slo_negative", "serve_slo_not_a_number", "serve_unknown_key", "serve_distribution_unknown_key"]
 
 
 @pytest.mark.parametrize("name", INVALID)
