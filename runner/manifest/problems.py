@@ -33,17 +33,19 @@ def problems_from(exc: ValidationError, sources: Sources, overrides=()) -> list[
         if isinstance(error, ValueAt):  # about a key below the validated object: reported at that key
             loc += error.key
             err = {**err, "msg": error.shown, "input": {}}
-        message, hint = _describe(err, loc)
+        where = source_of(loc, sources, overrides)
+        message, hint = _describe(err, loc, None if where.startswith("override") else sources.booleans.get(loc))
         if loc and loc[-1] == "[key]":  # a mapping's key (a strategy's name) is what is wrong
             loc, message = loc[:-1], f"the name {loc[-2]!r}: {message}"
-        problems.append(Problem(format_loc(loc), message, source_of(loc, sources, overrides), hint))
+        problems.append(Problem(format_loc(loc), message, where, hint))
     return problems
 
 
 OUT_OF_RANGE = {"int_parsing_size", "finite_number", "int_from_float"}
 
 
-def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
+def _describe(err: Mapping[str, Any], loc: Loc, written: str | None = None) -> tuple[str, str]:
+    """The message and hint of one error; `written`: the text YAML 1.1 read as the boolean given, if known."""
     kind, message = err["type"], err["msg"].removeprefix("Value error, ")
     if kind == "extra_forbidden":
         valid = fields_at(loc[:-1])
@@ -57,7 +59,7 @@ def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
     hint = ""
     if kind == "literal_error" and isinstance(err.get("input"), (str, bool)):
         valid = [v.strip(" '") for v in err["ctx"]["expected"].replace(" or ", ",").split(",") if v.strip(" '")]
-        hint = closest(err["input"], valid)
+        hint = closest(err["input"], valid, written)
     shown_input = "input" in err and kind not in {"model_type", "dict_type"} and not isinstance(err["input"],
                                                                                                 (dict, list))
     if shown_input and not (kind == "value_error" and str(err["input"]) in message):  # our messages name it
@@ -65,22 +67,24 @@ def _describe(err: Mapping[str, Any], loc: Loc) -> tuple[str, str]:
         if isinstance(value, str) and len(value) > 60:
             message += f" (got {len(value)} characters: {value[:40]!r}...)"
         else:
-            message += f" (got {str(value).lower() if isinstance(value, bool) else repr(value)})"
+            plain = str(value).lower() if isinstance(value, bool) else repr(value)
+            message += f" (got {written}, read as {plain})" if written and written.lower() != plain else f" (got {plain})"
     return message, hint
 
 
 YAML_BOOLEANS = {True: ("yes", "on", "true", "y"), False: ("no", "off", "false", "n")}  # YAML 1.1's spellings
 
 
-def closest(given: str | bool, valid: list[str]) -> str:
+def closest(given: str | bool, valid: list[str], written: str | None = None) -> str:
     """The did-you-mean hint: compared without case (`HF` → 'hf'); a value YAML 1.1 read as a boolean is
-    compared as the words it may have been (`no` → 'none'), and the hint says to quote it."""
+    compared as the word written (`no` → 'none') or, unknown, the words it may have been, and the hint says to
+    quote it."""
     lowered = {v.lower(): v for v in valid}
     if isinstance(given, bool):
-        for word in YAML_BOOLEANS[given]:
+        for word in [written.lower()] if written else YAML_BOOLEANS[given]:
             close = difflib.get_close_matches(word, lowered, n=1, cutoff=0.6)
             if close:
-                spellings = "/".join(YAML_BOOLEANS[given][:3])
+                spellings = written or "/".join(YAML_BOOLEANS[given][:3])
                 return (f"did you mean '{lowered[close[0]]}'? YAML 1.1 reads {spellings} as {str(given).lower()}: "
                         f"quote the value as text")
         return ""

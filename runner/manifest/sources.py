@@ -29,6 +29,7 @@ from runner.manifest.yamlsafe import MERGE, load_checked, location
 
 MAX_FILE_BYTES = 4 * 2**20  # a manifest or a fragment: a few KiB in practice
 MAX_DEPTH = 8  # fragments that name fragments
+BOOL_TAG = "tag:yaml.org,2002:bool"
 ENV_RESOLVER = re.compile(r"\$\{\s*oc\.env\s*:")
 Loc = tuple
 
@@ -39,6 +40,7 @@ class Sources:
     folder: Path  # its folder: Hydra's config dir, and the base of relative input files
     data: dict  # the manifest's own plain data
     locations: dict[Loc, str] = field(default_factory=dict)  # key path → "file:line:col"
+    booleans: dict[Loc, str] = field(default_factory=dict)  # key path → the text YAML 1.1 read as a boolean ("no")
 
     def at(self, loc: Loc) -> str:
         """`file:line:col` of the key path, or of the closest enclosing key that is in a file."""
@@ -62,7 +64,7 @@ def read_sources(path: Path) -> Sources:
                                      location(file, root.start_mark))], file)
     sources = Sources(file, path.parent, data)
     problems: list[Problem] = []
-    own = _locate(root, (), file)
+    own = _locate(root, (), file, sources.booleans)
     if "hydra" in data:
         problems.append(Problem("hydra", "a manifest has no hydra: block (runner sets Hydra's options; choose a "
                                 "launcher on the command line: -m hydra/launcher=joblib)", own[("hydra",)]))
@@ -151,7 +153,7 @@ def _fragments(defaults: yaml.SequenceNode, loc: Loc, file: str, group: str, fol
             problems.append(Problem("", "a fragment is a mapping of keys", location(shown, root.start_mark)))
             continue
         pkg = pkg if explicit else _package_header(text, pkg)  # `group@pkg:` wins over `# @package`
-        inner = _locate(root, pkg, shown)
+        inner = _locate(root, pkg, shown, sources.booleans)
         if pkg + ("hydra",) == ("hydra",) and ("hydra",) in inner:
             problems.append(Problem("hydra", "a fragment has no hydra: block (runner sets Hydra's options; choose a "
                                     "launcher on the command line: -m hydra/launcher=joblib)", inner[("hydra",)]))
@@ -216,9 +218,10 @@ def _closest(path: Path) -> str:
     return f"; there are: {shown}" if siblings else ""
 
 
-def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
+def _locate(root: yaml.Node, prefix: Loc, file: str, booleans: dict[Loc, str]) -> dict[Loc, str]:
     """Key path → `file:line:col` of its key. A key a merge key (`<<: *anchor`) brings in is located at itself,
     inside the anchored mapping, under the path it is merged into (a key written beside `<<:` wins, as in YAML).
+    Values YAML 1.1 read as booleans go to `booleans` as written (`no`), for the errors about them.
     Bounded: yamlsafe has already refused anything that expands past MAX_VALUES."""
     out: dict[Loc, str] = {}
     stack = [(root, prefix)]
@@ -228,6 +231,8 @@ def _locate(root: yaml.Node, prefix: Loc, file: str) -> dict[Loc, str]:
         if (id(node), loc) in seen:
             continue
         seen.add((id(node), loc))
+        if isinstance(node, yaml.ScalarNode) and node.tag == BOOL_TAG:
+            booleans.setdefault(loc, node.value)
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
                 if key.tag == MERGE:
