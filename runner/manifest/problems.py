@@ -68,7 +68,8 @@ def _describe(err: Mapping[str, Any], loc: Loc, written: str | None = None) -> t
             message += f" (got {len(value)} characters: {value[:40]!r}...)"
         else:
             plain = str(value).lower() if isinstance(value, bool) else repr(value)
-            message += f" (got {written}, read as {plain})" if written and written.lower() != plain else f" (got {plain})"
+            retold = written and written.lower() != plain
+            message += f" (got {written}, read as {plain})" if retold else f" (got {plain})"
     return message, hint
 
 

@@ -1,0 +1,207 @@
+"""mode: serve: one load per point (rate, or the closed loop), served by our continuous-batching scheduler for each
+cache kind, and by the baselines on the same requests: static batching (our Generator fed fixed batches) and
+transformers' own continuous batching where it runs. The driver, the load and the metrics are runner.infer.serve's;
+this step lays the points side by side, writes the tables and plots, and names the highest rate meeting the SLO.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from runner.errors import StepError
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.loading.models import LoadedModel
+from runner.infer.loading.texts import load_text
+from runner.infer.serve.driver import drive
+from runner.infer.serve.load import LoadSpec, build_load
+from runner.infer.serve.metrics import max_rate_meeting, point_meets, summarize
+from runner.infer.serve.prompts import prompt_lines
+from runner.infer.serve.requests import RequestRecord
+from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.static import StaticBatcher
+from runner.infer.serve.transformers_cb import TransformersServer, transformers_cb_reason
+from runner.manifest.paths import read_text, text_source
+from runner.manifest.plan import Step
+from runner.manifest.serve_block import ServeBlock
+from runner.report import ProgressFactory, show
+from runner.steps.serve_report import markdown_points, plot_all, write_tables
+from runner.steps.shared import step_block
+
+log = logging.getLogger(__name__)
+MIB = 2**20
+HEADLINE = ("output_throughput_tok_per_s", "request_throughput_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
+            "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
+            "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used")
+
+
+def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
+    block = step_block(ServeBlock, step)
+    text = load_text(text_source(block.data, base_dir)).text
+    prompts = _prompts_file(block, base_dir)
+    sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=_max_seq_len(lm))
+    systems = [("ours", kind) for kind in block.cache_kinds or [None]]
+    systems += [(name, kind) for name in block.baselines for kind in block.cache_kinds or [None]]
+    specs = block.load_specs()
+    points, requests, timelines = [], [], []
+    bar = progress(step.key, len(specs) * len(systems) * _count(specs[0]), "request")
+    for spec in specs:
+        for system, kind in systems:
+            label = f"{system} {kind or lm.model.dtype} {_x_label(spec)}"
+            reason = _reason(system, kind, lm, block)
+            if reason:
+                points.append({**_point_keys(system, kind, spec), "status": f"not run: {reason}"})
+                log.info("[%s] %s: not run: %s", step.key, label, reason)
+                bar.update(_count(spec), note=f"{label} not run")
+                continue
+            server = _server(system, kind, lm, block, sampling)
+            warm = build_load(spec, lm.tokenizer, text, prompts, warmup=True)
+            if warm.requests:
+                drive(server, warm, _load_clock(), time.sleep)  # warm-up: its own requests, outside the clock
+                server = _server(system, kind, lm, block, sampling)
+            load = build_load(spec, lm.tokenizer, text, prompts)
+            records = drive(server, load, _load_clock(), time.sleep, on_finish=lambda _r: bar.update(1))
+            timeline = getattr(server, "timeline", [])
+            summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
+            summary |= _occupancy(timeline)
+            point = {**_point_keys(system, kind, spec), "status": "ok", **summary}
+            if block.slo:
+                point["meets_slo"] = point_meets(summary, block.slo.slo())
+            points.append(point)
+            requests += [_request_row(point, r) for r in records]
+            timelines += [{**_point_keys(system, kind, spec), "t_s": t, "running": run, "blocks_used": used,
+                           "waiting": wait} for t, run, used, wait in timeline]
+            bar.update(0, note=f"{label}: {summary['output_throughput_tok_per_s']:.1f} tok/s")
+            write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
+    bar.close()
+    table = pd.DataFrame(points)
+    write_tables(out_dir, points, requests, timelines)
+    plot_all(out_dir, table, pd.DataFrame(requests), pd.DataFrame(timelines))
+    best = _max_rates(table, block)
+    show(f"\n[{step.key}] serve results (x = {'concurrency' if block.arrival == 'concurrency' else 'rate req/s'}; "
+         f"latencies in ms from each request's scheduled arrival):\n{markdown_points(table)}")
+    for (system, kind), rate in best.items():
+        show(f"[{step.key}] highest rate meeting the SLO, {system} {kind}: {rate if rate is not None else 'none'}")
+    return {"points": table.astype(object).where(table.notna(), None).to_dict("records"),
+            "max_rate_meeting_slo": {f"{s}/{k}": r for (s, k), r in best.items()},
+            "metrics": _metrics(table, best), "params": {"serve.points": len(points)}}
+
+
+def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig):
+    budget = int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None
+    if system == "ours":
+        config = SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
+                                 kv_budget_bytes=budget, max_tokens_per_step=block.max_tokens_per_step,
+                                 max_running=block.max_batch_size, max_queue=block.max_queue, sampling=sampling)
+        return Scheduler(lm.model, config, tokenizer=lm.tokenizer)
+    if system == "static":
+        return StaticBatcher(lm.model, max_batch_size=block.max_batch_size, max_wait_ms=block.max_wait_ms,
+                             sampling=sampling.model_copy(update={"cache_kind": kind}))
+    return TransformersServer(lm.model, max_batch_size=block.max_batch_size, block_size=block.block_size,
+                              kv_budget_bytes=budget, num_blocks=block.kv_blocks)
+
+
+def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -> str:
+    """Why a baseline cannot serve this point ('' when it can)."""
+    if system == "transformers":
+        return transformers_cb_reason(lm.model, kind)
+    return ""
+
+
+def _load_clock():
+    """Seconds since this load started, on the monotonic clock."""
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+def _prompts_file(block: ServeBlock, base_dir: Path) -> list[str] | None:
+    if block.prompts_file is None:
+        return None
+    path, text = read_text(block.prompts_file, base_dir)
+    try:
+        return [prompt for _, prompt in prompt_lines(text, path.suffix == ".jsonl")]
+    except ValueError as exc:
+        raise StepError(f"prompts file {path}: {exc}") from None
+
+
+def _max_seq_len(lm: LoadedModel) -> int | None:
+    return getattr(lm.model.config, "max_position_embeddings", None)
+
+
+def _count(spec: LoadSpec) -> int:
+    return (spec.num_requests or spec.concurrency or 1) * spec.turns
+
+
+def _x(spec: LoadSpec) -> float:
+    return float(spec.rate if spec.rate is not None else spec.concurrency or 1)
+
+
+def _x_label(spec: LoadSpec) -> str:
+    return f"rate {spec.rate:g}/s" if spec.rate is not None else f"concurrency {spec.concurrency}"
+
+
+def _point_keys(system: str, kind: str | None, spec: LoadSpec) -> dict:
+    return {"system": system, "cache_kind": kind or "model", "x": _x(spec), "arrival": spec.arrival}
+
+
+def _occupancy(timeline: list[tuple[float, int, int, int]]) -> dict:
+    """Mean and peak running requests and peak KV blocks used, over the scheduler's steps."""
+    if not timeline:
+        return {}
+    running = [run for _, run, _, _ in timeline]
+    return {"mean_running": sum(running) / len(running), "peak_running": max(running),
+            "peak_blocks_used": max(used for _, _, used, _ in timeline)}
+
+
+def _request_row(point: dict, record: RequestRecord) -> dict:
+    lat = [b - a for a, b in zip(record.token_s, record.token_s[1:])]
+    return {"system": point["system"], "cache_kind": point["cache_kind"], "x": point["x"], "id": record.id,
+            "arrival_s": record.arrival_s, "scheduled_s": record.scheduled_s,
+            "first_token_s": record.token_s[0] if record.token_s else None,
+            "last_token_s": record.token_s[-1] if record.token_s else None, "prompt_tokens": record.prompt_tokens,
+            "output_tokens": len(record.output_ids), "finish": record.finish, "error": record.error,
+            "preemptions": record.preemptions, "cached_prompt_tokens": record.cached_prompt_tokens,
+            "max_itl_ms": max(lat) * 1000 if lat else None}
+
+
+def _max_rates(table: pd.DataFrame, block: ServeBlock) -> dict[tuple[str, str], float | None]:
+    """(system, kind) → the highest rate meeting the SLO (open-loop loads with an SLO only)."""
+    if block.slo is None or block.arrival == "concurrency" or table.empty:
+        return {}
+    out = {}
+    for (system, kind), rows in table[table["status"] == "ok"].groupby(["system", "cache_kind"]):
+        out[(system, kind)] = max_rate_meeting({row["x"]: row for row in rows.to_dict("records")}, block.slo.slo())
+    return out
+
+
+def _metrics(table: pd.DataFrame, best: dict) -> dict:
+    """`<system>_<kind>_x<rate>.<metric>` per point, ours/baseline ratios of output throughput, and the highest rate
+    meeting the SLO per system and kind."""
+    out: dict[str, float] = {"points": float(len(table))}
+    ok = table[table["status"] == "ok"] if "status" in table else table
+    for row in ok.to_dict("records"):
+        name = _name(row["system"], row["cache_kind"], row["x"])
+        out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if _number(row.get(k))}
+        for baseline in ("static", "transformers"):
+            other = ok[(ok["system"] == baseline) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
+            if row["system"] == "ours" and len(other) and other.iloc[0]["output_throughput_tok_per_s"] > 0:
+                out[f"{name}.ratio_{baseline}_throughput"] = (row["output_throughput_tok_per_s"]
+                                                            / other.iloc[0]["output_throughput_tok_per_s"])
+    for (system, kind), rate in best.items():
+        if rate is not None:
+            out[f"{_name(system, kind)}.max_rate_meeting_slo"] = float(rate)
+    return out
+
+
+def _name(system: str, kind: str, x: float | None = None) -> str:
+    name = f"{system}_{kind}" + (f"_x{x:g}" if x is not None else "")
+    return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
