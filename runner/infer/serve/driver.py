@@ -3,8 +3,10 @@ transformers' continuous batching) is fed the same requests at the same schedule
 
 A server is anything with `submit(request) -> RequestRecord` (at the request's arrival; the record may come back
 finished at once: refused), `step()` (do the work that can be done now: a decode step, a whole static batch, a
-poll), `busy` (work is waiting or running) and, optionally, `wake_s` (the load time at which a server that holds
-work but cannot start it yet wants to be stepped again: a static batch waiting to fill; None: step it now).
+poll), `busy` (work is waiting or running), a `clock` the driver sets to the load's (the times a server records
+are on it) and, optionally, `wake_s` (the load time at which a server that holds work but cannot start it yet wants
+to be stepped again: a static batch waiting to fill; None: step it now). A server may serve several loads in turn
+(a warm-up, then the load), each on its own clock.
 
 What follows a finished request (a conversation's next turn, a closed-loop user's next request) is asked of the
 Load as soon as the driver sees it finished, and arrives at that moment. Latencies are measured from each request's
@@ -14,7 +16,8 @@ scheduled `arrival_s`, so a driver that is late to submit (the server was busy i
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from runner.infer.serve.load import Load
@@ -25,6 +28,8 @@ Sleep = Callable[[float], None]
 
 
 class Server(Protocol):
+    clock: Clock
+
     def submit(self, request: Request) -> RequestRecord: ...
 
     def step(self) -> None: ...
@@ -33,11 +38,19 @@ class Server(Protocol):
     def busy(self) -> bool: ...
 
 
-def drive(server: Server, load: Load, clock: Clock, sleep: Sleep,
+def load_clock() -> Clock:
+    """Seconds since this load started, on the monotonic clock (time.perf_counter, shifted)."""
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+def drive(server: Server, load: Load | Sequence[Request], clock: Clock, sleep: Sleep,
           on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
-    """Serve `load` on `server` → every request's record (follow-ups included), in request-id order.
-    `on_finish` sees each record as it finishes (progress)."""
-    pending: list[tuple[float, int, Request]] = [(r.arrival_s, r.id, r) for r in load.requests]
+    """Serve `load` (a Load, with its follow-ups; or plain requests) on `server` → every request's record, in
+    request-id order. `on_finish` sees each record as it finishes (progress)."""
+    server.clock = clock
+    requests = load.requests if isinstance(load, Load) else list(load)
+    pending: list[tuple[float, int, Request]] = [(r.arrival_s, r.id, r) for r in requests]
     heapq.heapify(pending)
     open_: dict[int, RequestRecord] = {}
     done: dict[int, RequestRecord] = {}
@@ -60,7 +73,7 @@ def drive(server: Server, load: Load, clock: Clock, sleep: Sleep,
             record = done[rid] = open_.pop(rid)
             if on_finish is not None:
                 on_finish(record)
-            follow = load.follow_up(record, clock())
+            follow = load.follow_up(record, clock()) if isinstance(load, Load) else None
             if follow is not None:
                 heapq.heappush(pending, (follow.arrival_s, follow.id, follow))
     return [done[rid] for rid in sorted(done)]

@@ -1,10 +1,11 @@
 """transformers' own continuous batching as a baseline: the same requests, released at their scheduled arrivals into
 its `ContinuousBatchingManager` (paged KV cache, its FIFO scheduler, chunked prefill), every token timed as it comes.
 
-The manager runs its own generation loop in a background thread; this driver stays in the caller's thread, releases
-each request when the injected clock reaches its `arrival_s`, and reads the manager's per-token stream. A token's
-time is transformers' own stamp of when it was sampled (`record_timestamps`, on time.perf_counter) when the clock is
-time.perf_counter, so both lie on one timeline; on any other clock (a test's fake) it is when the driver saw it.
+The manager runs its own generation loop in a background thread; `TransformersServer` is driven from the caller's
+thread by runner.infer.serve.driver.drive like every server: `submit` releases a request at its `arrival_s`, `step`
+reads the manager's per-token stream. A token's time is transformers' own stamp of when it was sampled
+(`record_timestamps`, on time.perf_counter) moved onto the load clock, so both lie on one timeline; on a clock that
+is not time.perf_counter shifted (a test's fake) it is when the server saw it.
 `scheduled_s` is when transformers first took the request out of its waiting queue (its `lifespan[0]`), known only on
 time.perf_counter (None otherwise). A preemption is a soft reset (transformers drops the request's blocks and
 re-prefills prompt + output later): seen as a new `created_time` on the request's stream. Prefix-cache hits are not
@@ -18,17 +19,17 @@ A request that asks for exactly `max_new_tokens` (min = max, synthetic loads) is
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from runner.infer.config.kinds import DTYPES, canonical_kind
+from runner.infer.serve.driver import drive, load_clock
 from runner.infer.serve.load import Load
 from runner.infer.serve.requests import Request, RequestRecord
 
@@ -116,110 +117,101 @@ class CbSettings:
                                         allow_block_sharing=self.prefix_caching, seed=self.seed)
 
 
-def serve_with_transformers(model: Any, requests: Sequence[Request] | Load, *, max_batch_size: int,
-                            block_size: int = 32, num_blocks: int | None = None, kv_budget_mb: float | None = None,
-                            max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, prefix_caching: bool = False,
-                            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                            seed: int = 0, eos_token_id: int | Iterable[int] | None = None,
-                            warmup: Sequence[Request] | Load = (), clock: Callable[[], float] = time.perf_counter,
-                            sleep: Callable[[float], None] = time.sleep) -> list[RequestRecord]:
+def serve_with_transformers(model: Any, requests: Sequence[Request] | Load, *, warmup: Sequence[Request] | Load = (),
+                            clock: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep,
+                            **settings: Any) -> list[RequestRecord]:
     """Serve `requests` (or a Load, follow-ups included) with transformers' continuous batching → one record per
-    request served, in the order they finished. KV memory is `num_blocks` blocks or what `kv_budget_mb` holds.
-    `warmup` is served first on the same manager, its records dropped; the load's clock starts after it."""
-    if (num_blocks is None) == (kv_budget_mb is None):
-        raise ValueError("give num_blocks or kv_budget_mb, not both")
-    hf = _hf_model(model)
-    reason = transformers_cb_reason(hf)
-    if reason:
-        raise ValueError(f"transformers' continuous batching cannot serve this model: {reason}")
-    blocks = num_blocks if num_blocks is not None else kv_blocks_for_budget(hf, kv_budget_mb or 0.0, block_size)
-    settings = CbSettings(max_batch_size=max_batch_size, block_size=block_size, num_blocks=blocks,
-                          max_batch_tokens=max_batch_tokens, prefix_caching=prefix_caching, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed, eos_ids=_eos_ids(hf, eos_token_id))
-    manager = hf.init_continuous_batching(generation_config=settings.generation_config(),
-                                          continuous_batching_config=settings.cb_config())
-    with torch.inference_mode():
-        manager.start()
+    request, in id order; `settings` as TransformersServer's. `warmup` is served first on the same manager, its
+    records dropped; the load's clock starts after it (a given `clock` is used as it is, for both)."""
+    server = TransformersServer(model, **{"perf_stamps": clock is None, **settings})
     try:
         if warmup:
-            _Driver(manager, settings, clock, sleep, tag="warmup:").serve(warmup)
-        return _Driver(manager, settings, clock, sleep).serve(requests)
+            drive(server, warmup, clock or load_clock(), sleep)
+        return drive(server, requests, clock or load_clock(), sleep)
     finally:
-        manager.stop(block=True, timeout=30)
-        manager.destroy()
+        server.close()
 
 
 @dataclass
 class _Live:
-    """A request sent to the manager and not finished yet, as the driver follows it."""
+    """A request sent to the manager and not finished yet, as the server follows it."""
 
     request: Request
     record: RequestRecord
-    stop_at_eos_from: int | None  # first output index an EOS ends it at (the driver cancels it there)
+    stop_at_eos_from: int | None  # first output index an EOS ends it at (the server cancels it there)
     eos_sent: bool  # transformers itself stops it at an EOS
     created_s: float | None = None  # transformers' created_time of the state it streams from (a soft reset renews it)
-    token_stamps_s: list[float] = field(default_factory=list)
 
 
-class _Driver:
-    """Releases requests at their arrivals, follows the manager's stream, records what each request saw."""
+class TransformersServer:
+    """transformers' manager as a Server for runner.infer.serve.driver.drive: `submit` releases a request into it,
+    `step` reads its stream for up to POLL_S, `busy` while any request is in flight. KV memory is `num_blocks`
+    blocks or what `kv_budget_mb` holds. `perf_stamps`: the driver's clock is time.perf_counter shifted (a load
+    clock), so transformers' own per-token stamps are used; else a token's time is when the server saw it."""
 
-    def __init__(self, manager: Any, settings: CbSettings, clock: Callable[[], float],
-                 sleep: Callable[[float], None], tag: str = ""):
-        self.manager, self.settings, self.clock, self.sleep, self.tag = manager, settings, clock, sleep, tag
-        self.on_perf_counter = clock is time.perf_counter  # transformers' stamps share the load's timeline
-        self.pending: list[tuple[float, int, Request]] = []  # heap by arrival
+    def __init__(self, model: Any, *, max_batch_size: int, block_size: int = 32, num_blocks: int | None = None,
+                 kv_budget_mb: float | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 prefix_caching: bool = False, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, eos_token_id: int | Iterable[int] | None = None,
+                 perf_stamps: bool = True):
+        if (num_blocks is None) == (kv_budget_mb is None):
+            raise ValueError("give num_blocks or kv_budget_mb, not both")
+        hf = _hf_model(model)
+        reason = transformers_cb_reason(hf)
+        if reason:
+            raise ValueError(f"transformers' continuous batching cannot serve this model: {reason}")
+        blocks = num_blocks if num_blocks is not None else kv_blocks_for_budget(hf, kv_budget_mb or 0.0, block_size)
+        self.settings = CbSettings(max_batch_size=max_batch_size, block_size=block_size, num_blocks=blocks,
+                                   max_batch_tokens=max_batch_tokens, prefix_caching=prefix_caching,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   eos_ids=_eos_ids(hf, eos_token_id))
+        self.manager = hf.init_continuous_batching(generation_config=self.settings.generation_config(),
+                                                   continuous_batching_config=self.settings.cb_config())
+        with torch.inference_mode():
+            self.manager.start()
+        self.perf_stamps = perf_stamps
+        self.clock: Callable[[], float] = time.perf_counter  # drive sets the load's
         self.live: dict[str, _Live] = {}
-        self.records: list[RequestRecord] = []
-        self.load: Load | None = None
-        self.start_s = 0.0
+        self.dead = ""
+        self._sent = 0  # keys stay unique across loads served on one manager (warm-up, then the load)
 
-    def serve(self, requests: Sequence[Request] | Load) -> list[RequestRecord]:
-        self.load = requests if isinstance(requests, Load) else None
-        for request in (requests.requests if isinstance(requests, Load) else requests):
-            self._push(request)
-        self.start_s = self.clock()
-        while self.pending or self.live:
-            self._step()
-        return self.records
+    @property
+    def busy(self) -> bool:
+        return bool(self.live)
 
-    def now_s(self) -> float:
-        return self.clock() - self.start_s
-
-    def _push(self, request: Request) -> None:
-        heapq.heappush(self.pending, (request.arrival_s, request.id, request))
-
-    def _step(self) -> None:
-        """Release what is due, then wait for the next token (or, with nothing in flight, for the next arrival)."""
-        now = self.now_s()
-        while self.pending and self.pending[0][0] <= now:
-            self._release(heapq.heappop(self.pending)[2], now)
-        if not self.live:
-            if self.pending:
-                self.sleep(max(0.0, self.pending[0][0] - self.now_s()))
-            return
-        wait_s = POLL_S if not self.pending else min(POLL_S, max(0.0, self.pending[0][0] - now))
-        output = self.manager.get_result(timeout=wait_s)
-        if output is not None:
-            self._take(output)
-        elif not self.manager.is_running():
-            self._fail_live(f"transformers' generation loop stopped: {self._fatal_error()}")
-
-    def _release(self, request: Request, now_s: float) -> None:
+    def submit(self, request: Request) -> RequestRecord:
         record = RequestRecord(id=request.id, arrival_s=request.arrival_s, prompt_tokens=len(request.prompt_ids))
-        problem = self._does_not_fit(request)
+        problem = self.dead or self._does_not_fit(request)
         if problem:
-            self._finish(record, "error", now_s, problem)
-            return
+            return self._finish(record, "error", problem)
         native, stop_from = self._eos_rule(request)
-        key = f"{self.tag}{request.id}"
+        key = f"{self._sent}:{request.id}"
+        self._sent += 1
         sent = self.manager.add_request(list(request.prompt_ids), request_id=key,
                                         max_new_tokens=request.max_new_tokens, streaming=True,
                                         record_timestamps=True, eos_token_id=native)
         if sent is None:
-            self._finish(record, "error", now_s, "transformers' manager refused the request (it is stopping)")
-            return
+            return self._finish(record, "error", "transformers' manager refused the request (it is stopping)")
         self.live[key] = _Live(request, record, stop_from, eos_sent=native != NO_EOS)
+        return record
+
+    def step(self) -> None:
+        """Wait up to POLL_S for the next streamed output and take it; a manager that died fails what is in flight."""
+        output = self.manager.get_result(timeout=POLL_S)
+        if output is not None:
+            self._take(output)
+        elif not self.manager.is_running():
+            self.dead = f"transformers' generation loop stopped: {self._fatal_error()}"
+            for key in list(self.live):
+                self._finish(self.live.pop(key).record, "error", self.dead)
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=30)
+        self.manager.destroy()
+
+    def _load_s(self, perf_s: float) -> float:
+        """A time.perf_counter stamp of transformers' on the load clock."""
+        return perf_s - (time.perf_counter() - self.clock())
 
     def _does_not_fit(self, request: Request) -> str:
         """A request that needs more KV blocks than the whole cache would stop transformers' loop for everyone."""
@@ -231,7 +223,7 @@ class _Driver:
         return ""
 
     def _eos_rule(self, request: Request) -> tuple[int | list[int], int | None]:
-        """(EOS ids transformers stops at, first output index the driver stops at an EOS): see the module doc."""
+        """(EOS ids transformers stops at, first output index the server stops at an EOS): see the module doc."""
         eos = self.settings.eos_ids
         if not eos or request.min_new_tokens >= request.max_new_tokens:
             return NO_EOS, None
@@ -242,27 +234,26 @@ class _Driver:
     def _take(self, output: Any) -> None:
         """One streamed output: the request's tokens so far; record the new ones and finish it when it ended."""
         live = self.live.get(output.request_id)
-        if live is None:  # a request the driver already finished (cancelled at EOS) or another driver's
+        if live is None:  # a request the server already finished (cancelled at EOS)
             return
-        seen_s, record = self.now_s(), live.record
+        seen_s, record = self.clock(), live.record
         if output.error is not None or output.status.name == "FAILED":
-            self._finish_live(output.request_id, "error", seen_s, str(output.error))
+            self._finish(self.live.pop(output.request_id).record, "error", str(output.error))
             return
         self._note_start(live, output)
         stamps = output.timestamps or []
         for index in range(len(record.output_ids), len(output.generated_tokens)):
             token = int(output.generated_tokens[index])
             record.output_ids.append(token)
-            record.token_s.append(self._load_s(stamps[index]) if self.on_perf_counter and index < len(stamps)
+            record.token_s.append(self._load_s(stamps[index]) if self.perf_stamps and index < len(stamps)
                                   else seen_s)
             if live.stop_at_eos_from is not None and index >= live.stop_at_eos_from and token in self.settings.eos_ids:
                 self.manager.cancel_request(output.request_id)
-                self._finish_live(output.request_id, "eos", record.token_s[-1])
+                self._finish(self.live.pop(output.request_id).record, "eos")
                 return
         if output.is_finished():
             ended_by_eos = live.eos_sent and bool(record.output_ids) and record.output_ids[-1] in self.settings.eos_ids
-            self._finish_live(output.request_id, "eos" if ended_by_eos else "length",
-                              record.token_s[-1] if record.token_s else seen_s)
+            self._finish(self.live.pop(output.request_id).record, "eos" if ended_by_eos else "length")
 
     def _note_start(self, live: _Live, output: Any) -> None:
         """Scheduled time (first admission) and soft resets (a renewed created_time: its KV was dropped)."""
@@ -271,34 +262,14 @@ class _Driver:
             live.record.preemptions += 1
         live.created_s = created
         started = float(output.lifespan[0])
-        if live.record.scheduled_s is None and self.on_perf_counter and started > 0:
+        if live.record.scheduled_s is None and self.perf_stamps and started > 0:
             live.record.scheduled_s = self._load_s(started)
 
-    def _load_s(self, perf_s: float) -> float:
-        return perf_s - self.start_s
-
-    def _finish_live(self, key: str, finish: str, now_s: float, error: str = "") -> None:
-        live = self.live.pop(key)
-        self._finish(live.record, finish, now_s, error)
-
-    def _finish(self, record: RequestRecord, finish: str, now_s: float, error: str = "") -> None:
+    def _finish(self, record: RequestRecord, finish: str, error: str = "") -> RequestRecord:
         record.finish, record.error = finish, error
         if error:
             log.warning("request %d: %s", record.id, error)
-        self.records.append(record)
-        follow = self.load.follow_up(record, now_s) if self.load is not None else None
-        if follow is not None:
-            self._push(follow)
-
-    def _fail_live(self, error: str) -> None:
-        """Every request left fails: the manager is gone. Nothing follows them (a closed loop would never end)."""
-        self.load = None
-        for key in list(self.live):
-            self._finish_live(key, "error", self.now_s(), error)
-        while self.pending:
-            request = heapq.heappop(self.pending)[2]
-            record = RequestRecord(id=request.id, arrival_s=request.arrival_s, prompt_tokens=len(request.prompt_ids))
-            self._finish(record, "error", self.now_s(), error)
+        return record
 
     def _fatal_error(self) -> str:
         error = getattr(getattr(self.manager, "background_thread_status", None), "fatal_error", None)
