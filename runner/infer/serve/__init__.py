@@ -1,1 +1,2 @@
-"""Layer 12: serving under load: requests that arrive over time, a continuous-batching scheduler, what each request saw."""
+"""Layer 12: serving under load: requests that arrive over time, a continuous-batching scheduler, what each
+request saw."""

@@ -202,6 +202,7 @@ class Scheduler:
                 return
             first = False
             ids = torch.tensor([live.sequence[live.held:end]], device=self.device)  # [1,t]
+            assert live.cache is not None, "running requests own a cache"
             start = self.clock()
             logits = prefill_row(self.model, ids, live.cache, live.held)
             budget -= end - live.held
