@@ -2,15 +2,17 @@
 
 Each running request owns a cache of its kind (`registry.make_cache`, batch 1), so what it stores is exactly what a
 solo decode stores, for every kind, KIVI's per-request groups and residual included. A decode step builds a
-`RowsCache` over the rows of the step: its per-layer `update` splits the new [B,H,1,D] K/V by row, hands row r's to
+transformers Cache of `RowsLayer`s over the rows of the step: each layer's `update` splits the new [B,H,1,D] K/V
+by row, hands row r's to
 row r's own layer, and returns every row's whole K/V stacked right-aligned ([B,H,W,D], W the longest row; zeros on
 the left, masked by the 2D padding mask). Positions are explicit per row (`positions_from` semantics: the real
 tokens before), so a row's attention and RoPE are those of a solo decode; only float reductions over the masked
 columns can move the logits in the last bits (greedy differs only at near ties).
 
-A prefill chunk runs alone (batch 1) straight into its request's cache (`prefill_row`). `chunk_end` says where a
-chunk may end so that the cache ends up as a whole-prompt prefill then one-token decodes would leave it: any end
-for kinds that store each token alone; for KIVI, ends aligned to its residual flushes (below).
+Prefill chunks of several requests go in one forward the same way (`feed_rows`: each row left-padded to the
+longest chunk; the padding is sliced off before it reaches a row's layer, so it is never stored). `chunk_end`
+says where a chunk may end so that the cache ends up as a whole-prompt prefill then one-token decodes would leave
+it: any end for kinds that store each token alone; for KIVI, ends aligned to its residual flushes (below).
 Costs: stacking copies every row's K/V once per layer per step (O(B·W) on top of the layers' own concatenation);
 there is no shared physical pool (memory grows with each request's real tokens; blocks are the accounting unit).
 """
@@ -36,20 +38,23 @@ def rows_reason(cache: Cache) -> str:
 
 
 class RowsLayer(DynamicLayer):
-    """One model layer of a decode step: row r's new K/V go into `rows[r]` (that request's own layer)."""
+    """One model layer of a step: row r's new K/V (its last `news[r]` columns; the rest is left padding, never
+    stored) go into `rows[r]`, that request's own layer."""
 
-    def __init__(self, rows: list, past: int):
+    def __init__(self, rows: list, past: int, news: list[int]):
         super().__init__()
-        self.rows, self.past = rows, past  # past: the longest row's tokens before this step (the mask's offset)
+        self.rows, self.past, self.news = rows, past, news  # past: the mask's offset (width − new columns)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """[B,H,t,D] new K/V → every row's whole K/V right-aligned, [B,H,past+t,D] each (zeros on the left)."""
-        held = [row.update(key_states[r:r + 1], value_states[r:r + 1]) for r, row in enumerate(self.rows)]
-        width = self.past + key_states.shape[-2]
+        """[B,H,T,D] new K/V → every row's whole K/V right-aligned, [B,H,past+T,D] each (zeros on the left)."""
+        t = key_states.shape[-2]
+        held = [row.update(key_states[r:r + 1, :, t - n:], value_states[r:r + 1, :, t - n:])
+                for r, (row, n) in enumerate(zip(self.rows, self.news))]
+        width = self.past + t
         keys = key_states.new_zeros((*key_states.shape[:2], width, held[0][0].shape[-1]))
         values = value_states.new_zeros((*value_states.shape[:2], width, held[0][1].shape[-1]))
         for r, (k, v) in enumerate(held):  # k, v: [1,H,L_r,D]
@@ -61,23 +66,24 @@ class RowsLayer(DynamicLayer):
         return self.past
 
 
-def decode_rows(model, tokens: torch.Tensor, caches: list[Cache], lengths: list[int]) -> torch.Tensor:
-    """One decode step of B requests: [B] tokens, each row's cache and the tokens it holds → [B,V] logits."""
-    past = max(lengths)
+def feed_rows(model, chunks: list[list[int]], caches: list[Cache], lengths: list[int]) -> torch.Tensor:
+    """One forward of B requests, each feeding its own chunk of tokens (decode: one each) into its own cache that
+    holds lengths[r] tokens → [B,V] logits of each row's last token. Rows are left-padded to the longest chunk T;
+    the padding is neither stored nor attended to."""
+    device = next(model.parameters()).device
+    t = max(len(c) for c in chunks)
+    news = [len(c) for c in chunks]
+    width = max(held + n for held, n in zip(lengths, news))  # the longest row after this step
+    ids = torch.zeros((len(chunks), t), dtype=torch.long)  # [B,T]
+    positions = torch.zeros_like(ids)  # [B,T]: pads at 0, never stored
+    mask = torch.zeros((len(chunks), width), dtype=torch.long)  # [B,W]: each row's last held + n columns
+    for r, (chunk, held) in enumerate(zip(chunks, lengths)):
+        ids[r, t - len(chunk):] = torch.tensor(chunk)
+        positions[r, t - len(chunk):] = torch.arange(held, held + len(chunk))
+        mask[r, width - held - len(chunk):] = 1
     n_layers = len(caches[0].layers)
-    batch = Cache(layers=[RowsLayer([c.layers[i] for c in caches], past) for i in range(n_layers)])
-    held = torch.tensor(lengths, device=tokens.device)  # [B]
-    columns = torch.arange(past + 1, device=tokens.device)  # [W]
-    mask = (columns[None, :] >= past - held[:, None]).long()  # [B,W]: the last L_r + 1 columns are real
-    return forward_last(model, tokens[:, None], mask, held[:, None], batch)
-
-
-def prefill_row(model, ids: torch.Tensor, cache: Cache, held: int) -> torch.Tensor:
-    """Feed [1,t] ids into one request's cache holding `held` tokens → [1,V] logits of the last one."""
-    t = ids.shape[1]
-    mask = torch.ones((1, held + t), dtype=torch.long, device=ids.device)
-    positions = torch.arange(held, held + t, device=ids.device)[None]  # [1,t]
-    return forward_last(model, ids, mask, positions, cache)
+    batch = Cache(layers=[RowsLayer([c.layers[i] for c in caches], width - t, news) for i in range(n_layers)])
+    return forward_last(model, ids.to(device), mask.to(device), positions.to(device), batch)
 
 
 @dataclass(frozen=True)

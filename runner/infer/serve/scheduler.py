@@ -7,7 +7,8 @@ One `Scheduler.step()`, in order:
     admit  waiting requests, first come first served, while the blocks for all they must prefill are free
     decode one batched forward of the decoding rows (serve/rows.py: each row's own cache, its exact K/V)
     prefill chunks of the admitted requests under the step's token budget (`max_tokens_per_step` − decode rows),
-           one forward each; a chunk ends where the kind's stored K/V stay those of a solo decode (rows.chunk_end)
+           in one more forward (rows.feed_rows); a chunk ends where the kind's stored K/V stay those of a solo
+           decode (rows.chunk_end)
 A request finishes on EOS (once `min_new_tokens` are out; before that EOS is an ordinary token, as vLLM's
 ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting queue refuses what does not fit
 (`finish="refused"`); a request whose prompt + max_new_tokens exceeds the whole KV budget is refused at submission
@@ -38,7 +39,7 @@ from runner.infer.decode.forward import eos_ids
 from runner.infer.decode.sampling import next_token
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
 from runner.infer.serve.requests import Request, RequestRecord
-from runner.infer.serve.rows import Flushes, chunk_end, decode_rows, prefill_row, rows_reason
+from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
 
 log = logging.getLogger(__name__)
 
@@ -177,42 +178,41 @@ class Scheduler:
 
     def _decode(self, rows: list[Live]) -> None:
         """One forward of every decoding row: each feeds its last output token."""
-        tokens = torch.tensor([live.record.output_ids[-1] for live in rows], device=self.device)  # [B]
-        caches = [live.cache for live in rows]
-        start = self.clock()
-        logits = decode_rows(self.model, tokens, caches, [live.held for live in rows])  # type: ignore[arg-type]
-        for live in rows:
-            live.held += 1
-        chosen = self._choose(rows, logits)  # syncs the device (tolist)
-        self.forward_s += self.clock() - start
-        now = self.clock()
-        for live, token in zip(rows, chosen):
-            self._emit(live, token, now)
+        self._forward(rows, [[live.record.output_ids[-1]] for live in rows], [True] * len(rows))
 
     def _prefill(self, budget: int) -> None:
-        """Chunks of the prefilling requests, in admission order, while the budget lasts (the step's first chunk
-        may go over it when no exact end fits in it, KIVI's flush alignment: never a stall)."""
-        first = True
+        """Chunks of the prefilling requests, in admission order, while the budget lasts, in one forward (the
+        step's first chunk may go over the budget when no exact end fits in it, KIVI's flush alignment: never a
+        stall)."""
+        rows: list[Live] = []
+        chunks: list[list[int]] = []
         for live in [x for x in self.running if not x.decoding]:
             if budget <= 0:
-                return
+                break
             prompt = len(live.request.prompt_ids)
             end, fits = chunk_end(live.held, live.held + budget, live.target, prompt, self.flushes)
-            if not (fits or first):
-                return
-            first = False
-            ids = torch.tensor([live.sequence[live.held:end]], device=self.device)  # [1,t]
-            assert live.cache is not None, "running requests own a cache"
-            start = self.clock()
-            logits = prefill_row(self.model, ids, live.cache, live.held)
+            if not (fits or not rows):
+                break
+            rows.append(live)
+            chunks.append(live.sequence[live.held:end])
             budget -= end - live.held
-            live.held = end
-            if end == live.target and not live.record.output_ids:  # the prompt is in: its first token
-                chosen = self._choose([live], logits)
-                self.forward_s += self.clock() - start
-                self._emit(live, chosen[0], self.clock())
-            else:
-                self.forward_s += self.clock() - start
+        if rows:  # a row whose prompt is now in samples its first token; a recomputed one goes on decoding
+            self._forward(rows, chunks, [live.held + len(c) == live.target and not live.record.output_ids
+                                         for live, c in zip(rows, chunks)])
+
+    def _forward(self, rows: list[Live], chunks: list[list[int]], sampled: list[bool]) -> None:
+        """One forward of `rows`, each feeding its chunk; the rows marked `sampled` choose and emit a token."""
+        start = self.clock()
+        caches = [live.cache for live in rows]
+        logits = feed_rows(self.model, chunks, caches, [live.held for live in rows])  # type: ignore[arg-type]
+        for live, chunk in zip(rows, chunks):
+            live.held += len(chunk)
+        picked = [r for r, s in enumerate(sampled) if s]
+        chosen = self._choose([rows[r] for r in picked], logits[picked]) if picked else []  # syncs (tolist)
+        self.forward_s += self.clock() - start
+        now = self.clock()
+        for r, token in zip(picked, chosen):
+            self._emit(rows[r], token, now)
 
     def _choose(self, rows: list[Live], logits: torch.Tensor) -> list[int]:
         """[B,V] logits → each row's next token: greedy as one argmax; sampling from each row's own generator."""
