@@ -55,9 +55,9 @@ def _solo(model, request: Request, kind: str | None, **settings) -> list[int]:
     return out[0, len(request.prompt_ids):][:gen.stats.new_tokens[0]].tolist()
 
 
-def _run(model, requests, **config) -> tuple[Scheduler, list]:
+def _run(model, requests, tokenizer=None, **config) -> tuple[Scheduler, list]:
     clock = FakeClock()
-    scheduler = Scheduler(model, SchedulerConfig(**config), clock=clock)
+    scheduler = Scheduler(model, SchedulerConfig(**config), clock=clock, tokenizer=tokenizer)
     return scheduler, serve(scheduler, requests, clock, clock.sleep)
 
 
@@ -127,6 +127,22 @@ def test_min_new_tokens_ignores_eos_until_reached(tiny_lm):
     assert [len(r.output_ids) for r in records] == [20] * 4 and {r.finish for r in records} == {"length"}
     assert [r.output_ids for r in records] == [_solo(tiny_lm.model, r, None, temperature=0, eos_token_id=[])
                                                for r in requests]
+
+
+def test_a_stop_string_ends_a_request_as_the_generator_does(tiny_lm):
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    requests = _load(3)
+    free = _solo(model, requests[0], None, temperature=0, eos_token_id=[])
+    stop = tok.decode(free[5:7]).strip()[-2:]
+    assert stop
+    sampling = GenerateConfig(temperature=0, eos_token_id=[], stop_strings=[stop])
+    _, records = _run(model, requests, tokenizer=tok, sampling=sampling)
+    for request, record in zip(requests, records):
+        gen = Generator(model, sampling.model_copy(update={"max_new_tokens": request.max_new_tokens}), tokenizer=tok)
+        out = gen.generate(torch.tensor([request.prompt_ids]))[0, len(request.prompt_ids):]
+        assert record.output_ids == out[:gen.stats.new_tokens[0]].tolist()
+        assert (record.finish == "stop") == (gen.stats.stop_reasons[0] == "stop_string")
+    assert records[0].finish == "stop" and len(records[0].output_ids) <= 7
 
 
 def test_token_times_and_timeline_come_from_the_clock(tiny_lm):
