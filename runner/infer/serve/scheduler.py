@@ -17,8 +17,10 @@ ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting
 Exactness: every request's stored K/V are a solo decode's (its own cache, chunks that end where rows.Flushes says),
 so greedy output equals its solo greedy decode up to float reductions over masked columns (near ties only). Seeded
 sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch never changes it.
-What it does not do: no shared physical KV pool (blocks are accounting; memory follows real tokens), no prefix
-caching, no CUDA graphs or compiled steps (the compiled engine comes later).
+Prefix caching (`prefix_caching`, serve/prefix.py) copies a running request's full prompt blocks into a new
+request's cache, so its prefill skips them. What it does not do: no shared physical KV pool (blocks are accounting;
+memory follows real tokens; a prefix hit saves compute, not memory), no CUDA graphs or compiled steps (the compiled
+engine comes later).
 Times come from the injected clock (seconds of the load); `timeline` records (t_s, running, blocks_used, waiting)
 per step.
 """
@@ -38,6 +40,7 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import eos_ids
 from runner.infer.decode.sampling import next_token
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
+from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
 
@@ -58,6 +61,7 @@ class SchedulerConfig:
     max_tokens_per_step: int = 256  # decode rows + prefill tokens per step
     max_running: int = 64  # most requests in the running batch (vLLM's max_num_seqs)
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
+    prefix_caching: bool = False  # copy running requests' shared prompt blocks (serve/prefix.py; not KIVI)
     sampling: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0))  # temperature, top-k/p,
     # penalties, eos_token_id, stop_strings, max_seq_len, seed; max_new_tokens comes from each Request
 
@@ -114,6 +118,11 @@ class Scheduler:
                  else blocks_in(self.config.kv_budget_bytes, spec) if self.config.kv_budget_bytes is not None
                  else 2**62)
         self.pool = BlockPool(spec, total)
+        caching = self.config.prefix_caching and eligible(self.flushes)
+        if self.config.prefix_caching and not caching:
+            log.warning("prefix caching is off for %s: its stored K/V depend on how the prompt was fed",
+                        self.config.cache_kind)
+        self.prefixes = PrefixIndex(self.config.block_size) if caching else None
         self.waiting: deque[Live] = deque()
         self.running: list[Live] = []  # in admission order
         self.records: dict[int, RequestRecord] = {}
@@ -158,9 +167,8 @@ class Scheduler:
 
     def _preempt(self, live: Live) -> None:
         log.debug("preempting request %d (%d tokens held)", live.request.id, live.held)
-        self.running.remove(live)
-        self.pool.release(live.request.id)
-        live.cache, live.held = None, 0
+        self._leave(live)
+        live.held = 0
         live.record.preemptions += 1
         self.waiting.appendleft(live)
 
@@ -170,11 +178,23 @@ class Scheduler:
             if not self.pool.hold(live.request.id, live.target):
                 return
             self.waiting.popleft()
-            live.cache, live.held, live.admitted = make_cache(self.config.cache_kind, self.model), 0, self._admissions
+            live.cache, live.admitted = self._start_cache(live), self._admissions
             self._admissions += 1
             if live.record.scheduled_s is None:
                 live.record.scheduled_s = self.clock()
             self.running.append(live)
+
+    def _start_cache(self, live: Live) -> Cache:
+        """An admitted request's own cache: empty, or a copy of a running request's shared prompt blocks (at
+        least one token is left to prefill: its logits give the next token). Sets `live.held`."""
+        live.held = 0
+        if self.prefixes is not None:
+            owner, tokens = self.prefixes.lookup(live.sequence, live.target - 1)
+            if owner is not None:
+                live.held = tokens
+                live.record.cached_prompt_tokens += tokens
+                return copy_prefix(owner.cache, owner.held, tokens)
+        return make_cache(self.config.cache_kind, self.model)
 
     def _decode(self, rows: list[Live]) -> None:
         """One forward of every decoding row: each feeds its last output token."""
@@ -236,9 +256,17 @@ class Scheduler:
                   or len(request.prompt_ids) + n >= self.config.sampling.max_seq_len else "")
         if finish:
             record.finish = finish
-            self.running.remove(live)
-            self.pool.release(request.id)
-            live.cache = None
+            self._leave(live)
+        elif n == 1 and self.prefixes is not None:  # its prompt is in: later requests may copy its blocks
+            self.prefixes.add(live, request.prompt_ids)
+
+    def _leave(self, live: Live) -> None:
+        """Out of the running batch: its blocks and cache go, and its prompt blocks stop being offered."""
+        self.running.remove(live)
+        self.pool.release(live.request.id)
+        live.cache = None
+        if self.prefixes is not None:
+            self.prefixes.remove(live)
 
     def _hit_stop_string(self, live: Live) -> bool:
         """The Generator's rule: a stop string in the decoded tail of this request's new tokens."""

@@ -129,6 +129,19 @@ def test_min_new_tokens_ignores_eos_until_reached(tiny_lm):
                                                for r in requests]
 
 
+@pytest.mark.parametrize("kind", ["fp16", "q8_0", "kivi4:g8:r16"])
+def test_prefix_caching_copies_shared_prompt_blocks_exactly(tiny_lm, kind):
+    model, g = tiny_lm.model, torch.Generator().manual_seed(3)
+    shared = tuple(torch.randint(3, 250, (21,), generator=g).tolist())  # 2 full blocks of 8, then 5 tokens
+    requests = [Request(i, i * 0.05, shared + tuple(torch.randint(3, 250, (3 + i,), generator=g).tolist()),
+                        max_new_tokens=12) for i in range(4)]
+    requests.append(Request(4, 0.2, shared[:16], max_new_tokens=6))  # all blocks shared: one token still prefilled
+    _, records = _run(model, requests, cache_kind=kind, block_size=8, prefix_caching=True)
+    assert [r.output_ids for r in records] == [_solo(model, r, kind, temperature=0) for r in requests]
+    hits = [r.cached_prompt_tokens for r in records]
+    assert hits == ([0, 16, 16, 16, 8] if kind != "kivi4:g8:r16" else [0] * 5)  # KIVI: off (how it was fed counts)
+
+
 def test_a_stop_string_ends_a_request_as_the_generator_does(tiny_lm):
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     requests = _load(3)
