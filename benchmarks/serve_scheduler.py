@@ -10,9 +10,10 @@ warm-up excluded, variants interleaved). Per step, medians over steps and repeat
     scheduler       step − forward: queues, blocks, bookkeeping (the issue's target: ≤ 5 % of a decode step)
     plain step      one decode step of our DecodeState on a left-padded batch of the same B (one DynamicCache):
                     what the rows cache's per-request split and stacking cost shows against it
-Part 2: a mixed-length load (all requests at t = 0, prompt and output lengths drawn from a seed, exact output
-lengths) served by the continuous scheduler and by the static baseline (max_batch_size = max_running, max_wait_ms);
-output tokens / makespan, median of repeats, the ratio, and whether every request got the same tokens.
+Part 2: a mixed-length load (Poisson arrivals at --rate, or all at t = 0; prompt and output lengths drawn from a
+seed, exact output lengths) served by the continuous scheduler and by the static baseline (max_batch_size =
+max_running, max_wait_ms), real clock: output tokens / makespan (median of repeats), median TTFT and p90 E2E
+(from the scheduled arrival, over all repeats), the ratio, and whether every request got the same tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.decode.forward import DecodeState  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
-from runner.infer.measure.timing import time_interleaved  # noqa: E402
+from runner.infer.measure.timing import percentile, time_interleaved  # noqa: E402
 from runner.infer.serve.requests import Request  # noqa: E402
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, serve  # noqa: E402
 from runner.infer.serve.static import serve_static  # noqa: E402
@@ -38,14 +39,17 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def _requests(n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0) -> list[Request]:
+def _requests(n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0,
+              rate: float = 0.0) -> list[Request]:
+    """n requests of uniform prompt and (exact) output lengths; Poisson arrivals at `rate` per s (0: all at t=0)."""
     g = torch.Generator().manual_seed(seed)
-    out = []
+    out, t = [], 0.0
     for i in range(n):
         p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
         m = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
         ids = tuple(torch.randint(3, vocab - 3, (p,), generator=g).tolist())
-        out.append(Request(i, 0.0, ids, max_new_tokens=m, min_new_tokens=m))
+        out.append(Request(i, t, ids, max_new_tokens=m, min_new_tokens=m))
+        t += float(torch.empty(1).exponential_(rate, generator=g)) if rate > 0 else 0.0
     return out
 
 
@@ -94,6 +98,7 @@ def throughput(model, requests: list[Request], repeats: int, max_running: int, m
                kind: str | None) -> dict:
     """Output tokens/s (all requests' tokens over the makespan) of continuous vs static batching, same requests."""
     outputs: dict[str, list[list[int]]] = {}
+    latency: dict[str, list[list[tuple[float, float]]]] = {"continuous": [], "static": []}  # per run: (TTFT, E2E)
 
     def run(name):
         def run_once(tick):
@@ -108,14 +113,18 @@ def throughput(model, requests: list[Request], repeats: int, max_running: int, m
             else:
                 records = serve_static(model, requests, clock, time.sleep, max_batch_size=max_running,
                                        max_wait_ms=max_wait_ms)
-            outputs[name] = [r.output_ids for r in records]
             tick()
+            outputs[name] = [r.output_ids for r in records]
+            latency[name].append([(r.token_s[0] - r.arrival_s, r.token_s[-1] - r.arrival_s) for r in records])
         return run_once
 
     marks = time_interleaved({name: run(name) for name in ("continuous", "static")}, repeats)
     tokens = sum(r.max_new_tokens for r in requests)
     rates = {name: statistics.median(tokens / m[-1] for m in runs) for name, runs in marks.items()}
-    return {**rates, "same": outputs["continuous"] == outputs["static"]}
+    timed = {name: [pair for run in runs[1:] for pair in run] for name, runs in latency.items()}  # no warm-up
+    ttft = {name: statistics.median(a for a, _ in pairs) for name, pairs in timed.items()}
+    e2e = {name: percentile([b for _, b in pairs], 90) for name, pairs in timed.items()}
+    return {**rates, "ttft_s": ttft, "p90_e2e_s": e2e, "same": outputs["continuous"] == outputs["static"]}
 
 
 def main() -> None:
@@ -129,6 +138,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--max-wait-ms", type=float, default=50.0)
+    parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per s of the mixed load (0: all "
+                        "at t=0)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -143,12 +154,15 @@ def main() -> None:
         print(f"{batch:>5} {c['step_ms']:8.2f} {c['forward_ms']:8.2f} {c['scheduler_ms']:8.3f} "
               f"{100 * c['scheduler_ms'] / c['step_ms']:7.1f}% {c['plain_ms']:8.2f} "
               f"{c['step_ms'] / c['plain_ms']:7.2f}")
-    requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, 64), seed=1)
+    requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, 64), seed=1, rate=args.rate)
     t = throughput(model, requests, args.repeats, args.max_running, args.max_wait_ms, args.kind)
-    print(f"mixed load: {args.requests} requests at t=0, prompts 8-96, outputs 8-64 tokens, max_running="
-          f"{args.max_running}, static max_wait_ms={args.max_wait_ms:g}")
-    print(f"  continuous {t['continuous']:8.1f} tok/s   static {t['static']:8.1f} tok/s   "
-          f"ratio {t['continuous'] / t['static']:.2f}   same tokens: {t['same']}")
+    print(f"mixed load: {args.requests} requests, {f'Poisson {args.rate:g}/s' if args.rate else 'all at t=0'}, "
+          f"prompts 8-96, outputs 8-64 tokens, max_running={args.max_running}, static max_wait_ms="
+          f"{args.max_wait_ms:g}")
+    for name in ("continuous", "static"):
+        print(f"  {name:>10} {t[name]:8.1f} tok/s   median TTFT {t['ttft_s'][name]:7.3f} s   p90 E2E "
+              f"{t['p90_e2e_s'][name]:7.3f} s")
+    print(f"  ratio {t['continuous'] / t['static']:.2f}   same tokens: {t['same']}")
     print(f"  (load average now {os.getloadavg()[0]:.1f})")
 
 
