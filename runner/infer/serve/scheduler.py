@@ -80,7 +80,6 @@ class Live:
     rng: torch.Generator
     cache: Cache | None = None  # its own cache, while running
     held: int = 0  # tokens in its cache
-    admitted: int = -1  # admission order while running (the latest is preempted first)
 
     @property
     def sequence(self) -> list[int]:
@@ -124,11 +123,10 @@ class Scheduler:
                         self.config.cache_kind)
         self.prefixes = PrefixIndex(self.config.block_size) if caching else None
         self.waiting: deque[Live] = deque()
-        self.running: list[Live] = []  # in admission order
+        self.running: list[Live] = []  # in admission order: the last is preempted first
         self.records: dict[int, RequestRecord] = {}
         self.timeline: list[tuple[float, int, int, int]] = []  # (t_s, running, blocks used, waiting) per step
         self.forward_s = 0.0  # seconds inside model forwards (profiling: the rest of step() is the scheduler's)
-        self._admissions = 0
 
     @property
     def busy(self) -> bool:
@@ -178,8 +176,7 @@ class Scheduler:
             if not self.pool.hold(live.request.id, live.target):
                 return
             self.waiting.popleft()
-            live.cache, live.admitted = self._start_cache(live), self._admissions
-            self._admissions += 1
+            live.cache = self._start_cache(live)
             if live.record.scheduled_s is None:
                 live.record.scheduled_s = self.clock()
             self.running.append(live)
