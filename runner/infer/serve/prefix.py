@@ -1,0 +1,73 @@
+"""Prefix caching by a chained hash of full prompt blocks (nano-vllm's scheme), served by copying.
+
+Block i of a prompt hashes (hash of block i − 1, its block_size token ids), so equal hashes mean equal prefixes
+(the tokens are compared too: no collision is trusted). A request whose prompt is in registers its full prompt
+blocks with itself as owner; a later request whose prompt starts with the same blocks gets a copy of the owner's
+cache cropped to them (`copy_prefix`) and prefills only the rest; `RequestRecord.cached_prompt_tokens` counts them.
+What it does not do: share memory (each request still holds its own blocks: prefix caching here saves prefill
+compute, not KV memory), keep prefixes after their owner finishes or is preempted (owners are running requests
+only), or serve KIVI kinds (their groups and residual depend on how the prompt was fed: `eligible` says so).
+Exact for kinds that store each token alone: the first n tokens' stored K/V depend on those tokens only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from transformers.cache_utils import Cache
+
+from runner.infer.serve.rows import Flushes
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The chained hash of each full block of `tokens`."""
+    hashes, previous = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        previous = hash((previous, tuple(tokens[start:start + block_size])))
+        hashes.append(previous)
+    return hashes
+
+
+def eligible(flushes: Flushes) -> bool:
+    """Whether a kind's prefix can be copied exactly: kinds that store each token alone."""
+    return flushes.every == 1
+
+
+class PrefixIndex:
+    """Full prompt blocks of running requests: chained hash → (owner, its prompt). Owners are opaque objects
+    with a `cache` and `held` tokens (the scheduler's Live)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.owners: dict[int, tuple[Any, tuple[int, ...]]] = {}  # hash → (owner, the owner's prompt)
+
+    def add(self, owner: Any, prompt: tuple[int, ...]) -> None:
+        for h in block_hashes(prompt, self.block_size):
+            self.owners.setdefault(h, (owner, prompt))
+
+    def remove(self, owner: Any) -> None:
+        for h in [h for h, (o, _) in self.owners.items() if o is owner]:
+            del self.owners[h]
+
+    def lookup(self, tokens: Sequence[int], most: int) -> tuple[Any, int]:
+        """The owner of the longest run of `tokens`' leading full blocks, at most `most` tokens → (owner, tokens);
+        (None, 0) when none."""
+        found, length = None, 0
+        for i, h in enumerate(block_hashes(tokens[:most], self.block_size)):
+            entry = self.owners.get(h)
+            end = (i + 1) * self.block_size
+            if entry is None or tuple(tokens[:end]) != entry[1][:end] or entry[0].held < end:
+                break
+            found, length = entry[0], end
+        return found, length
+
+
+def copy_prefix(cache: Cache, held: int, tokens: int) -> Cache:
+    """A copy of `cache` (holding `held` tokens) with only its first `tokens` tokens."""
+    prefix = copy.deepcopy(cache)
+    if tokens < held:
+        for layer in prefix.layers:
+            layer.crop(tokens - held)  # type: ignore[union-attr]  # a negative count removes that many (DynamicLayer and ours alike)
+    return prefix

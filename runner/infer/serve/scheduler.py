@@ -1,0 +1,296 @@
+"""Continuous batching on the eager engine: requests join and leave the batch at token boundaries.
+
+One `Scheduler.step()`, in order:
+    grow   every decoding row gets the block its next token needs; none free → preempt the most recently admitted
+           running request (its blocks freed, back to the front of the waiting queue, recomputed later from its
+           prompt + the tokens it has made; never dropped; `RequestRecord.preemptions` counts it)
+    admit  waiting requests, first come first served, while the blocks for all they must prefill are free
+    decode one batched forward of the decoding rows (serve/rows.py: each row's own cache, its exact K/V)
+    prefill chunks of the admitted requests under the step's token budget (`max_tokens_per_step` − decode rows),
+           in one more forward (rows.feed_rows); a chunk ends where the kind's stored K/V stay those of a solo
+           decode (rows.chunk_end)
+A request finishes on EOS (once `min_new_tokens` are out; before that EOS is an ordinary token, as vLLM's
+ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting queue refuses what does not fit
+(`finish="refused"`); a request whose prompt + max_new_tokens exceeds the whole KV budget is refused at submission
+(`finish="error"`), so a lone request always fits and nothing waits forever.
+
+Exactness: every request's stored K/V are a solo decode's (its own cache, chunks that end where rows.Flushes says),
+so greedy output equals its solo greedy decode up to float reductions over masked columns (near ties only). Seeded
+sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch never changes it.
+Prefix caching (`prefix_caching`, serve/prefix.py) copies a running request's full prompt blocks into a new
+request's cache, so its prefill skips them. What it does not do: no shared physical KV pool (blocks are accounting;
+memory follows real tokens; a prefix hit saves compute, not memory), no CUDA graphs or compiled steps (the compiled
+engine comes later).
+Times come from the injected clock (seconds of the load); `timeline` records (t_s, running, blocks_used, waiting)
+per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+from runner.infer.cache.registry import make_cache
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.decode.forward import eos_ids
+from runner.infer.decode.sampling import next_token
+from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
+from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
+from runner.infer.serve.requests import Request, RequestRecord
+from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches. KV budget: `num_blocks`, else `kv_budget_bytes` (→ blocks by the kind's
+    estimator), else unbounded."""
+
+    cache_kind: str | None = None  # None: the model's dtype
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None
+    kv_budget_bytes: int | None = None
+    max_tokens_per_step: int = 256  # decode rows + prefill tokens per step
+    max_running: int = 64  # most requests in the running batch (vLLM's max_num_seqs)
+    max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
+    prefix_caching: bool = False  # copy running requests' shared prompt blocks (serve/prefix.py; not KIVI)
+    sampling: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0))  # temperature, top-k/p,
+    # penalties, eos_token_id, stop_strings, max_seq_len, seed; max_new_tokens comes from each Request
+
+
+def request_seed(seed: int | None, request_id: int) -> int:
+    """The seed of one request's own torch.Generator: from the run's seed and the request id only."""
+    return ((seed or 0) * 1_000_003 + request_id) % 2**63
+
+
+@dataclass
+class Live:
+    """A request the scheduler holds (waiting or running) and its decode state."""
+
+    request: Request
+    record: RequestRecord
+    rng: torch.Generator
+    cache: Cache | None = None  # its own cache, while running
+    held: int = 0  # tokens in its cache
+
+    @property
+    def sequence(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.record.output_ids]
+
+    @property
+    def target(self) -> int:
+        """Tokens to prefill before it decodes: the prompt, or after a preemption prompt + outputs but the last (the
+        last output is fed by the next decode step, as in a solo decode)."""
+        return len(self.request.prompt_ids) + max(len(self.record.output_ids) - 1, 0)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.record.output_ids) and self.held == self.target
+
+
+class Scheduler:
+    """Waiting and running queues over one model. `submit` at arrival, `step` while `busy`; `records` at the end."""
+
+    def __init__(self, model, config: SchedulerConfig | None = None, clock: Clock | None = None, tokenizer=None):
+        self.config = config or SchedulerConfig()
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.clock: Clock = clock or _zero
+        self.tokenizer = tokenizer
+        if self.config.sampling.stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: Scheduler(..., tokenizer=tok)")
+        self.eos = eos_ids(model, self.config.sampling.eos_token_id)
+        probe = make_cache(self.config.cache_kind, model)
+        if reason := rows_reason(probe):
+            raise ValueError(f"cache kind {self.config.cache_kind!r} cannot be scheduled: {reason}")
+        self.flushes = Flushes.of(probe)
+        spec = block_spec(model.config, self.config.cache_kind, self.config.block_size, model.dtype)
+        total = (self.config.num_blocks if self.config.num_blocks is not None
+                 else blocks_in(self.config.kv_budget_bytes, spec) if self.config.kv_budget_bytes is not None
+                 else 2**62)
+        self.pool = BlockPool(spec, total)
+        caching = self.config.prefix_caching and eligible(self.flushes)
+        if self.config.prefix_caching and not caching:
+            log.warning("prefix caching is off for %s: its stored K/V depend on how the prompt was fed",
+                        self.config.cache_kind)
+        self.prefixes = PrefixIndex(self.config.block_size) if caching else None
+        self.waiting: deque[Live] = deque()
+        self.running: list[Live] = []  # in admission order: the last is preempted first
+        self.records: dict[int, RequestRecord] = {}
+        self.timeline: list[tuple[float, int, int, int]] = []  # (t_s, running, blocks used, waiting) per step
+        self.forward_s = 0.0  # seconds inside model forwards (profiling: the rest of step() is the scheduler's)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, request: Request) -> RequestRecord:
+        """A request arrives: it waits, or is refused (queue full; or longer than the whole KV budget)."""
+        record = RequestRecord(request.id, request.arrival_s, len(request.prompt_ids))
+        self.records[request.id] = record
+        need = self.pool.spec.blocks_for(len(request.prompt_ids) + request.max_new_tokens)
+        if need > self.pool.total:
+            record.finish, record.error = "error", f"needs {need} KV blocks, the budget has {self.pool.total}"
+        elif self.config.max_queue is not None and len(self.waiting) >= self.config.max_queue:
+            record.finish, record.error = "refused", f"waiting queue full ({self.config.max_queue})"
+        else:
+            rng = torch.Generator(self.device).manual_seed(request_seed(self.config.sampling.seed, request.id))
+            self.waiting.append(Live(request, record, rng))
+        return record
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Grow, admit, one batched decode, prefill chunks under the token budget."""
+        self._grow()
+        self._admit()
+        rows = [live for live in self.running if live.decoding]
+        if rows:
+            self._decode(rows)
+        self._prefill(self.config.max_tokens_per_step - len(rows))
+        self.timeline.append((self.clock(), len(self.running), self.pool.used, len(self.waiting)))
+
+    def _grow(self) -> None:
+        """Every decoding row's next token gets its block; preempt the latest admitted while one is missing."""
+        for live in [x for x in self.running if x.decoding]:
+            while live in self.running and not self.pool.hold(live.request.id, live.held + 1):
+                self._preempt(self.running[-1])
+
+    def _preempt(self, live: Live) -> None:
+        log.debug("preempting request %d (%d tokens held)", live.request.id, live.held)
+        self._leave(live)
+        live.held = 0
+        live.record.preemptions += 1
+        self.waiting.appendleft(live)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            live = self.waiting[0]
+            if not self.pool.hold(live.request.id, live.target):
+                return
+            self.waiting.popleft()
+            live.cache = self._start_cache(live)
+            if live.record.scheduled_s is None:
+                live.record.scheduled_s = self.clock()
+            self.running.append(live)
+
+    def _start_cache(self, live: Live) -> Cache:
+        """An admitted request's own cache: empty, or a copy of a running request's shared prompt blocks (at
+        least one token is left to prefill: its logits give the next token). Sets `live.held`."""
+        live.held = 0
+        if self.prefixes is not None:
+            owner, tokens = self.prefixes.lookup(live.sequence, live.target - 1)
+            if owner is not None:
+                live.held = tokens
+                live.record.cached_prompt_tokens += tokens
+                return copy_prefix(owner.cache, owner.held, tokens)
+        return make_cache(self.config.cache_kind, self.model)
+
+    def _decode(self, rows: list[Live]) -> None:
+        """One forward of every decoding row: each feeds its last output token."""
+        self._forward(rows, [[live.record.output_ids[-1]] for live in rows], [True] * len(rows))
+
+    def _prefill(self, budget: int) -> None:
+        """Chunks of the prefilling requests, in admission order, while the budget lasts, in one forward (the
+        step's first chunk may go over the budget when no exact end fits in it, KIVI's flush alignment: never a
+        stall)."""
+        rows: list[Live] = []
+        chunks: list[list[int]] = []
+        for live in [x for x in self.running if not x.decoding]:
+            if budget <= 0:
+                break
+            prompt = len(live.request.prompt_ids)
+            end, fits = chunk_end(live.held, live.held + budget, live.target, prompt, self.flushes)
+            if not (fits or not rows):
+                break
+            rows.append(live)
+            chunks.append(live.sequence[live.held:end])
+            budget -= end - live.held
+        if rows:  # a row whose prompt is now in samples its first token; a recomputed one goes on decoding
+            self._forward(rows, chunks, [live.held + len(c) == live.target and not live.record.output_ids
+                                         for live, c in zip(rows, chunks)])
+
+    def _forward(self, rows: list[Live], chunks: list[list[int]], sampled: list[bool]) -> None:
+        """One forward of `rows`, each feeding its chunk; the rows marked `sampled` choose and emit a token."""
+        start = self.clock()
+        caches = [live.cache for live in rows]
+        logits = feed_rows(self.model, chunks, caches, [live.held for live in rows])  # type: ignore[arg-type]
+        for live, chunk in zip(rows, chunks):
+            live.held += len(chunk)
+        picked = [r for r, s in enumerate(sampled) if s]
+        chosen = self._choose([rows[r] for r in picked], logits[picked]) if picked else []  # syncs (tolist)
+        self.forward_s += self.clock() - start
+        now = self.clock()
+        for r, token in zip(picked, chosen):
+            self._emit(rows[r], token, now)
+
+    def _choose(self, rows: list[Live], logits: torch.Tensor) -> list[int]:
+        """[B,V] logits → each row's next token: greedy as one argmax; sampling from each row's own generator."""
+        cfg = self.config.sampling
+        if cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.no_repeat_ngram_size:
+            return logits.argmax(-1).tolist()
+        chosen = []
+        for r, live in enumerate(rows):
+            seen = torch.tensor([live.sequence], device=self.device)  # [1,n] penalties read it
+            chosen.append(int(next_token(logits[r:r + 1], seen, cfg, live.rng)[0]))
+        return chosen
+
+    def _emit(self, live: Live, token: int, now: float) -> None:
+        record, request = live.record, live.request
+        record.output_ids.append(token)
+        record.token_s.append(now)
+        n = len(record.output_ids)
+        finish = ("eos" if token in self.eos and n >= request.min_new_tokens
+                  else "stop" if self._hit_stop_string(live)
+                  else "length" if n >= request.max_new_tokens
+                  or len(request.prompt_ids) + n >= self.config.sampling.max_seq_len else "")
+        if finish:
+            record.finish = finish
+            self._leave(live)
+        elif n == 1 and self.prefixes is not None:  # its prompt is in: later requests may copy its blocks
+            self.prefixes.add(live, request.prompt_ids)
+
+    def _leave(self, live: Live) -> None:
+        """Out of the running batch: its blocks and cache go, and its prompt blocks stop being offered."""
+        self.running.remove(live)
+        self.pool.release(live.request.id)
+        live.cache = None
+        if self.prefixes is not None:
+            self.prefixes.remove(live)
+
+    def _hit_stop_string(self, live: Live) -> bool:
+        """The Generator's rule: a stop string in the decoded tail of this request's new tokens."""
+        stops = self.config.sampling.stop_strings
+        if not stops:
+            return False
+        tail = max(len(s) for s in stops) + 8  # tokens: enough to hold the longest stop string
+        text = self.tokenizer.decode(live.record.output_ids[-tail:], skip_special_tokens=False)
+        return any(s in text for s in stops)
+
+
+def _zero() -> float:
+    return 0.0
+
+
+def serve(scheduler: Scheduler, requests: Iterable[Request], clock: Clock,
+          sleep: Callable[[float], None]) -> list[RequestRecord]:
+    """Release each request at its `arrival_s` (on `clock`, seconds of the load; `sleep` while idle until the next
+    one) and step the scheduler until every request has finished → the records, in request order."""
+    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+    order = [r.id for r in pending]
+    while pending or scheduler.busy:
+        now = clock()
+        while pending and pending[0].arrival_s <= now:
+            scheduler.submit(pending.popleft())
+        if scheduler.busy:
+            scheduler.step()
+        elif pending:
+            sleep(pending[0].arrival_s - now)
+    return [scheduler.records[i] for i in order]
