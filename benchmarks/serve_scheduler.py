@@ -31,9 +31,10 @@ from runner.infer.cache.registry import make_cache  # noqa: E402
 from runner.infer.decode.forward import DecodeState  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.measure.timing import percentile, time_interleaved  # noqa: E402
+from runner.infer.serve.driver import drive  # noqa: E402
 from runner.infer.serve.requests import Request  # noqa: E402
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, serve  # noqa: E402
-from runner.infer.serve.static import serve_static  # noqa: E402
+from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runner.infer.serve.static import StaticBatcher  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -107,12 +108,10 @@ def throughput(model, requests: list[Request], repeats: int, max_running: int, m
             def clock() -> float:
                 return time.perf_counter() - start
 
-            if name == "continuous":
-                scheduler = Scheduler(model, SchedulerConfig(cache_kind=kind, max_running=max_running), clock=clock)
-                records = serve(scheduler, requests, clock, time.sleep)
-            else:
-                records = serve_static(model, requests, clock, time.sleep, max_batch_size=max_running,
-                                       max_wait_ms=max_wait_ms)
+            server = (Scheduler(model, SchedulerConfig(cache_kind=kind, max_running=max_running))
+                      if name == "continuous" else
+                      StaticBatcher(model, max_batch_size=max_running, max_wait_ms=max_wait_ms))
+            records = drive(server, requests, clock, time.sleep)
             tick()
             outputs[name] = [r.output_ids for r in records]
             latency[name].append([(r.token_s[0] - r.arrival_s, r.token_s[-1] - r.arrival_s) for r in records])

@@ -148,7 +148,7 @@ class MlflowMirror(Tracker):
             self.experiment_id = found.experiment_id if found else self.client.create_experiment(
                 experiment, artifact_location=location)
 
-    def start(self, name: str, tags: dict, parent: str | None = None) -> str:
+    def start(self, name: str, tags: dict, parent: str | None = None) -> str | None:
         """A new run, nested under `parent` (a run id) when given."""
         if parent:
             tags = {**tags, "mlflow.parentRunId": parent}

@@ -18,7 +18,7 @@ from runner.errors import StepError
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
-from runner.infer.serve.driver import drive
+from runner.infer.serve.driver import drive, load_clock
 from runner.infer.serve.load import LoadSpec, build_load
 from runner.infer.serve.metrics import max_rate_meeting, point_meets, summarize
 from runner.infer.serve.prompts import prompt_lines
@@ -35,6 +35,7 @@ from runner.steps.shared import step_block
 
 log = logging.getLogger(__name__)
 MIB = 2**20
+DEFAULT_TRANSFORMERS_BLOCKS = 4096  # its paged cache needs a size: with no KV budget given, room for 4096 blocks
 HEADLINE = ("output_throughput_tok_per_s", "request_throughput_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
             "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used")
@@ -45,8 +46,8 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     text = load_text(text_source(block.data, base_dir)).text
     prompts = _prompts_file(block, base_dir)
     sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=_max_seq_len(lm))
-    systems = [("ours", kind) for kind in block.cache_kinds or [None]]
-    systems += [(name, kind) for name in block.baselines for kind in block.cache_kinds or [None]]
+    kinds: list[str | None] = list(block.cache_kinds) if block.cache_kinds else [None]  # None: the model dtype
+    systems = [(name, kind) for name in ("ours", *block.baselines) for kind in kinds]
     specs = block.load_specs()
     points, requests, timelines = [], [], []
     bar = progress(step.key, len(specs) * len(systems) * _count(specs[0]), "request")
@@ -59,13 +60,11 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                 log.info("[%s] %s: not run: %s", step.key, label, reason)
                 bar.update(_count(spec), note=f"{label} not run")
                 continue
-            server = _server(system, kind, lm, block, sampling)
             warm = build_load(spec, lm.tokenizer, text, prompts, warmup=True)
-            if warm.requests:
-                drive(server, warm, _load_clock(), time.sleep)  # warm-up: its own requests, outside the clock
-                server = _server(system, kind, lm, block, sampling)
-            load = build_load(spec, lm.tokenizer, text, prompts)
-            records = drive(server, load, _load_clock(), time.sleep, on_finish=lambda _r: bar.update(1))
+            if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
+                _serve(_server(system, kind, lm, block, sampling), warm)
+            server = _server(system, kind, lm, block, sampling)
+            records = _serve(server, build_load(spec, lm.tokenizer, text, prompts), lambda _r: bar.update(1))
             timeline = getattr(server, "timeline", [])
             summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
             summary |= _occupancy(timeline)
@@ -92,6 +91,15 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             "metrics": _metrics(table, best), "params": {"serve.points": len(points)}}
 
 
+def _serve(server, load, on_finish=None) -> list[RequestRecord]:
+    """`load` on `server`, on a clock of its own; a server with threads of its own (transformers') is closed."""
+    try:
+        return drive(server, load, load_clock(), time.sleep, on_finish=on_finish)
+    finally:
+        if hasattr(server, "close"):
+            server.close()
+
+
 def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig):
     budget = int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None
     if system == "ours":
@@ -102,8 +110,10 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
     if system == "static":
         return StaticBatcher(lm.model, max_batch_size=block.max_batch_size, max_wait_ms=block.max_wait_ms,
                              sampling=sampling.model_copy(update={"cache_kind": kind}))
+    blocks = block.kv_blocks or (None if budget is not None else DEFAULT_TRANSFORMERS_BLOCKS)
     return TransformersServer(lm.model, max_batch_size=block.max_batch_size, block_size=block.block_size,
-                              kv_budget_bytes=budget, num_blocks=block.kv_blocks)
+                              num_blocks=blocks, kv_budget_mb=block.kv_budget_mib if blocks is None else None,
+                              seed=sampling.seed or 0)
 
 
 def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -> str:
@@ -111,12 +121,6 @@ def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -
     if system == "transformers":
         return transformers_cb_reason(lm.model, kind)
     return ""
-
-
-def _load_clock():
-    """Seconds since this load started, on the monotonic clock."""
-    start = time.perf_counter()
-    return lambda: time.perf_counter() - start
 
 
 def _prompts_file(block: ServeBlock, base_dir: Path) -> list[str] | None:

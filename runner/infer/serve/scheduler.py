@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -277,20 +277,3 @@ class Scheduler:
 
 def _zero() -> float:
     return 0.0
-
-
-def serve(scheduler: Scheduler, requests: Iterable[Request], clock: Clock,
-          sleep: Callable[[float], None]) -> list[RequestRecord]:
-    """Release each request at its `arrival_s` (on `clock`, seconds of the load; `sleep` while idle until the next
-    one) and step the scheduler until every request has finished → the records, in request order."""
-    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
-    order = [r.id for r in pending]
-    while pending or scheduler.busy:
-        now = clock()
-        while pending and pending[0].arrival_s <= now:
-            scheduler.submit(pending.popleft())
-        if scheduler.busy:
-            scheduler.step()
-        elif pending:
-            sleep(pending[0].arrival_s - now)
-    return [scheduler.records[i] for i in order]

@@ -10,7 +10,7 @@ exactly as the continuous scheduler's do. Greedy rows equal their solo decode up
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -20,27 +20,43 @@ from runner.infer.generation.generator import Generator
 from runner.infer.serve.requests import Request, RequestRecord
 
 
-def serve_static(model, requests: Iterable[Request], clock: Callable[[], float], sleep: Callable[[float], None],
-                 max_batch_size: int = 8, max_wait_ms: float = 50.0,
-                 sampling: GenerateConfig | None = None) -> list[RequestRecord]:
-    """Release each request at its `arrival_s`, decode fixed batches as they fill → the records, in request order."""
-    sampling = sampling or GenerateConfig(temperature=0.0)
-    eos = eos_ids(model, sampling.eos_token_id)
-    requests = list(requests)
-    records = {r.id: RequestRecord(r.id, r.arrival_s, len(r.prompt_ids)) for r in requests}
-    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
-    queue: deque[Request] = deque()
-    while pending or queue:
-        now = clock()
-        while pending and pending[0].arrival_s <= now:
-            queue.append(pending.popleft())
-        due = queue[0].arrival_s + max_wait_ms / 1000 if queue else float("inf")
-        if len(queue) >= max_batch_size or (queue and now >= due):
-            batch = [queue.popleft() for _ in range(min(max_batch_size, len(queue)))]
-            _decode_batch(model, batch, [records[r.id] for r in batch], sampling, eos, clock)
-        else:
-            sleep(max(0.0, min(due, pending[0].arrival_s if pending else due) - now))
-    return list(records.values())
+class StaticBatcher:
+    """The static-batching baseline as a Server for runner.infer.serve.driver.drive: `submit` queues a request,
+    `step` decodes one whole batch once it is due (full, or its oldest request waited `max_wait_ms`), `wake_s` says
+    when a batch that is filling falls due. Requests that arrive during a batch wait for the next one."""
+
+    def __init__(self, model, max_batch_size: int = 8, max_wait_ms: float = 50.0,
+                 sampling: GenerateConfig | None = None):
+        self.model, self.max_batch_size, self.max_wait_s = model, max_batch_size, max_wait_ms / 1000
+        self.sampling = sampling or GenerateConfig(temperature=0.0)
+        self.eos = eos_ids(model, self.sampling.eos_token_id)
+        self.clock: Callable[[], float] = _zero  # drive sets the load's
+        self.queue: deque[tuple[Request, RequestRecord]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    @property
+    def wake_s(self) -> float | None:
+        """When the waiting batch falls due; None when it is due now (full)."""
+        if len(self.queue) >= self.max_batch_size or not self.queue:
+            return None
+        return self.queue[0][0].arrival_s + self.max_wait_s
+
+    def submit(self, request: Request) -> RequestRecord:
+        record = RequestRecord(request.id, request.arrival_s, len(request.prompt_ids))
+        self.queue.append((request, record))
+        return record
+
+    def step(self) -> None:
+        taken = [self.queue.popleft() for _ in range(min(self.max_batch_size, len(self.queue)))]
+        _decode_batch(self.model, [r for r, _ in taken], [rec for _, rec in taken], self.sampling, self.eos,
+                      self.clock)
+
+
+def _zero() -> float:
+    return 0.0
 
 
 def _decode_batch(model, batch: list[Request], records: list[RequestRecord], sampling: GenerateConfig,

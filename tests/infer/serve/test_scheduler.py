@@ -10,10 +10,11 @@ from runner.infer.cache.layers import cache_bytes
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
+from runner.infer.serve.driver import drive
 from runner.infer.serve.requests import Request
 from runner.infer.serve.rows import Flushes, chunk_end
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, request_seed, serve
-from runner.infer.serve.static import serve_static
+from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, request_seed
+from runner.infer.serve.static import StaticBatcher
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny batch-1 forwards: extra threads only contend
 
@@ -58,7 +59,7 @@ def _solo(model, request: Request, kind: str | None, **settings) -> list[int]:
 def _run(model, requests, tokenizer=None, **config) -> tuple[Scheduler, list]:
     clock = FakeClock()
     scheduler = Scheduler(model, SchedulerConfig(**config), clock=clock, tokenizer=tokenizer)
-    return scheduler, serve(scheduler, requests, clock, clock.sleep)
+    return scheduler, drive(scheduler, requests, clock, clock.sleep)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -193,7 +194,7 @@ def block_spec_for_test():
 def test_static_baseline_decodes_fixed_batches(tiny_lm):
     model, requests = tiny_lm.model, _load(n=5, gap_s=0.02)
     clock = FakeClock()
-    records = serve_static(model, requests, clock, clock.sleep, max_batch_size=2, max_wait_ms=30)
+    records = drive(StaticBatcher(model, max_batch_size=2, max_wait_ms=30), requests, clock, clock.sleep)
     assert [r.id for r in records] == [r.id for r in requests]
     assert [r.output_ids for r in records] == [_solo(model, r, None, temperature=0) for r in requests]
     starts = sorted({r.scheduled_s for r in records})
