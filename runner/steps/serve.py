@@ -196,6 +196,12 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
             if row["system"] == "ours" and len(other) and other.iloc[0]["output_throughput_tok_per_s"] > 0:
                 out[f"{name}.ratio_{baseline}_throughput"] = (row["output_throughput_tok_per_s"]
                                                             / other.iloc[0]["output_throughput_tok_per_s"])
+    ours = ok[ok["system"] == "ours"] if len(ok) else ok
+    if len(ours):  # headline figures `run results` shows by default
+        out["max_output_throughput_tok_per_s"] = float(ours["output_throughput_tok_per_s"].max())
+    ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]
+    if ratios:
+        out["median_ratio_static_throughput"] = float(pd.Series(ratios).median())
     for (system, kind), rate in best.items():
         if rate is not None:
             out[f"{_name(system, kind)}.max_rate_meeting_slo"] = float(rate)

@@ -73,7 +73,10 @@ def test_results_plots_and_the_slo_verdict_are_left(serve_run):
     results = json.loads((step / "results.json").read_text())
     assert results["max_rate_meeting_slo"]["ours/fp32"] == 200  # a one-minute SLO: every point meets it
     assert results["metrics"]["ours_fp32_x20.completed"] == 6
-    assert "ours_fp32_x20.ratio_static_throughput" in results["metrics"]
+    metrics = results["metrics"]
+    assert "ours_fp32_x20.ratio_static_throughput" in metrics
+    best = max(v for k, v in metrics.items() if k.startswith("ours_") and k.endswith(".output_throughput_tok_per_s"))
+    assert metrics["max_output_throughput_tok_per_s"] == best
     for name in ("latency_vs_rate.png", "throughput_vs_rate.png", "goodput_vs_rate.png",
                  "latency_distributions.png", "kv_blocks_over_time.png"):
         assert (step / name).stat().st_size > 1000, name
