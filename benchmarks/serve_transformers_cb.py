@@ -97,7 +97,7 @@ def main() -> None:
     total = args.requests * args.new_tokens
     timed = served[1:]  # the first was the warm-up
     points = [summarize(records) for records in timed]
-    cb_rates = [p["output_throughput_tok_per_s"] for p in points]
+    cb_rates = [p["output_tokens_per_s"] for p in points]
     ours_rates = [total / m[-1] for m in marks["ours"]]
     wall_rates = [total / m[-1] for m in marks["hf_cb"]]
     by_id = [{r.id: r.output_ids for r in records} for records in timed]

@@ -22,7 +22,7 @@ import pandas as pd
 from runner.errors import RunnerError
 
 DEFAULT_COLUMNS = ("tokens_per_s", "median_ratio_tokens_per_s", "speedup", "acceptance_rate", "cache_kind.chosen",
-                   "max_output_throughput_tok_per_s", "median_ratio_static_throughput")
+                   "max_output_tokens_per_s", "median_ratio_static_throughput")
 HIGHER_IS_BETTER = ("tok_s", "tokens_per_s", "speedup", "acceptance", "bw_fraction", "bandwidth", "top1")
 LOWER_IS_BETTER = ("_ms", "_s", "mib", "_mb", "bytes", "nll", "kl", "ppl", "failed")
 

@@ -36,7 +36,7 @@ from runner.steps.shared import step_block
 log = logging.getLogger(__name__)
 MIB = 2**20
 DEFAULT_TRANSFORMERS_BLOCKS = 4096  # its paged cache needs a size: with no KV budget given, room for 4096 blocks
-HEADLINE = ("output_throughput_tok_per_s", "request_throughput_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
+HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
             "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used")
 
@@ -75,7 +75,7 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             requests += [_request_row(point, r) for r in records]
             timelines += [{**_point_keys(system, kind, spec), "t_s": t, "running": run, "blocks_used": used,
                            "waiting": wait} for t, run, used, wait in timeline]
-            bar.update(0, note=f"{label}: {summary['output_throughput_tok_per_s']:.1f} tok/s")
+            bar.update(0, note=f"{label}: {summary['output_tokens_per_s']:.1f} tok/s")
             write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
     bar.close()
     table = pd.DataFrame(points)
@@ -193,12 +193,12 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
         out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if _number(row.get(k))}
         for baseline in ("static", "transformers"):
             other = ok[(ok["system"] == baseline) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
-            if row["system"] == "ours" and len(other) and other.iloc[0]["output_throughput_tok_per_s"] > 0:
-                out[f"{name}.ratio_{baseline}_throughput"] = (row["output_throughput_tok_per_s"]
-                                                            / other.iloc[0]["output_throughput_tok_per_s"])
+            if row["system"] == "ours" and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
+                out[f"{name}.ratio_{baseline}_throughput"] = (row["output_tokens_per_s"]
+                                                            / other.iloc[0]["output_tokens_per_s"])
     ours = ok[ok["system"] == "ours"] if len(ok) else ok
     if len(ours):  # headline figures `run results` shows by default
-        out["max_output_throughput_tok_per_s"] = float(ours["output_throughput_tok_per_s"].max())
+        out["max_output_tokens_per_s"] = float(ours["output_tokens_per_s"].max())
     ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]
     if ratios:
         out["median_ratio_static_throughput"] = float(pd.Series(ratios).median())

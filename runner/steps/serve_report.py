@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-POINT_COLUMNS = ["system", "cache_kind", "x", "status", "completed", "refused", "errors", "output_throughput_tok_per_s",
-                 "request_throughput_per_s", "goodput_per_s", "meets_slo", "p50_ttft_ms", "p90_ttft_ms",
+POINT_COLUMNS = ["system", "cache_kind", "x", "status", "completed", "refused", "errors", "output_tokens_per_s",
+                 "requests_per_s", "goodput_per_s", "meets_slo", "p50_ttft_ms", "p90_ttft_ms",
                  "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "mean_running",
                  "peak_running", "peak_blocks_used", "preemptions"]
 
@@ -46,7 +46,7 @@ def plot_all(out_dir: Path, points: pd.DataFrame, requests: pd.DataFrame, timeli
         return
     _against_x(ok, out_dir / "latency_vs_rate.png", [f"p{q}_{m}_ms" for m in ("ttft", "tpot") for q in (50, 90, 99)],
                "latency (ms)")
-    _against_x(ok, out_dir / "throughput_vs_rate.png", ["output_throughput_tok_per_s"], "output tokens/s")
+    _against_x(ok, out_dir / "throughput_vs_rate.png", ["output_tokens_per_s"], "output tokens/s")
     if "goodput_per_s" in ok:
         _against_x(ok, out_dir / "goodput_vs_rate.png", ["goodput_per_s"], "goodput (requests/s meeting the SLO)")
     if len(requests):

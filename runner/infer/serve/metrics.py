@@ -109,8 +109,8 @@ def summarize(records: Sequence[RequestRecord], percentiles: Iterable[float] = P
         "preemptions": sum(r.preemptions for r in records),
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in records),
     }
-    out["request_throughput_per_s"] = out["completed"] / span if span > 0 else math.nan
-    out["output_throughput_tok_per_s"] = out["output_tokens"] / span if span > 0 else math.nan
+    out["requests_per_s"] = out["completed"] / span if span > 0 else math.nan
+    out["output_tokens_per_s"] = out["output_tokens"] / span if span > 0 else math.nan
     if slo is not None:
         out["good_requests"] = sum(meets(lat, slo) for lat in lats)
         out["goodput_per_s"] = out["good_requests"] / span if span > 0 else math.nan

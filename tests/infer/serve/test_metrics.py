@@ -42,8 +42,8 @@ def test_a_points_metrics_on_the_hand_made_trace():
     # span: first arrival 0.0 → last finish max(A 1.1, B 0.5, C 1.5, D 1.0, E 1.2) = 1.5 s
     assert s["duration_s"] == 1.5
     # throughput: 3 completed / 1.5 s = 2.0 req/s; output tokens 4 + 2 + 1 = 7 / 1.5 s = 4.667 tok/s
-    assert s["request_throughput_per_s"] == pytest.approx(2.0)
-    assert s["output_tokens"] == 7 and s["output_throughput_tok_per_s"] == pytest.approx(7 / 1.5)
+    assert s["requests_per_s"] == pytest.approx(2.0)
+    assert s["output_tokens"] == 7 and s["output_tokens_per_s"] == pytest.approx(7 / 1.5)
     # TTFT ms sorted [200, 500, 1000]: mean 566.67; p50 rank 1 → 500; p90 rank 1.8 → 500 + 0.8 × 500 = 900;
     # p99 rank 1.98 → 500 + 0.98 × 500 = 990
     assert s["mean_ttft_ms"] == pytest.approx(1700 / 3)
