@@ -8,9 +8,10 @@ RoPE are those of a solo decode. A running request holds columns [c − held, c)
              a static cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored
              format; they are copied into its row ending at column c. A row whose prefix does not fit left of c
              moves every row right first (rebase).
-    rebase   when c reaches S, or a joining prompt is longer than c: every row's columns roll (in place, the cache
-             keeps its address: CUDA graphs) so that all rows end at W = the longest row; columns left of a row's
-             tokens are masked holes.
+    rebase   when c reaches S, or a joining prompt is longer than c, or c ≥ 2·W + SLACK (W = the longest row: on
+             CPU attention reads columns [0, c], so holes cost time): the columns [c − W, c) move (in place, the
+             cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
+             columns left of a row's tokens are masked holes.
 So the load runs one compiled shape, compiled during warm-up (`CompiledSlots.__init__`, before the clock starts):
 `recompiles` counts graphs dynamo made after that (should stay 0), `compile_s` is the warm-up's compile time.
 
@@ -22,7 +23,7 @@ quantize each column alone, so where a column lies changes nothing).
 What it does not do: KIVI (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the step it
 is admitted in, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt), compiled prefill,
 prefix caching, requests longer than S (refused at submission), several length buckets (a longer S is another
-server). A rebase copies the whole cache (O(B·S) per layer); with S well above the longest request it is rare.
+server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from runner.infer.serve.scheduler import Clock, Live, Scheduler, SchedulerConfig
 log = logging.getLogger(__name__)
 
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
+SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
 
 
 def compiled_serve_reason(kind: str | None) -> str:
@@ -142,8 +144,9 @@ class CompiledSlots(Scheduler):
         """One compiled step: every placed row feeds its last output token at column c; free rows feed a masked pad
         (they attend only to themselves)."""
         start = self.clock()
-        if self.pointer == self.columns:
-            self._rebase(max(live.held for live in rows))
+        width = max(live.held for live in rows)
+        if self.pointer == self.columns or self.pointer >= 2 * width + SLACK:  # full, or mostly holes
+            self._rebase(width)
         c = self.pointer
         ids = torch.zeros(self.slots, 1, dtype=torch.long)  # [B,1]
         positions = torch.zeros_like(ids)  # [B,1]
@@ -186,20 +189,23 @@ class CompiledSlots(Scheduler):
         return logits[0]
 
     def _rebase(self, width: int) -> None:
-        """Roll every row so the placed rows end at column `width` (the pointer's new place), in place."""
+        """Move the columns every placed row holds, [c − W, c) with W the longest row, to [width − W, width): the
+        pointer's new place. In place (the cache keeps its address); O(B·W) per layer; columns outside are holes."""
         shift = width - self.pointer
         if shift == 0:
             return
         if width >= self.columns:
             raise RuntimeError(f"no room to rebase to {width} of {self.columns} columns")  # submit refuses these
-        log.debug("rebase: pointer %d → %d", self.pointer, width)
-        for layer in self.cache.static_layers:
-            for t in layer.tensors():  # [B,H,S,...]
-                t.copy_(t.roll(shift, 2))
+        placed = [live for live in self.running if live.request.id in self.placed]
+        held = max([live.held for live in placed], default=0)
+        log.debug("rebase: pointer %d → %d (%d columns moved)", self.pointer, width, held)
+        if held:
+            source, into = slice(self.pointer - held, self.pointer), slice(width - held, width)
+            for layer in self.cache.static_layers:
+                for t in layer.tensors():  # [B,H,S,...]
+                    t[:, :, into] = t[:, :, source].clone()
         self.mask.zero_()
-        for live in self.running:
-            if live.request.id in self.placed:
-                self.mask[self.slot_of[live.request.id], width - live.held:width] = 1
+        for live in placed:
+            self.mask[self.slot_of[live.request.id], width - live.held:width] = 1
         self.pointer = width
         self.rebases += 1
-

@@ -120,3 +120,13 @@ def test_a_compiled_load_equals_solo_decodes_and_never_recompiles(tiny_lm, monke
     server, records = _run(tiny_lm.model, requests, engine, cache_kind="q8_0", max_running=4)
     assert [r.output_ids for r in records] == solo
     assert server.compiles >= 1 and server.compile_s > 0 and server.recompiles == 0 and server.rebases > 0
+
+
+def test_a_roomy_cache_rebases_before_it_is_full_and_still_equals_solo_decodes(tiny_lm, static_engine):
+    """S = 512 and rows of at most 64 tokens: the pointer moves back whenever it passes 2·W + SLACK, so attention
+    never reads mostly holes."""
+    requests = _load(6, seed=2)
+    solo = [_solo(tiny_lm.model, r, "fp32") for r in requests]
+    server, records = _run(tiny_lm.model, requests, static_engine, columns=512, cache_kind="fp32", max_running=4)
+    assert [r.output_ids for r in records] == solo
+    assert server.rebases > 0 and server.pointer < 2 * 64 + 64
