@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--kind", default=None, help="cache kind (default: the model's dtype)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="max_running values")
     parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-output", type=int, default=64, help="outputs draw 8..this many tokens")
     parser.add_argument("--columns", type=int, default=256, help="S: the compiled cache's columns")
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per s of the second load")
     parser.add_argument("--repeats", type=int, default=3)
@@ -97,13 +98,14 @@ def main() -> None:
     model = lm.model
     print(f"model={args.model} dtype={args.dtype} kind={args.kind} device={args.device} "
           f"threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}")
-    print(f"{args.requests} requests, prompts 8-96, outputs 8-64 tokens (exact), S={args.columns}; output tok/s "
-          f"(median of {args.repeats})")
+    print(f"{args.requests} requests, prompts 8-96, outputs 8-{args.max_output} tokens (exact), S={args.columns}; "
+          f"output tok/s (median of {args.repeats})")
     print(f"{'batch':>5} {'arrivals':>12} {'eager':>8} {'compiled':>9} {'ratio':>6} {'compile s':>9} "
           f"{'graphs':>6} {'recompiles':>10} {'same':>5}")
     for batch in args.batch:
         for rate in (0.0, args.rate):
-            requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, 64), seed=1, rate=rate)
+            requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, args.max_output), seed=1,
+                                 rate=rate)
             r = compare(model, requests, batch, args.columns, args.repeats, args.kind)
             arrivals = f"Poisson {rate:g}/s" if rate else "all at t=0"
             print(f"{batch:>5} {arrivals:>12} {r['eager']:8.1f} {r['compiled']:9.1f} "

@@ -35,7 +35,7 @@ import torch
 from runner.infer.cache.static.cache import make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.compiled.state import StaticDecodeState
-from runner.infer.config.kinds import parse_kind
+from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.scheduler import Clock, Live, Scheduler, SchedulerConfig
 
@@ -43,17 +43,6 @@ log = logging.getLogger(__name__)
 
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
 SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
-
-
-def compiled_serve_reason(kind: str | None) -> str:
-    """Why `kind` cannot be served by CompiledSlots, or "" when it can."""
-    options = parse_kind(kind)
-    if options is not None and options.family == "kivi":
-        return ("KIVI codes keys per channel over groups of columns and keeps its residual in a ring indexed by "
-                "column, so what a row stores depends on the columns it lies in and when their blocks complete; the "
-                "slots' rows share one column pointer, join at any column and move on a rebase, so a row's groups "
-                "would not be its solo decode's (the eager scheduler serves KIVI)")
-    return ""
 
 
 class CompiledSlots(Scheduler):

@@ -9,9 +9,10 @@ import torch
 from runner.infer.compiled import engine as compiled
 from runner.infer.compiled.engine import CompiledEngine
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.generation.generator import Generator
 from runner.infer.serve.blocks import block_spec
-from runner.infer.serve.compiled_slots import CompiledSlots, compiled_serve_reason
+from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive
 from runner.infer.serve.requests import Request
 
