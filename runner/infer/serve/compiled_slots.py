@@ -3,7 +3,8 @@
 The cache has B = batch_bucket(max_running) rows and S = `columns` columns (mode serve: a length bucket); a row is
 a slot. All rows decode at one shared column pointer c: the one compiled step (kind, B, S, 1 new column) writes
 every row's new token at column c, each row with its own position (its tokens so far) and its own [S] mask, so its
-attention and RoPE are those of a solo decode. A running request holds columns [c − held, c) of its row, right-aligned to c.
+attention and RoPE are those of a solo decode. A running request holds columns [c − held, c) of its row,
+right-aligned to c.
     join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled alone, batch 1, through
              a static cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored
              format; they are copied into its row ending at column c. A row whose prefix does not fit left of c
