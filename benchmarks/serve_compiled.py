@@ -9,6 +9,10 @@ and exact output lengths, served by the eager Scheduler and by CompiledSlots (B 
 Output tokens / makespan: median over repeats, and the ratio compiled ÷ eager. Compile time is apart: the warm-up
 compile of the one shape (kind, B, S, 1) when the first server of that B is built, before any timing; `recompiles`
 counts graphs made during the timed loads (should be 0). `same`: every request's tokens equal between the two.
+
+Measured (2026-11-26, shared 2-core CPU, 1 thread, load average ~2; SmolLM2-135M fp32, --repeats 2 --max-output 32
+--rate 2): compiled ÷ eager output tok/s 1.14 / 1.31 (B=1, t=0 / Poisson), 1.36 / 1.20 (B=4), 1.44 / 1.17 (B=8);
+0 recompiles, same tokens everywhere; compile 105-262 s per B cold (under contention), 13 s from inductor's cache.
 """
 
 from __future__ import annotations
