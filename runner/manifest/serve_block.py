@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ValueAt
-from runner.infer.config.kinds import parse_kind
+from runner.infer.config.kinds import compiled_serve_reason, parse_kind
 from runner.infer.serve.load import DEFAULT_PROMPT, Lengths, LoadSpec
 from runner.infer.serve.metrics import PERCENTILES, Slo
 from runner.manifest.blocks import MAX_SEED, Strict
@@ -121,6 +121,9 @@ class ServeBlock(Strict):
         "Most requests waiting; beyond it a request is refused (counted), never held forever. Default: unbounded."))
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds, an axis (as in bench); default: the model's dtype."))
+    engines: list[Literal["eager", "compiled"]] = Field(["eager"], min_length=1, description=(
+        "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
+        "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
     baselines: list[Literal["static", "transformers", "none"]] = Field(["static", "transformers"], description=(
         "Served on the same requests beside continuous batching: static (fixed batches of max_batch_size, after "
         "max_wait_ms), transformers (its own continuous batching, generate_batch); none = no baseline."))
@@ -137,6 +140,13 @@ class ServeBlock(Strict):
     def _known_kinds(cls, values: list[str] | None) -> list[str] | None:
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
+        return values
+
+    @field_validator("engines")
+    @classmethod
+    def _distinct_engines(cls, values: list[str]) -> list[str]:
+        if len(set(values)) != len(values):
+            raise ValueError(f"each engine once (got {values})")
         return values
 
     @field_validator("baselines")
@@ -168,7 +178,16 @@ class ServeBlock(Strict):
         if self.kv_budget_mib is not None and self.kv_blocks is not None:
             raise ValueAt(("kv_blocks",), "give kv_budget_mib or kv_blocks, not both")
         self._prefix_fits()
+        self._compiled_has_a_kind()
         return self
+
+    def _compiled_has_a_kind(self) -> None:
+        """engines: [compiled] alone with only kinds it cannot serve would run nothing of ours: said here."""
+        kinds: list[str | None] = [*self.cache_kinds] if self.cache_kinds else [None]
+        reasons = [compiled_serve_reason(kind) for kind in kinds]
+        if self.engines == ["compiled"] and all(reasons):
+            raise ValueAt(("engines",), f"engine compiled serves none of cache_kinds {self.cache_kinds}: "
+                                        f"{reasons[0]}; add a per-token kind (fp16, q8_0, q4_0, ...) or engine eager")
 
     def _prefix_fits(self) -> None:
         if bool(self.prefix_groups) != bool(self.prefix_tokens):

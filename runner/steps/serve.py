@@ -1,5 +1,7 @@
 """mode: serve: one load per point (rate, or the closed loop), served by our continuous-batching scheduler for each
-cache kind, and by the baselines on the same requests: static batching (our Generator fed fixed batches) and
+cache kind and engine (system "ours" on the eager engine, "ours-compiled" on the compiled one: CompiledSlots, its
+one shape compiled before the point's clock starts; its compile seconds and any recompilations are in the point),
+and by the baselines on the same requests: static batching (our Generator fed fixed batches) and
 transformers' own continuous batching where it runs. The driver, the load and the metrics are runner.infer.serve's;
 this step lays the points side by side, writes the tables and plots, and names the highest rate meeting the SLO.
 """
@@ -15,9 +17,13 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import StepError
+from runner.infer.compiled.engine import length_bucket
+from runner.infer.config.architecture import compiled_refusal
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
+from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive, load_clock
 from runner.infer.serve.load import LoadSpec, build_load
 from runner.infer.serve.metrics import max_rate_meeting, point_meets, summarize
@@ -38,7 +44,8 @@ MIB = 2**20
 DEFAULT_TRANSFORMERS_BLOCKS = 4096  # its paged cache needs a size: with no KV budget given, room for 4096 blocks
 HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
-            "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used")
+            "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used", "compile_s", "recompiles")
+OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
 
 
 def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -47,7 +54,7 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     prompts = _prompts_file(block, base_dir)
     sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=_max_seq_len(lm))
     kinds: list[str | None] = list(block.cache_kinds) if block.cache_kinds else [None]  # None: the model dtype
-    systems = [(name, kind) for name in ("ours", *block.baselines) for kind in kinds]
+    systems = [(name, kind) for name in (*(OURS[e] for e in block.engines), *block.baselines) for kind in kinds]
     specs = block.load_specs()
     points, requests, timelines = [], [], []
     bar = progress(step.key, len(specs) * len(systems) * _count(specs[0]), "request")
@@ -61,14 +68,20 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                 bar.update(_count(spec), note=f"{label} not run")
                 continue
             warm = build_load(spec, lm.tokenizer, text, prompts, warmup=True)
+            compile_s = 0.0  # the compiled engine's warm-up compile, before any clock starts
             if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
-                _serve(_server(system, kind, lm, block, sampling), warm)
+                warm_server = _server(system, kind, lm, block, sampling)
+                compile_s += getattr(warm_server, "compile_s", 0.0)
+                _serve(warm_server, warm)
             server = _server(system, kind, lm, block, sampling)
+            compile_s += getattr(server, "compile_s", 0.0)
             records = _serve(server, build_load(spec, lm.tokenizer, text, prompts), lambda _r: bar.update(1))
             timeline = getattr(server, "timeline", [])
             summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
             summary |= _occupancy(timeline)
             point = {**_point_keys(system, kind, spec), "status": "ok", **summary}
+            if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
+                point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
             if block.slo:
                 point["meets_slo"] = point_meets(summary, block.slo.slo())
             points.append(point)
@@ -102,10 +115,12 @@ def _serve(server, load, on_finish=None) -> list[RequestRecord]:
 
 def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig):
     budget = int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None
-    if system == "ours":
+    if system in OURS.values():
         config = SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
                                  kv_budget_bytes=budget, max_tokens_per_step=block.max_tokens_per_step,
                                  max_running=block.max_batch_size, max_queue=block.max_queue, sampling=sampling)
+        if system == OURS["compiled"]:
+            return CompiledSlots(lm.model, config, tokenizer=lm.tokenizer, columns=_columns(block, sampling))
         return Scheduler(lm.model, config, tokenizer=lm.tokenizer)
     if system == "static":
         return StaticBatcher(lm.model, max_batch_size=block.max_batch_size, max_wait_ms=block.max_wait_ms,
@@ -117,10 +132,22 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
 
 
 def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -> str:
-    """Why a baseline cannot serve this point ('' when it can)."""
+    """Why a baseline, or our compiled engine, cannot serve this point ('' when it can)."""
     if system == "transformers":
         return transformers_cb_reason(lm.model, kind)
+    if system == OURS["compiled"]:
+        return compiled_refusal(lm.model.config) or compiled_serve_reason(kind)
     return ""
+
+
+def _columns(block: ServeBlock, sampling: GenerateConfig) -> int:
+    """Columns of the compiled slots' cache: the longest request the load may draw (prompt + output, times the
+    turns a conversation's prompt accumulates; the model's max_seq_len for a prompts file's whole prompts) as a
+    length bucket, capped by max_seq_len; a longer request is an error of its own."""
+    prompt = block.prompt_lengths()
+    need = (sampling.max_seq_len if prompt is None
+            else block.turns * (prompt.high + block.output_tokens.lengths().high))
+    return length_bucket(min(need, sampling.max_seq_len), sampling.max_seq_len)
 
 
 def _prompts_file(block: ServeBlock, base_dir: Path) -> list[str] | None:
@@ -193,10 +220,14 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
         out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if _number(row.get(k))}
         for baseline in ("static", "transformers"):
             other = ok[(ok["system"] == baseline) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
-            if row["system"] == "ours" and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
+            if row["system"] in OURS.values() and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
                 out[f"{name}.ratio_{baseline}_throughput"] = (row["output_tokens_per_s"]
                                                             / other.iloc[0]["output_tokens_per_s"])
-    ours = ok[ok["system"] == "ours"] if len(ok) else ok
+        eager = ok[(ok["system"] == OURS["eager"]) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
+        if row["system"] == OURS["compiled"] and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
+            out[f"{name}.ratio_eager_throughput"] = (row["output_tokens_per_s"]
+                                                     / eager.iloc[0]["output_tokens_per_s"])
+    ours = ok[ok["system"].isin(list(OURS.values()))] if len(ok) else ok
     if len(ours):  # headline figures `run results` shows by default
         out["max_output_tokens_per_s"] = float(ours["output_tokens_per_s"].max())
     ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]

@@ -89,6 +89,7 @@ def test_a_closed_loop_is_one_point_and_a_duration_replaces_the_count(tmp_path):
      "100.5)"),
     ("{rate: 2, prompts_file: prompts.csv}", "serve.prompts_file: 'prompts_file' must end in .txt (one prompt per "
      "line) or .jsonl (got 'prompts.csv')"),
+    ("{rate: 2, engines: [eager, eager]}", "serve.engines: each engine once (got ['eager', 'eager'])"),
     ("{rate: 2, baselines: [static, none]}", "serve.baselines: none means no baseline: give it alone, or leave it "
      "out (got ['static', 'none'])"),
 ])
@@ -126,3 +127,12 @@ def test_run_refuses_mode_serve_at_its_mode_key_until_the_step_exists(tmp_path, 
     assert err[-1].strip() == ("m.yaml:6:9: targets[0].runs[0].mode: mode serve: the step is not built yet (`run "
                                "check` validates its block; the step comes with the scheduler, issue 34)")
     assert not (tmp_path / "runs").exists(), "refused before a run folder is made"
+
+
+def test_engines_are_an_axis_and_compiled_alone_with_only_kivi_is_refused(tmp_path):
+    assert serve_block(tmp_path, "{rate: 2}").engines == ["eager"]
+    assert serve_block(tmp_path, "{rate: 2, engines: [eager, compiled], cache_kinds: [q8_0, kivi4]}").engines == \
+        ["eager", "compiled"]  # the KIVI points of the compiled engine are not run, with the reason
+    message = problem(tmp_path, "{rate: 2, engines: [compiled], cache_kinds: [kivi4, kivi2]}")
+    assert "serve.engines: engine compiled serves none of cache_kinds ['kivi4', 'kivi2']: KIVI codes" in message
+    assert "serve.engines[0]" in problem(tmp_path, "{rate: 2, engines: [jit]}")

@@ -81,3 +81,42 @@ def test_results_plots_and_the_slo_verdict_are_left(serve_run):
                  "latency_distributions.png", "kv_blocks_over_time.png"):
         assert (step / name).stat().st_size > 1000, name
     assert "| system | cache_kind | x |" in done.stdout
+
+
+COMPILED = """      - id: load
+        mode: serve
+        serve:
+          arrival: poisson
+          rate: 50
+          num_requests: 5
+          warmup_requests: 1
+          prompt_tokens: {dist: uniform, min: 4, max: 24}
+          output_tokens: {dist: uniform, min: 3, max: 8}
+          data: text.txt
+          max_batch_size: 4
+          block_size: 4
+          engines: [eager, compiled]
+          cache_kinds: [q8_0, kivi4:g8:r16]
+          baselines: none
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.compile
+def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(tmp_path):
+    """engines: [eager, compiled]: the compiled points carry their compile seconds and 0 recompilations, give the
+    eager scheduler's greedy tokens, and KIVI's compiled point says why it did not run."""
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
+    done = run_cli(tiny_manifest(tmp_path, COMPILED), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step = next((tmp_path / "runs").glob("*-t")) / "tiny" / "load"
+    points = pd.read_csv(step / "serve_points.csv").set_index(["system", "cache_kind"])
+    compiled = points.loc[("ours-compiled", "q8_0")]
+    assert compiled["status"] == "ok" and compiled["recompiles"] == 0 and compiled["compile_s"] > 0
+    assert points.loc[("ours-compiled", "kivi4:g8:r16"), "status"].startswith("not run: KIVI codes keys")
+    assert (points.loc[[("ours", "q8_0"), ("ours", "kivi4:g8:r16")], "status"] == "ok").all()
+    requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str})
+    q8 = requests[requests["cache_kind"] == "q8_0"].set_index(["system", "id"])["output_ids"]
+    assert (q8.loc["ours-compiled"] == q8.loc["ours"]).all()
+    metrics = json.loads((step / "results.json").read_text())["metrics"]
+    assert "ours-compiled_q8_0_x50.ratio_eager_throughput" in metrics

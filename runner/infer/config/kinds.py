@@ -184,6 +184,18 @@ def parse_kind(kind: str | None) -> KindOptions | None:
         raise ValueError(f"cache kind {kind!r}: {error}") from None
 
 
+def compiled_serve_reason(kind: str | None) -> str:
+    """Why `kind` cannot be served by continuous batching on the compiled engine (serve/compiled_slots.py), or ""
+    when it can: here, without torch, so `run check` judges a serve block's engines as the server does."""
+    options = parse_kind(kind)
+    if options is not None and options.family == "kivi":
+        return ("KIVI codes keys per channel over groups of columns and keeps its residual in a ring indexed by "
+                "column, so what a row stores depends on the columns it lies in and when their blocks complete; the "
+                "slots' rows share one column pointer, join at any column and move on a rebase, so a row's groups "
+                "would not be its solo decode's (the eager scheduler serves KIVI)")
+    return ""
+
+
 def _letter(part: str) -> str:
     """The option a KIVI field spells: its letter (g, r, s, o, b), k..v for split bits, or the flag itself."""
     return part if part in KIVI_FLAGS else "k..v" if _SPLIT_BITS.fullmatch(part) else part[:1]

@@ -1,0 +1,133 @@
+"""Continuous batching on the compiled engine (serve/compiled_slots.py): each request's greedy output equals its solo
+greedy decode (eager and compiled Generator) with interleaved arrivals, rebases and preemption; a load after
+warm-up never recompiles; KIVI is refused with its reason. Most tests run the engine's static step uncompiled
+(CompiledEngine(compile=False): the same cache, masks and step function, without inductor); one compiles."""
+
+import pytest
+import torch
+
+from runner.infer.compiled import engine as compiled
+from runner.infer.compiled.engine import CompiledEngine
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.kinds import compiled_serve_reason
+from runner.infer.generation.generator import Generator
+from runner.infer.serve.blocks import block_spec
+from runner.infer.serve.compiled_slots import CompiledSlots
+from runner.infer.serve.driver import drive
+from runner.infer.serve.requests import Request
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KINDS = ["fp32", "fp16", "q8_0", "q4_0", "q4_1", "nf4"]
+
+
+class FakeClock:
+    """Each read advances `tick` seconds; sleep jumps."""
+
+    def __init__(self, tick: float = 0.01):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _load(n: int = 7, gap_s: float = 0.06, seed: int = 0) -> list[Request]:
+    """n requests of prompt 3..40 and output 4..24 tokens, arriving every gap_s (tiny vocab: 258)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = int(torch.randint(3, 41, (1,), generator=g))
+        ids = tuple(torch.randint(3, 250, (prompt,), generator=g).tolist())
+        out.append(Request(i, arrival_s=i * gap_s, prompt_ids=ids,
+                           max_new_tokens=int(torch.randint(4, 25, (1,), generator=g))))
+    return out
+
+
+def _solo(model, request: Request, kind: str | None, engine: str = "eager") -> list[int]:
+    gen = Generator(model, GenerateConfig(max_new_tokens=request.max_new_tokens, cache_kind=kind, temperature=0,
+                                          engine=engine))
+    out = gen.generate(torch.tensor([request.prompt_ids]))
+    return out[0, len(request.prompt_ids):][:gen.stats.new_tokens[0]].tolist()
+
+
+@pytest.fixture
+def static_engine(tiny_lm, monkeypatch):
+    """tiny_lm's compiled engine running its static step uncompiled (for the server and the compiled Generator)."""
+    engine = CompiledEngine(tiny_lm.model, compile=False)
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, engine)
+    return engine
+
+
+def _run(model, requests, engine, columns=64, **config):
+    from runner.infer.serve.scheduler import SchedulerConfig
+
+    clock = FakeClock()
+    server = CompiledSlots(model, SchedulerConfig(**config), clock=clock, columns=columns, engine=engine)
+    return server, drive(server, requests, clock, clock.sleep)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_solo_decode_with_interleaved_arrivals_rebases_and_preemption(tiny_lm, static_engine, kind):
+    model, requests = tiny_lm.model, _load()
+    solo = [_solo(model, r, kind) for r in requests]
+    assert len({len(s) for s in solo}) > 2  # rows leave at different times
+    server, records = _run(model, requests, static_engine, cache_kind=kind, block_size=4, max_running=4,
+                           max_tokens_per_step=48)
+    assert [r.output_ids for r in records] == solo
+    assert max(t[1] for t in server.timeline) >= 3 and server.rebases > 0  # rows shared steps; c wrapped
+    spec = block_spec(model.config, kind, 4, model.dtype)
+    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + 3
+    server, records = _run(model, requests, static_engine, cache_kind=kind, block_size=4, num_blocks=tight,
+                           max_running=4)
+    assert [r.output_ids for r in records] == solo
+    assert sum(r.preemptions for r in records) > 0 and max(t[2] for t in server.timeline) <= tight
+    assert all(r.finish in ("eos", "length") for r in records)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0"])
+def test_greedy_equals_the_compiled_generators_solo_decode_all_at_once(tiny_lm, static_engine, kind):
+    requests = [Request(r.id, 0.0, r.prompt_ids, r.max_new_tokens) for r in _load(5, seed=3)]
+    solo = [_solo(tiny_lm.model, r, kind, engine="compiled") for r in requests]
+    _, records = _run(tiny_lm.model, requests, static_engine, cache_kind=kind, max_running=8)
+    assert [r.output_ids for r in records] == solo
+
+
+def test_a_request_longer_than_a_row_is_an_error_and_kivi_is_refused_with_its_reason(tiny_lm, static_engine):
+    _, records = _run(tiny_lm.model, [Request(0, 0.0, tuple(range(3, 60)), 10)], static_engine, columns=64)
+    assert records[0].finish == "error" and "hold 64" in records[0].error
+    assert compiled_serve_reason("q4_0") == "" and "column" in compiled_serve_reason("kivi4:g8:r16")
+    with pytest.raises(ValueError, match="cannot be served on the compiled engine: KIVI"):
+        CompiledSlots(tiny_lm.model, _config(cache_kind="kivi4"), engine=static_engine)
+
+
+def _config(**fields):
+    from runner.infer.serve.scheduler import SchedulerConfig
+
+    return SchedulerConfig(**fields)
+
+
+@pytest.mark.compile
+def test_a_compiled_load_equals_solo_decodes_and_never_recompiles(tiny_lm, monkeypatch, tmp_path):
+    """Really compiled: one graph made in warm-up, none while the load runs (joins, leaves, rebases)."""
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    engine = CompiledEngine(tiny_lm.model)
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, engine)
+    requests = _load(6, seed=1)
+    solo = [_solo(tiny_lm.model, r, "q8_0") for r in requests]
+    server, records = _run(tiny_lm.model, requests, engine, cache_kind="q8_0", max_running=4)
+    assert [r.output_ids for r in records] == solo
+    assert server.compiles >= 1 and server.compile_s > 0 and server.recompiles == 0 and server.rebases > 0
+
+
+def test_a_roomy_cache_rebases_before_it_is_full_and_still_equals_solo_decodes(tiny_lm, static_engine):
+    """S = 512 and rows of at most 64 tokens: the pointer moves back whenever it passes 2·W + SLACK, so attention
+    never reads mostly holes."""
+    requests = _load(6, seed=2)
+    solo = [_solo(tiny_lm.model, r, "fp32") for r in requests]
+    server, records = _run(tiny_lm.model, requests, static_engine, columns=512, cache_kind="fp32", max_running=4)
+    assert [r.output_ids for r in records] == solo
+    assert server.rebases > 0 and server.pointer < 2 * 64 + 64
