@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--kv-budget-mib", type=float, help="target 3's budget (default: fp16 room for two of the "
                         "longest requests)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--targets", type=int, nargs="+", default=[1, 2, 3, 4], help="which of 2-4 to run beside "
+                        "1 (the sweep, which they use)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; on a shared 2-core "
                         "machine 1 is several times faster than 2)")
     args = parser.parse_args()
@@ -259,77 +261,80 @@ def main() -> None:
             figure, ratio, ok = f"{cont:g} vs {stat:g} req/s", f"{cont / stat:.2f}", verdict(cont / stat, 2.0)
         rows.append((f"1. continuous ÷ static, max rate at SLO ({label})", figure, ratio + " (≥ 2)", ok))
 
-    # 2. vs transformers
     top = size["rates"][-1]
-    reason = "--skip-transformers" if args.skip_transformers else transformers_cb_reason(b.model)
-    if reason:
-        rows.append(("2. ours ÷ transformers CB", f"not run: {reason}", "", "n/a"))
-    else:
-        ours, theirs = burst(b, "continuous"), burst(b, "transformers")
-        ratio = ours["output_throughput_tok_per_s"] / theirs["output_throughput_tok_per_s"]
-        n, prompt, new = size["burst"]
-        print(f"\n2. burst {n}×{prompt}→{new} (median of {size['burst_repeats']}): ours "
-              f"{ours['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT {ours['p50_ttft_ms']:.0f} ms; "
-              f"transformers {theirs['output_throughput_tok_per_s']:.1f} tok/s, "
-              f"p50 TTFT {theirs['p50_ttft_ms']:.0f} ms")
-        lower = ours["p50_ttft_ms"] <= theirs["p50_ttft_ms"]
-        rows.append((f"2. ours ÷ transformers CB, burst {n}×{prompt}→{new} tok/s",
-                     f"{ours['output_throughput_tok_per_s']:.1f} vs {theirs['output_throughput_tok_per_s']:.1f} "
-                     f"(p50 TTFT {ours['p50_ttft_ms']:.0f} vs {theirs['p50_ttft_ms']:.0f} ms)",
-                     f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
-        b.warm("transformers")
-        hf = summarize(b.serve(b.server("transformers"), b.load(b.spec(top))), slo=slo)
-        mine = points["continuous"][top]
-        ratio = mine["output_throughput_tok_per_s"] / hf["output_throughput_tok_per_s"]
-        lower = mine["p50_ttft_ms"] <= hf["p50_ttft_ms"]
-        print(f"   Poisson {top:g}/s: transformers {hf['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT "
-              f"{hf['p50_ttft_ms']:.0f} ms, p90 TPOT {hf['p90_tpot_ms']:.1f} ms, goodput {hf['goodput_per_s']:.3f}/s")
-        rows.append((f"2. ours ÷ transformers CB, Poisson {top:g}/s tok/s",
-                     f"{mine['output_throughput_tok_per_s']:.1f} vs {hf['output_throughput_tok_per_s']:.1f} "
-                     f"(p50 TTFT {mine['p50_ttft_ms']:.0f} vs {hf['p50_ttft_ms']:.0f} ms)",
-                     f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
+    if 2 in args.targets:  # 2. vs transformers
+        reason = "--skip-transformers" if args.skip_transformers else transformers_cb_reason(b.model)
+        if reason:
+            rows.append(("2. ours ÷ transformers CB", f"not run: {reason}", "", "n/a"))
+        else:
+            ours, theirs = burst(b, "continuous"), burst(b, "transformers")
+            ratio = ours["output_throughput_tok_per_s"] / theirs["output_throughput_tok_per_s"]
+            n, prompt, new = size["burst"]
+            print(f"\n2. burst {n}×{prompt}→{new} (median of {size['burst_repeats']}): ours "
+                  f"{ours['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT {ours['p50_ttft_ms']:.0f} ms; "
+                  f"transformers {theirs['output_throughput_tok_per_s']:.1f} tok/s, "
+                  f"p50 TTFT {theirs['p50_ttft_ms']:.0f} ms")
+            lower = ours["p50_ttft_ms"] <= theirs["p50_ttft_ms"]
+            rows.append((f"2. ours ÷ transformers CB, burst {n}×{prompt}→{new} tok/s",
+                         f"{ours['output_throughput_tok_per_s']:.1f} vs {theirs['output_throughput_tok_per_s']:.1f} "
+                         f"(p50 TTFT {ours['p50_ttft_ms']:.0f} vs {theirs['p50_ttft_ms']:.0f} ms)",
+                         f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
+            b.warm("transformers")
+            hf = summarize(b.serve(b.server("transformers"), b.load(b.spec(top))), slo=slo)
+            mine = points["continuous"][top]
+            ratio = mine["output_throughput_tok_per_s"] / hf["output_throughput_tok_per_s"]
+            lower = mine["p50_ttft_ms"] <= hf["p50_ttft_ms"]
+            print(f"   Poisson {top:g}/s: transformers {hf['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT "
+                  f"{hf['p50_ttft_ms']:.0f} ms, "
+                  f"p90 TPOT {hf['p90_tpot_ms']:.1f} ms, goodput {hf['goodput_per_s']:.3f}/s")
+            rows.append((f"2. ours ÷ transformers CB, Poisson {top:g}/s tok/s",
+                         f"{mine['output_throughput_tok_per_s']:.1f} vs {hf['output_throughput_tok_per_s']:.1f} "
+                         f"(p50 TTFT {mine['p50_ttft_ms']:.0f} vs {hf['p50_ttft_ms']:.0f} ms)",
+                         f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
 
-    # 3. admission under one KV budget
-    fp16 = block_spec(b.model.config, "fp16", b.block_size, b.model.dtype)
-    longest = size["prompt"][1] + size["output"][1]
-    budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib else 2 * fp16.blocks_for(longest) * fp16.block_bytes
-    admitted = {kind: admission(b, kind, budget) for kind in KINDS}
-    base = points["continuous"][top]  # the same load, the model's dtype, no budget
-    good = {kind: goodput(b, kind, budget, top, slo) for kind in KINDS}
-    print(f"\n3. KV budget {budget / MIB:.2f} MiB; admission: a burst of {size['admit']} sweep-shaped requests, "
-          f"stepped to the first finish; goodput: Poisson {top:g}/s")
-    print(f"{'kind':>6} {'blocks':>6} {'reserve':>7} {'peak':>5} {'predicted':>9} {'÷ fp16':>7} {'pred ÷ fp16':>11} "
-          f"{'preempt':>7} {'goodput':>8} {'mean run':>8} {'tok/s':>7} {'p90 TPOT':>8} {'p90 TTFT':>8}")
-    for kind in KINDS:
-        a, g = admitted[kind], good[kind]
-        print(f"{kind:>6} {a['blocks']:>6} {a['reserve']:>7} {a['peak']:>5} {a['predicted']:>9} "
-              f"{a['peak'] / admitted['fp16']['peak']:7.2f} {a['predicted'] / admitted['fp16']['predicted']:11.2f} "
-              f"{a['preemptions']:>7} {g['goodput_per_s']:8.3f} {g['mean_running']:8.2f} "
-              f"{g['output_throughput_tok_per_s']:7.1f} {g['p90_tpot_ms']:8.1f} {g['p90_ttft_ms']:8.0f}")
-    print(f"{'none':>6} {'':>6} {'':>7} {'':>5} {'':>9} {'':>7} {'':>11} {'':>7} "
-          f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_throughput_tok_per_s']:7.1f} "
-          f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
-    for kind in KINDS:
-        a = admitted[kind]
-        error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
-        rows.append((f"3. {kind}: peak running vs estimator", f"{a['peak']} vs {a['predicted']}",
-                     f"{1 + error:.2f} (≤ 1.10)" if not math.isnan(error) else "n/a", verdict(error, 0.10, False)))
-    q8 = admitted["q8_0"]["peak"] / admitted["fp16"]["peak"]
-    q8_bytes = block_spec(b.model.config, "q8_0", b.block_size, b.model.dtype).block_bytes
-    rows.append(("3. q8_0 ÷ fp16 peak running", f"fp16 ÷ q8_0 block bytes {fp16.block_bytes / q8_bytes:.2f}",
-                 f"{q8:.2f}", "info"))
+    if 3 in args.targets:  # 3. admission under one KV budget
+        fp16 = block_spec(b.model.config, "fp16", b.block_size, b.model.dtype)
+        longest = size["prompt"][1] + size["output"][1]
+        budget = (int(args.kv_budget_mib * MIB) if args.kv_budget_mib
+                  else 2 * fp16.blocks_for(longest) * fp16.block_bytes)
+        admitted = {kind: admission(b, kind, budget) for kind in KINDS}
+        base = points["continuous"][top]  # the same load, the model's dtype, no budget
+        good = {kind: goodput(b, kind, budget, top, slo) for kind in KINDS}
+        print(f"\n3. KV budget {budget / MIB:.2f} MiB; admission: a burst of {size['admit']} sweep-shaped requests, "
+              f"stepped to the first finish; goodput: Poisson {top:g}/s")
+        print(f"{'kind':>6} {'blocks':>6} {'reserve':>7} {'peak':>5} {'predicted':>9} {'÷ fp16':>7} "
+              f"{'pred ÷ fp16':>11} {'preempt':>7} {'goodput':>8} {'mean run':>8} {'tok/s':>7} "
+              f"{'p90 TPOT':>8} {'p90 TTFT':>8}")
+        for kind in KINDS:
+            a, g = admitted[kind], good[kind]
+            print(f"{kind:>6} {a['blocks']:>6} {a['reserve']:>7} {a['peak']:>5} {a['predicted']:>9} "
+                  f"{a['peak'] / admitted['fp16']['peak']:7.2f} {a['predicted'] / admitted['fp16']['predicted']:11.2f} "
+                  f"{a['preemptions']:>7} {g['goodput_per_s']:8.3f} {g['mean_running']:8.2f} "
+                  f"{g['output_throughput_tok_per_s']:7.1f} {g['p90_tpot_ms']:8.1f} {g['p90_ttft_ms']:8.0f}")
+        print(f"{'none':>6} {'':>6} {'':>7} {'':>5} {'':>9} {'':>7} {'':>11} {'':>7} "
+              f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_throughput_tok_per_s']:7.1f} "
+              f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
+        for kind in KINDS:
+            a = admitted[kind]
+            error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
+            rows.append((f"3. {kind}: peak running vs estimator", f"{a['peak']} vs {a['predicted']}",
+                         f"{1 + error:.2f} (≤ 1.10)" if not math.isnan(error) else "n/a", verdict(error, 0.10, False)))
+        q8 = admitted["q8_0"]["peak"] / admitted["fp16"]["peak"]
+        q8_bytes = block_spec(b.model.config, "q8_0", b.block_size, b.model.dtype).block_bytes
+        rows.append(("3. q8_0 ÷ fp16 peak running", f"fp16 ÷ q8_0 block bytes {fp16.block_bytes / q8_bytes:.2f}",
+                     f"{q8:.2f}", "info"))
 
-    # 4. scheduler cost
-    costs = step_costs(b.model, size["batch"], size["steps"], size["repeats"], 32, None)
-    share = costs["scheduler_ms"] / costs["step_ms"]
-    load_share = 1 - b.forward_s / sum(b.step_s) if b.step_s else math.nan
-    print(f"\n4. batch {size['batch']}: step {costs['step_ms']:.2f} ms, forward {costs['forward_ms']:.2f} ms, "
-          f"scheduler {costs['scheduler_ms']:.3f} ms; over the sweep's continuous runs: {len(b.step_s)} steps, "
-          f"scheduler {100 * load_share:.2f} % of step time")
-    rows.append((f"4. scheduler ÷ decode step, batch {size['batch']}", f"{costs['scheduler_ms']:.3f} of "
-                 f"{costs['step_ms']:.2f} ms", f"{100 * share:.2f} % (≤ 5 %)", verdict(share, 0.05, False)))
-    rows.append(("4. scheduler ÷ step time, sweep loads", f"{len(b.step_s)} steps",
-                 f"{100 * load_share:.2f} % (≤ 5 %)", verdict(load_share, 0.05, False)))
+    if 4 in args.targets:  # 4. scheduler cost
+        costs = step_costs(b.model, size["batch"], size["steps"], size["repeats"], 32, None)
+        share = costs["scheduler_ms"] / costs["step_ms"]
+        load_share = 1 - b.forward_s / sum(b.step_s) if b.step_s else math.nan
+        print(f"\n4. batch {size['batch']}: step {costs['step_ms']:.2f} ms, forward {costs['forward_ms']:.2f} ms, "
+              f"scheduler {costs['scheduler_ms']:.3f} ms; over the sweep's continuous runs: {len(b.step_s)} steps, "
+              f"scheduler {100 * load_share:.2f} % of step time")
+        rows.append((f"4. scheduler ÷ decode step, batch {size['batch']}", f"{costs['scheduler_ms']:.3f} of "
+                     f"{costs['step_ms']:.2f} ms", f"{100 * share:.2f} % (≤ 5 %)", verdict(share, 0.05, False)))
+        rows.append(("4. scheduler ÷ step time, sweep loads", f"{len(b.step_s)} steps",
+                     f"{100 * load_share:.2f} % (≤ 5 %)", verdict(load_share, 0.05, False)))
 
     print("\n| target | measured | ratio (target) | result |\n|---|---|---|---|")
     for row in rows:
