@@ -59,7 +59,7 @@ KINDS = ("fp16", "q8_0", "q4_0", "kivi4")
 SIZES = {  # full / --quick
     "full": {"rates": [0.25, 0.5, 1.0], "requests": 24, "prompt": (32, 256), "output": (16, 128),
              "burst": (16, 128, 32), "admit": 32, "batch": 8, "steps": 16, "repeats": 3, "burst_repeats": 2},
-    "quick": {"rates": [2.0, 8.0], "requests": 6, "prompt": (8, 32), "output": (4, 12),
+    "quick": {"rates": [4.0, 16.0], "requests": 4, "prompt": (8, 32), "output": (4, 12),
               "burst": (4, 16, 8), "admit": 12, "batch": 2, "steps": 4, "repeats": 1, "burst_repeats": 1},
 }
 
