@@ -1,6 +1,6 @@
 """Issue 34's serving targets, each measured and checked: one table of figure, ratio and pass/fail.
 
-    python benchmarks/serve_targets.py --model zoo:smollm2-135m --threads 1   # the full run (~20 min, 2 shared cores)
+    python benchmarks/serve_targets.py --model zoo:smollm2-135m --threads 1   # full: 25 min on 2 busy cores
     python benchmarks/serve_targets.py --model tiny --quick --threads 1       # a smoke run (random tiny llama)
 
 Every load is runner.infer.serve's (build_load: exact-token prompts cut from the pydoc text, exact output lengths,
