@@ -143,7 +143,7 @@ def burst(b: Bench, system: str) -> dict:
     requests = [replace(r, arrival_s=0.0) for r in b.load(spec).requests]
     b.warm(system)
     points = [summarize(b.serve(b.server(system), requests)) for _ in range(b.size["burst_repeats"])]
-    return {k: statistics.median(p[k] for p in points) for k in ("output_throughput_tok_per_s", "p50_ttft_ms")}
+    return {k: statistics.median(p[k] for p in points) for k in ("output_tokens_per_s", "p50_ttft_ms")}
 
 
 def predicted_admission(b: Bench, kind: str, budget: int, prompts: list[int], max_running: int) -> int:
@@ -244,7 +244,7 @@ def main() -> None:
             p = by_rate[rate]
             meets = max_rate_meeting({rate: p}, slo) is not None
             meets_tpot = max_rate_meeting({rate: p}, slo_tpot) is not None
-            print(f"{rate:>5g} {system:>10} {p['output_throughput_tok_per_s']:7.1f} {p['p50_ttft_ms']:9.0f} "
+            print(f"{rate:>5g} {system:>10} {p['output_tokens_per_s']:7.1f} {p['p50_ttft_ms']:9.0f} "
                   f"{p['p90_ttft_ms']:9.0f} {p['p90_tpot_ms']:9.1f} {p['goodput_per_s']:8.3f} {str(meets):>6} "
                   f"{str(meets_tpot):>9}")
     lowest = size["rates"][0]
@@ -268,27 +268,27 @@ def main() -> None:
             rows.append(("2. ours ÷ transformers CB", f"not run: {reason}", "", "n/a"))
         else:
             ours, theirs = burst(b, "continuous"), burst(b, "transformers")
-            ratio = ours["output_throughput_tok_per_s"] / theirs["output_throughput_tok_per_s"]
+            ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
             n, prompt, new = size["burst"]
             print(f"\n2. burst {n}×{prompt}→{new} (median of {size['burst_repeats']}): ours "
-                  f"{ours['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT {ours['p50_ttft_ms']:.0f} ms; "
-                  f"transformers {theirs['output_throughput_tok_per_s']:.1f} tok/s, "
+                  f"{ours['output_tokens_per_s']:.1f} tok/s, p50 TTFT {ours['p50_ttft_ms']:.0f} ms; "
+                  f"transformers {theirs['output_tokens_per_s']:.1f} tok/s, "
                   f"p50 TTFT {theirs['p50_ttft_ms']:.0f} ms")
             lower = ours["p50_ttft_ms"] <= theirs["p50_ttft_ms"]
             rows.append((f"2. ours ÷ transformers CB, burst {n}×{prompt}→{new} tok/s",
-                         f"{ours['output_throughput_tok_per_s']:.1f} vs {theirs['output_throughput_tok_per_s']:.1f} "
+                         f"{ours['output_tokens_per_s']:.1f} vs {theirs['output_tokens_per_s']:.1f} "
                          f"(p50 TTFT {ours['p50_ttft_ms']:.0f} vs {theirs['p50_ttft_ms']:.0f} ms)",
                          f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
             b.warm("transformers")
             hf = summarize(b.serve(b.server("transformers"), b.load(b.spec(top))), slo=slo)
             mine = points["continuous"][top]
-            ratio = mine["output_throughput_tok_per_s"] / hf["output_throughput_tok_per_s"]
+            ratio = mine["output_tokens_per_s"] / hf["output_tokens_per_s"]
             lower = mine["p50_ttft_ms"] <= hf["p50_ttft_ms"]
-            print(f"   Poisson {top:g}/s: transformers {hf['output_throughput_tok_per_s']:.1f} tok/s, p50 TTFT "
+            print(f"   Poisson {top:g}/s: transformers {hf['output_tokens_per_s']:.1f} tok/s, p50 TTFT "
                   f"{hf['p50_ttft_ms']:.0f} ms, "
                   f"p90 TPOT {hf['p90_tpot_ms']:.1f} ms, goodput {hf['goodput_per_s']:.3f}/s")
             rows.append((f"2. ours ÷ transformers CB, Poisson {top:g}/s tok/s",
-                         f"{mine['output_throughput_tok_per_s']:.1f} vs {hf['output_throughput_tok_per_s']:.1f} "
+                         f"{mine['output_tokens_per_s']:.1f} vs {hf['output_tokens_per_s']:.1f} "
                          f"(p50 TTFT {mine['p50_ttft_ms']:.0f} vs {hf['p50_ttft_ms']:.0f} ms)",
                          f"{ratio:.2f} (≥ 3)", verdict(ratio, 3.0) if lower else "FAIL (TTFT)"))
 
@@ -310,9 +310,9 @@ def main() -> None:
             print(f"{kind:>6} {a['blocks']:>6} {a['reserve']:>7} {a['peak']:>5} {a['predicted']:>9} "
                   f"{a['peak'] / admitted['fp16']['peak']:7.2f} {a['predicted'] / admitted['fp16']['predicted']:11.2f} "
                   f"{a['preemptions']:>7} {g['goodput_per_s']:8.3f} {g['mean_running']:8.2f} "
-                  f"{g['output_throughput_tok_per_s']:7.1f} {g['p90_tpot_ms']:8.1f} {g['p90_ttft_ms']:8.0f}")
+                  f"{g['output_tokens_per_s']:7.1f} {g['p90_tpot_ms']:8.1f} {g['p90_ttft_ms']:8.0f}")
         print(f"{'none':>6} {'':>6} {'':>7} {'':>5} {'':>9} {'':>7} {'':>11} {'':>7} "
-              f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_throughput_tok_per_s']:7.1f} "
+              f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_tokens_per_s']:7.1f} "
               f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
         for kind in KINDS:
             a = admitted[kind]

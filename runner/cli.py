@@ -96,9 +96,8 @@ def _single(command: str, args, path: Path, manifest, resolved: dict) -> int:
 
     if manifest.tracking.mlflow:  # before torch is imported: a server that does not answer is said in seconds
         require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
-    from runner.execute.executor import execute, refuse_unbuilt_modes
+    from runner.execute.executor import execute
 
-    refuse_unbuilt_modes(manifest, path)
     previous = _resume_folder(args, manifest, "status.json")
     folder = RunFolder.at(previous) if previous else RunFolder.create(manifest.tracking.runs_dir, manifest.name)
     _catch_signals()
@@ -186,9 +185,6 @@ def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra
 
     if manifest.tracking.mlflow:
         require_server(manifest.tracking.tracking_uri, "tracking.tracking_uri")
-    from runner.execute.executor import refuse_unbuilt_modes
-
-    refuse_unbuilt_modes(manifest, path)
     previous = _resume_folder(args, manifest, "sweep.json")
     _catch_signals()
     outcome = sweep.run_sweep(path, manifest, arguments, points, hydra_args, resume=previous, progress=Bar)

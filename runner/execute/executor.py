@@ -20,19 +20,17 @@ import torch
 import yaml
 from transformers.utils import logging as hf_logging
 
-from runner.errors import ManifestError, Problem, ResourceError, RunnerError, StepError, format_loc
+from runner.errors import ResourceError, RunnerError
 from runner.execute.tracking import RunFolder, Tracker, environment, tracker_for
 from runner.files import atomic_write_json
 from runner.infer.loading.models import load_model_block
 from runner.manifest.paths import model_source
 from runner.manifest.plan import Step, StepPlan
 from runner.manifest.schema import Manifest
-from runner.manifest.sources import read_sources
 from runner.report import ProgressFactory, no_progress
 from runner.steps import STEP_RUNNERS
 
 log = logging.getLogger(__name__)
-UNBUILT = "the step is not built yet (`run check` validates its block; the step comes with the scheduler, issue 34)"
 
 
 @dataclass
@@ -180,20 +178,7 @@ def _rescue(step: Step, result: dict) -> Path:
     return atomic_write_json(name, result)
 
 
-def refuse_unbuilt_modes(manifest: Manifest, manifest_path: Path) -> None:
-    """A mode the schema takes but no step runs yet (serve) is refused at its run's `mode` key before a run folder
-    is made, as a located manifest problem."""
-    unbuilt = [(("targets", t, "runs", r, "mode"), run.mode) for t, target in enumerate(manifest.targets)
-               for r, run in enumerate(target.runs) if run.mode not in STEP_RUNNERS]
-    if unbuilt:
-        sources = read_sources(manifest_path)
-        raise ManifestError([Problem(format_loc(loc), f"mode {mode}: {UNBUILT}", sources.at(loc))
-                             for loc, mode in unbuilt], sources.file)
-
-
 def _run_step(step: Step, lm, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
-    if step.mode not in STEP_RUNNERS:
-        raise StepError(f"mode {step.mode}: {UNBUILT}")
     try:
         result = STEP_RUNNERS[step.mode](step, lm, base_dir, out_dir, progress)
     except torch.OutOfMemoryError as exc:

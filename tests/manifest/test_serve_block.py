@@ -3,7 +3,6 @@ wrong, and `run` refusing mode serve at its mode key until the step exists."""
 
 import pytest
 
-from runner.cli import main
 from runner.errors import ManifestError
 from runner.infer.serve.load import Lengths
 from runner.manifest.compose import load_manifest
@@ -116,17 +115,6 @@ def test_a_prompts_file_long_enough_passes_check(tmp_path):
     assert "line 3: the prompt is 66 bytes, too short for 76 tokens" in problem(
         tmp_path, "{rate: 1, prompts_file: p.txt, prompt_tokens: {dist: uniform, min: 8, max: 80}, "
                   "prefix_groups: 2, prefix_tokens: 4}")
-
-
-def test_run_refuses_mode_serve_at_its_mode_key_until_the_step_exists(tmp_path, monkeypatch, capsys):
-    path = manifest(tmp_path, "{rate: 1}")
-    monkeypatch.chdir(tmp_path)
-    assert main(["check", path.name]) == 0
-    assert main([path.name]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].strip() == ("m.yaml:6:9: targets[0].runs[0].mode: mode serve: the step is not built yet (`run "
-                               "check` validates its block; the step comes with the scheduler, issue 34)")
-    assert not (tmp_path / "runs").exists(), "refused before a run folder is made"
 
 
 def test_engines_are_an_axis_and_compiled_alone_with_only_kivi_is_refused(tmp_path):
