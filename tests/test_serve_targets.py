@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows[1:]]  # the first is the header
 
 
+@pytest.mark.e2e
 def test_quick_run_prints_every_target():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_targets.py"), "--model", "tiny", "--quick",
