@@ -25,6 +25,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from serve_scheduler import TINY, make_requests  # noqa: E402  (benchmarks/ is the script's directory)
 
 from runner.infer.compiled.engine import engine_for  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
@@ -33,23 +34,6 @@ from runner.infer.serve.compiled_slots import CompiledSlots  # noqa: E402
 from runner.infer.serve.driver import drive  # noqa: E402
 from runner.infer.serve.requests import Request  # noqa: E402
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
-
-
-def _requests(n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0,
-              rate: float = 0.0) -> list[Request]:
-    """n requests of uniform prompt and (exact) output lengths; Poisson arrivals at `rate` per s (0: all at t=0)."""
-    g = torch.Generator().manual_seed(seed)
-    out, t = [], 0.0
-    for i in range(n):
-        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
-        m = int(torch.randint(output[0], output[1] + 1, (1,), generator=g))
-        ids = tuple(torch.randint(3, vocab - 3, (p,), generator=g).tolist())
-        out.append(Request(i, t, ids, max_new_tokens=m, min_new_tokens=m))
-        t += float(torch.empty(1).exponential_(rate, generator=g)) if rate > 0 else 0.0
-    return out
 
 
 def compare(model, requests: list[Request], max_running: int, columns: int, repeats: int,
@@ -108,7 +92,7 @@ def main() -> None:
           f"{'graphs':>6} {'recompiles':>10} {'same':>5}")
     for batch in args.batch:
         for rate in (0.0, args.rate):
-            requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, args.max_output), seed=1,
+            requests = make_requests(args.requests, model.config.vocab_size, (8, 96), (8, args.max_output), seed=1,
                                  rate=rate)
             r = compare(model, requests, batch, args.columns, args.repeats, args.kind)
             arrivals = f"Poisson {rate:g}/s" if rate else "all at t=0"

@@ -40,7 +40,7 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def _requests(n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0,
+def make_requests(n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0,
               rate: float = 0.0) -> list[Request]:
     """n requests of uniform prompt and (exact) output lengths; Poisson arrivals at `rate` per s (0: all at t=0)."""
     g = torch.Generator().manual_seed(seed)
@@ -63,7 +63,7 @@ def step_costs(model, batch: int, steps: int, repeats: int, prompt_len: int, kin
     def scheduled(tick):
         scheduler = Scheduler(model, SchedulerConfig(cache_kind=kind, max_tokens_per_step=batch * prompt_len),
                               clock=time.perf_counter)
-        for r in _requests(batch, vocab, (prompt_len, prompt_len), (steps + 2, steps + 2)):
+        for r in make_requests(batch, vocab, (prompt_len, prompt_len), (steps + 2, steps + 2)):
             scheduler.submit(r)
         while not all(live.decoding for live in scheduler.running) or scheduler.waiting:
             scheduler.step()
@@ -153,7 +153,7 @@ def main() -> None:
         print(f"{batch:>5} {c['step_ms']:8.2f} {c['forward_ms']:8.2f} {c['scheduler_ms']:8.3f} "
               f"{100 * c['scheduler_ms'] / c['step_ms']:7.1f}% {c['plain_ms']:8.2f} "
               f"{c['step_ms'] / c['plain_ms']:7.2f}")
-    requests = _requests(args.requests, model.config.vocab_size, (8, 96), (8, 64), seed=1, rate=args.rate)
+    requests = make_requests(args.requests, model.config.vocab_size, (8, 96), (8, 64), seed=1, rate=args.rate)
     t = throughput(model, requests, args.repeats, args.max_running, args.max_wait_ms, args.kind)
     print(f"mixed load: {args.requests} requests, {f'Poisson {args.rate:g}/s' if args.rate else 'all at t=0'}, "
           f"prompts 8-96, outputs 8-64 tokens, max_running={args.max_running}, static max_wait_ms="

@@ -40,10 +40,10 @@ from dataclasses import replace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from serve_scheduler import TINY, step_costs  # noqa: E402  (benchmarks/ is the script's directory)
+from serve_transformers_cb import cpu_flags  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from benchmarks.serve_scheduler import TINY, step_costs  # noqa: E402
-from benchmarks.serve_transformers_cb import cpu_flags  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text  # noqa: E402
 from runner.infer.serve.blocks import block_spec, blocks_in  # noqa: E402
