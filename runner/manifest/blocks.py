@@ -315,9 +315,7 @@ class BenchBlock(Strict):
     @field_validator("baseline")
     @classmethod
     def _none_is_no_baseline(cls, values: list[str]) -> list[str]:
-        if "none" in values and len(values) > 1:
-            raise ValueError(f"none means no baseline: give it alone, or leave it out (got {values})")
-        return [] if values == ["none"] else values
+        return no_baseline(values)
 
     @field_validator("cache_kinds")
     @classmethod
@@ -354,3 +352,10 @@ def _validates(block: BaseModel, updates: dict) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def no_baseline(values: list[str]) -> list[str]:
+    """A list of baselines where `none` (alone) means none: []."""
+    if "none" in values and len(values) > 1:
+        raise ValueError(f"none means no baseline: give it alone, or leave it out (got {values})")
+    return [] if values == ["none"] else values

@@ -16,7 +16,7 @@ from runner.errors import ValueAt
 from runner.infer.config.kinds import compiled_serve_reason, parse_kind
 from runner.infer.serve.load import DEFAULT_PROMPT, Lengths, LoadSpec
 from runner.infer.serve.metrics import PERCENTILES, Slo
-from runner.manifest.blocks import MAX_SEED, Strict
+from runner.manifest.blocks import MAX_SEED, Strict, no_baseline
 
 MAX_TOKENS = 1_000_000
 Count = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
@@ -152,9 +152,7 @@ class ServeBlock(Strict):
     @field_validator("baselines")
     @classmethod
     def _none_is_no_baseline(cls, values: list[str]) -> list[str]:
-        if "none" in values and len(values) > 1:
-            raise ValueError(f"none means no baseline: give it alone, or leave it out (got {values})")
-        return [] if values == ["none"] else values
+        return no_baseline(values)
 
     @model_validator(mode="after")
     def _a_load_that_can_be_drawn(self) -> ServeBlock:

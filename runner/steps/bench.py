@@ -39,7 +39,7 @@ from runner.manifest.blocks import BenchBlock
 from runner.manifest.paths import model_source, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.shared import load_draft, step_block
+from runner.steps.shared import is_number, load_draft, markdown, step_block
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
@@ -193,19 +193,6 @@ def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def markdown(frame: pd.DataFrame) -> str:
-    """A GitHub markdown table (no tabulate dependency): floats to 3 significant digits (whole numbers from 100
-    up), NaN as '-'."""
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return "-" if math.isnan(value) else f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
-        return "-" if value is None else str(value).replace("|", "\\|")
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
-
-
 def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
     """Per cell `<cell>.<figure>` (with `<figure>_spread` beside, for run compare), and a few headline figures."""
     out = {"cells": float(len(table)), "cells_failed": float((table["status"] != "ok").sum())}
@@ -218,13 +205,13 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
         for figure in HEADLINE:
             for side in ("ours", "hf", "hfc"):
                 value = row.get(f"{side}_{figure}")
-                if _number(value):
+                if is_number(value):
                     out[f"{name}.{side}_{figure}"] = value
                 spread = row.get(f"{side}_{figure}_spread")
-                if _number(spread):
+                if is_number(spread):
                     out[f"{name}.{side}_{figure}_spread"] = spread
         for ratio in (*(f"{r}_{n}" for r in ("ratio", "ratio_hfc") for n in RATIOS), "spec_speedup"):
-            if _number(row.get(ratio)):
+            if is_number(row.get(ratio)):
                 out[f"{name}.{ratio}"] = row[ratio]
     ratios = table["ratio_tokens_per_s"].dropna() if "ratio_tokens_per_s" in table else pd.Series(dtype=float)
     if len(ratios):
@@ -313,6 +300,3 @@ def _label(cell: dict) -> str:
     return (f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}"
             f"{weights}{flags}")
 
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -9,7 +9,6 @@ this step lays the points side by side, writes the tables and plots, and names t
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from runner.manifest.plan import Step
 from runner.manifest.serve_block import ServeBlock
 from runner.report import ProgressFactory, show
 from runner.steps.serve_report import markdown_points, plot_all, write_tables
-from runner.steps.shared import step_block
+from runner.steps.shared import is_number, step_block
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -217,7 +216,7 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
     ok = table[table["status"] == "ok"] if "status" in table else table
     for row in ok.to_dict("records"):
         name = _name(row["system"], row["cache_kind"], row["x"])
-        out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if _number(row.get(k))}
+        out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if is_number(row.get(k))}
         for baseline in ("static", "transformers"):
             other = ok[(ok["system"] == baseline) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
             if row["system"] in OURS.values() and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
@@ -243,6 +242,3 @@ def _name(system: str, kind: str, x: float | None = None) -> str:
     name = f"{system}_{kind}" + (f"_x{x:g}" if x is not None else "")
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
 
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from runner.steps.shared import markdown
+
 POINT_COLUMNS = ["system", "cache_kind", "x", "status", "completed", "refused", "errors", "output_tokens_per_s",
                  "requests_per_s", "goodput_per_s", "meets_slo", "p50_ttft_ms", "p90_ttft_ms",
                  "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "mean_running",
@@ -27,17 +29,8 @@ def write_tables(out_dir: Path, points: list[dict], requests: list[dict], timeli
 
 
 def markdown_points(table: pd.DataFrame) -> str:
-    """The points as a GitHub markdown table: the columns people read first; floats to 3 significant digits."""
-    frame = table[[c for c in POINT_COLUMNS if c in table.columns]]
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return "-" if math.isnan(value) else f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
-        return "-" if value is None else str(value).replace("|", "\\|")
-
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
+    """The points as a GitHub markdown table: the columns people read first."""
+    return markdown(table[[c for c in POINT_COLUMNS if c in table.columns]])
 
 
 def plot_all(out_dir: Path, points: pd.DataFrame, requests: pd.DataFrame, timeline: pd.DataFrame) -> None:

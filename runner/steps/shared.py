@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import TypeVar
 
@@ -186,3 +187,21 @@ def plot_candidates(selection: Selection, config: GenerateConfig, path: Path) ->
 
 def _mib(value: float | None) -> str:
     return "none" if value is None else f"{value:g} MiB"
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A GitHub markdown table (no tabulate dependency): floats to 3 significant digits (whole numbers from 100
+    up), NaN as '-'."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "-" if math.isnan(value) else f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        return "-" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def is_number(value) -> bool:
+    """A figure worth logging: a real number, not a boolean, not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

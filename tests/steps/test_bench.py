@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from runner.manifest.blocks import BenchBlock
-from runner.steps.bench import markdown, matrix, metric_name, metrics, with_spec_speedup
+from runner.steps.bench import matrix, metric_name, metrics, with_spec_speedup
+from runner.steps.shared import markdown
 from tests.conftest import tiny_manifest
 from tests.test_cli import run_cli
 

@@ -15,24 +15,11 @@ from runner.infer.serve.blocks import block_spec
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive
 from runner.infer.serve.requests import Request
+from tests.infer.serve.clocks import FakeClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KINDS = ["fp32", "fp16", "q8_0", "q4_0", "q4_1", "nf4"]
-
-
-class FakeClock:
-    """Each read advances `tick` seconds; sleep jumps."""
-
-    def __init__(self, tick: float = 0.01):
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def _load(n: int = 7, gap_s: float = 0.06, seed: int = 0) -> list[Request]:

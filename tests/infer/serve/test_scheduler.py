@@ -15,24 +15,11 @@ from runner.infer.serve.requests import Request
 from runner.infer.serve.rows import Flushes, chunk_end
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, request_seed
 from runner.infer.serve.static import StaticBatcher
+from tests.infer.serve.clocks import FakeClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny batch-1 forwards: extra threads only contend
 
 KINDS = ["fp32", "fp16", "q8_0", "q4_0", "kivi4:g8:r16", "kivi2:g8:r8:s3"]
-
-
-class FakeClock:
-    """Each read advances `tick` seconds (a step takes time); sleep jumps."""
-
-    def __init__(self, tick: float = 0.01):
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def _load(n: int = 7, gap_s: float = 0.06, seed: int = 0, **fields) -> list[Request]:

@@ -13,23 +13,9 @@ from runner.infer.loading.models import byte_tokenizer
 from runner.infer.serve.load import Lengths, LoadSpec, build_load
 from runner.infer.serve.requests import Request
 from runner.infer.serve.transformers_cb import kv_blocks_for_budget, serve_with_transformers, transformers_cb_reason
+from tests.infer.serve.clocks import FakeClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class FakeClock:
-    """Advances 1 ms per read and by whatever is slept: arrivals seconds apart cost no real time."""
-
-    def __init__(self):
-        self.now_s, self.slept_s = 0.0, []
-
-    def __call__(self) -> float:
-        self.now_s += 0.001
-        return self.now_s
-
-    def sleep(self, seconds: float) -> None:
-        self.slept_s.append(seconds)
-        self.now_s += seconds
 
 
 def solo(model, prompt, max_new_tokens) -> list[int]:
@@ -80,7 +66,7 @@ def test_lengths_are_exact_and_min_new_tokens_ignores_eos_until_reached(tiny_lm)
 
 
 def test_requests_are_released_at_their_arrivals_on_the_injected_clock(tiny_lm):
-    clock = FakeClock()
+    clock = FakeClock(tick=0.001)
     requests = [Request(i, arrival, (5, 6, 7, 8), 3, 3) for i, arrival in enumerate([0.0, 5.0, 5.0, 20.0])]
     records = serve_with_transformers(tiny_lm.model, requests, max_batch_size=4, block_size=8, num_blocks=16,
                                       clock=clock, sleep=clock.sleep)
@@ -96,7 +82,7 @@ def test_a_load_is_served_with_its_follow_ups(tiny_lm):
     spec = LoadSpec(arrival="concurrency", concurrency=2, num_requests=3, turns=2, prompt_tokens=Lengths("fixed", 6),
                     output_tokens=Lengths("uniform", min=2, max=4))
     load = build_load(spec, byte_tokenizer(), text)
-    clock = FakeClock()
+    clock = FakeClock(tick=0.001)
     records = {r.id: r for r in serve_with_transformers(tiny_lm.model, load, max_batch_size=2, block_size=8,
                                                           num_blocks=32, clock=clock, sleep=clock.sleep)}
     assert sorted(records) == list(range(6)), "3 conversations of 2 turns"
