@@ -54,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -63,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
-    lm = load_model(args.model, dtype=args.dtype, device="cpu")
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
     reason = transformers_cb_reason(lm.model, DTYPES[args.dtype])
     if reason:
         raise SystemExit(f"transformers' continuous batching not run: {reason}")
@@ -71,9 +72,10 @@ def main() -> None:
                     prompt_tokens=Lengths("fixed", args.prompt_tokens), output_tokens=Lengths("fixed", args.new_tokens))
     requests = [replace(r, arrival_s=0.0) for r in build_load(spec, lm.tokenizer, load_text("pydoc").text).requests]
     per_request_blocks = -(-(args.prompt_tokens + args.new_tokens) // args.block_size)
-    prompts = torch.tensor([r.prompt_ids for r in requests])
+    prompts = torch.tensor([r.prompt_ids for r in requests], device=args.device)
     config = GenerateConfig(max_new_tokens=args.new_tokens, temperature=0, eos_token_id=[])
-    print(f"model={args.model} dtype={args.dtype} requests={args.requests}×{args.prompt_tokens}→{args.new_tokens} "
+    print(f"model={args.model} dtype={args.dtype} device={args.device} "
+          f"requests={args.requests}×{args.prompt_tokens}→{args.new_tokens} "
           f"all at 0 s  threads={torch.get_num_threads()} repeats={args.repeats}")
     print(f"cpu={platform.processor() or platform.machine()} cores={os.cpu_count()} flags: {cpu_flags()}")
 
