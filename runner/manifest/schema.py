@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ValueAt
-from runner.infer.loading.zoo import DEFAULT_MODEL
+from runner.infer.loading.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 from runner.manifest.blocks import (
     MAX_SEED,
     NAME_MAX,
@@ -26,12 +26,13 @@ from runner.manifest.blocks import (
     SpeculativeBlock,
     Strict,
 )
+from runner.manifest.eval_block import EvalBlock
 from runner.manifest.serve_block import ServeBlock
 
-Mode = Literal["generate", "auto-cache-select", "speculative", "bench", "serve"]
+Mode = Literal["generate", "auto-cache-select", "speculative", "bench", "serve", "eval"]
 MODES = typing.get_args(Mode)
 BLOCKS = {"generate": "generate", "auto-cache-select": "generate", "speculative": "speculative",
-          "bench": "bench", "serve": "serve"}  # mode → its block
+          "bench": "bench", "serve": "serve", "eval": "eval"}  # mode → its block
 
 
 class Run(Strict):
@@ -44,21 +45,24 @@ class Run(Strict):
     bench: BenchBlock | None = Field(None, description="Bench matrix: sizes, cache kinds, dtypes, repeats, baseline.")
     serve: ServeBlock | None = Field(None, description=(
         "Serving under load: arrivals, request lengths, SLO, scheduler limits, axes and baselines."))
+    eval: EvalBlock | None = Field(None, description=(
+        "Long-context tasks (docs/long-context.md) scored with each cache kind: tasks, lengths, samples, seed, "
+        "cache_kinds."))
 
     @model_validator(mode="before")
     @classmethod
     def _default_block(cls, data):
-        """generate, auto-cache-select and bench may leave their block out (all defaults); speculative needs its
-        draft."""
+        """generate, auto-cache-select, bench and eval may leave their block out (all defaults); speculative needs
+        its draft."""
         block = BLOCKS.get(data.get("mode")) if isinstance(data, dict) and isinstance(data.get("mode"), str) else None
-        if block in ("generate", "bench") and block not in data:
+        if block in ("generate", "bench", "eval") and block not in data:
             return {**data, block: {}}
         return data
 
     @model_validator(mode="after")
     def _auto_only_where_it_means_something(self) -> Run:
         block = BLOCKS[self.mode]
-        others = [name for name in ("generate", "speculative", "bench", "serve")
+        others = [name for name in ("generate", "speculative", "bench", "serve", "eval")
                   if name != block and getattr(self, name) is not None]
         if others:
             raise ValueError(f"mode {self.mode} reads the '{block}' block: remove '{others[0]}'")
@@ -100,6 +104,15 @@ class Target(Strict):
         if joint and self.model.quantization != "none":
             raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
                              f"model: remove model.quantization ({self.model.quantization})")
+        context = model_context(self.model)
+        for i, run in enumerate(self.runs):  # a task longer than the model's context could only be cut
+            suite, key = ((run.eval, ("eval", "lengths")) if run.eval is not None else
+                          (run.generate.cache_quality_tasks, ("generate", "cache_quality_tasks", "lengths"))
+                          if run.generate is not None else (None, ()))
+            too_long = [j for j, n in enumerate(suite.lengths) if context and n > context] if suite else []
+            if too_long:
+                raise RunError(i, run.id, (*key, too_long[0]), f"length {suite.lengths[too_long[0]]} is above the "
+                               f"model's context of {context} tokens: use lengths up to {context}")
         for i, run in enumerate(self.runs):  # int4 weights need bfloat16: each run judged by its own dtypes
             if run.bench is not None:
                 quantizations, dtypes = run.bench.quantizations or [], run.bench.dtypes or [self.model.dtype]
@@ -112,6 +125,15 @@ class Target(Strict):
                 raise RunError(i, run.id, key, f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 "
                                f"takes a path hundreds of times slower): {fix}, or leave int4 out")
         return self
+
+
+def model_context(model: ModelBlock) -> int | None:
+    """The model's context in tokens where the manifest alone says it (a zoo model, a config); else None (a hub id
+    or a folder: the library checks it when the model is loaded)."""
+    if model.config is not None:
+        return model.config.get("max_position_embeddings")
+    name = (model.id or DEFAULT_MODEL).removeprefix(ZOO_PREFIX)
+    return ZOO[name].context if (model.id or DEFAULT_MODEL).startswith(ZOO_PREFIX) and name in ZOO else None
 
 
 URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")

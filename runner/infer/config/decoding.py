@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from runner.errors import ValueAt
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations
+from runner.infer.config.tasks import TaskGates
 
 Engine = Literal["eager", "compiled"]  # decode engines (see ENGINE_DESCRIPTION)
 ENGINES: tuple[Engine, ...] = get_args(Engine)
@@ -57,6 +58,9 @@ class AutoCacheConfig(BaseModel):
         "Prompt tokens before the timed decode."))
     cache_auto_bench_repeats: int = Field(3, ge=1, le=1000, description=(
         "Timed repeats after one warm-up (kinds interleaved); the median counts."))
+    cache_quality_tasks: TaskGates | None = Field(None, description=(
+        "Long-context task gates beside ΔNLL/KL (docs/long-context.md): tasks, lengths, samples, seed, max_drop "
+        "(points of 100 against the reference cache, beyond its 95 % interval), per_task. Unset = no task gate."))
     weight_candidates: list[str] | None = Field(None, min_length=1, description=(
         "mode auto-cache-select: also choose the weights' quantization (none, int8, int8-dynamic, int4, int4:g32, "
         "...): a (weights, cache kind) pair whose weights + cache bytes fit memory_budget_mb, gated against the "

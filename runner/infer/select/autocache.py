@@ -42,7 +42,7 @@ CACHE_FORMAT = 3  # bump when a quantizer, the probe or the rows change: persist
 KEYED_SETTINGS = ("cache_candidates", "cache_budget_mb", "cache_quality_max_delta_nll", "cache_quality_max_ppl_ratio",
                   "cache_quality_max_mean_kl", "cache_quality_prompt_len", "cache_quality_decode_steps",
                   "cache_quality_windows", "cache_quality_ppl_len", "cache_quality_on_fail", "cache_auto_benchmark",
-                  "cache_auto_tie_break",
+                  "cache_auto_tie_break", "cache_quality_tasks",
                   "cache_auto_bench_steps", "cache_auto_bench_prompt_len", "cache_auto_bench_repeats", "max_seq_len",
                   "engine")
 
