@@ -121,10 +121,11 @@ def capture_kept(press, kept_by_layer: dict) -> None:
         for h in range(before.shape[0]):
             where = {row.tobytes(): i for i, row in enumerate(before[h])}
             found = [where.get(row.tobytes()) for row in after[h]]
-            if None in found:
+            positions = sorted(i for i in found if i is not None)
+            if len(positions) != len(found) or len(set(positions)) != len(positions):
                 raise RuntimeError(f"layer {module.layer_idx} head {h}: the press returned keys that are not "
-                                   "among its inputs; kept positions cannot be read back")
-            heads.append(sorted(int(i) for i in found))  # type: ignore[arg-type]
+                                   "distinct rows of its inputs; kept positions cannot be read back")
+            heads.append(positions)
         kept_by_layer[module.layer_idx] = heads
         return new_keys, new_values
 
