@@ -168,7 +168,7 @@ class EvictingMixin(DynamicLayer):
             scores = eviction.score(options, module, keys, values, valid, q_post,
                                     lambda: eviction.queries(module, inputs.hidden), future, first)
             window = min(options.window, keys.shape[-2] - first) if first else options.window
-            return eviction.choose(scores, kept, valid, options.sinks or 0, window or 0)
+            return eviction.choose(scores, kept, valid, options.sinks, window)
 
     def _gather_stored(self, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep only the columns `index` [B,H,k] of what the layer stores (keys / values: it all, dequantized)."""
@@ -178,6 +178,7 @@ class EvictingMixin(DynamicLayer):
         elif isinstance(self, QuantLayer):  # one token's codes stand alone: a gather is exact
             self._map(lambda t: _gather(t, index))
         else:
+            assert self.keys is not None and self.values is not None, "a layer that holds tokens"
             self.keys, self.values = _gather(self.keys, index), _gather(self.values, index)
 
 

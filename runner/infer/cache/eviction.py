@@ -170,8 +170,8 @@ def score(options: EvictionOptions, module, keys: torch.Tensor, values: torch.Te
     if method == "h2o":
         return score_h2o(q_post(None), keys, valid, first)
     cos, sin = future()
-    skip = max(0, min((options.sinks or 0) - first, w - 1))  # the sinks' own queries, when they are among them
-    s = min(options.sinks or 0, t - 1)  # the sink keys stay out of the softmax (kvpress); `choose` keeps them
+    skip = max(0, min((options.sinks) - first, w - 1))  # the sinks' own queries, when they are among them
+    s = min(options.sinks, t - 1)  # the sink keys stay out of the softmax (kvpress); `choose` keeps them
     scores = score_expected(q_pre(), keys[:, :, s:], values[:, :, s:], None if valid is None else valid[:, s:],
                             cos, sin, skip)
     return F.pad(scores, (s, 0), value=0.0)

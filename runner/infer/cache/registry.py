@@ -16,8 +16,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from runner.infer.cache import layers
-from runner.infer.cache.evicting import evicting_layer, install_hooks
 from runner.infer.cache.codebooks import fitted_levels
+from runner.infer.cache.evicting import evicting_layer, install_hooks
 from runner.infer.cache.layers import STORAGE_DTYPES
 from runner.infer.cache.sizes import BlockSizes, FloatSizes, KiviSizes, Sizes, dims, float_per_token, native_bytes
 from runner.infer.cache.static.kivi import StaticKiviLayer

@@ -33,13 +33,13 @@ OPTION_MAX = 10_000_000  # tokens: max_seq_len's bound
 
 @dataclass(frozen=True)
 class EvictionOptions:
-    """One eviction method and its options, checked. `sinks` / `window` None take the method's default
+    """One eviction method and its options, checked. `sinks` / `window` −1 take the method's default
     (DEFAULTS); two spellings of the same eviction give equal options. ValueError for anything bad."""
 
     method: str
     ratio: float
-    sinks: int | None = None
-    window: int | None = None
+    sinks: int = -1  # -1: the method's default
+    window: int = -1
     every: int = 0  # 0: no decoding schedule
 
     def __post_init__(self) -> None:
@@ -50,7 +50,7 @@ class EvictionOptions:
             raise ValueError(f"the eviction ratio is the fraction of the prompt's tokens removed: it must lie in "
                              f"the open interval (0, 1) (got {self.ratio:g})")
         for name in ("sinks", "window"):
-            if getattr(self, name) is None:
+            if getattr(self, name) == -1:
                 object.__setattr__(self, name, DEFAULTS.get(self.method, {}).get(name, 0))
         for name in ("sinks", "window", "every"):
             value = getattr(self, name)

@@ -84,7 +84,8 @@ class KindOptions:
             raise ValueError(f"unknown cache kind {self.name!r}: known: {', '.join(KIND_NAMES)}")
         object.__setattr__(self, "family", FAMILIES[self.name])
         if self.family != "kivi":
-            if any(getattr(self, f.name) != f.default for f in fields(self) if f.init and f.name not in ("name", "eviction")):
+            if any(getattr(self, f.name) != f.default for f in fields(self)
+                   if f.init and f.name not in ("name", "eviction")):
                 raise ValueError(f"cache kind {self.name!r} takes no options")
             return
         bits = KIVI_BITS[self.name]  # the kivi family is exactly KIVI_BITS's names
@@ -227,7 +228,8 @@ def seq_len_problem(kind: str | None, max_seq_len: int, what: str = "max_seq_len
     if options.sinks >= max_seq_len:
         return (f"cache kind {kind!r}: {options.sinks} sink tokens (s{options.sinks}) leave no room in {what} "
                 f"{max_seq_len}")
-    written = any(_letter(part) == "r" for part in str(kind).partition("+")[0].split(":")[1:])  # the default window fits any cache
+    kind_part = str(kind).partition("+")[0]  # the eviction's options are not the kind's
+    written = any(_letter(part) == "r" for part in kind_part.split(":")[1:])  # the default window fits any cache
     if written and residual > max_seq_len:
         return (f"cache kind {kind!r}: the residual window r{residual} is longer than {what} {max_seq_len} "
                 f"(nothing would ever be quantized)")

@@ -25,6 +25,11 @@ def _keys(b=1, h=2, t=12, d=8, seed=0):
     return torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed))
 
 
+def _at(t, index):
+    """t [B,H,T,D] at the columns index [B,H,k]."""
+    return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+
 def _sorted_topk(scores, k):
     return scores.topk(k, dim=-1).indices.sort(-1).values
 
@@ -136,8 +141,7 @@ def test_stored_tokens_are_the_kept_tokens_coded_as_if_fed_alone(kind, tiny_lm):
     for i, layer in enumerate(state.cache.layers):
         keys, values = full.cache.layers[i].keys, full.cache.layers[i].values
         index = _sorted_topk(-keys.norm(dim=-1), 12)
-        gather = lambda t: t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
-        expect_keys, expect_values = reference.layers[i].update(gather(keys), gather(values))
+        expect_keys, expect_values = reference.layers[i].update(_at(keys, index), _at(values, index))
         got_keys, got_values = layer.update(keys[..., :0, :], values[..., :0, :])  # the whole, dequantized
         assert torch.equal(got_keys, expect_keys) and torch.equal(got_values, expect_values), (kind, i)
     assert state.mask.shape == (1, 12) and state.cache.get_seq_length() == 12
@@ -173,11 +177,10 @@ def test_decoding_after_eviction_equals_attention_over_the_kept_tokens_at_their_
         mask[1, :6] = 0
     full, _ = _prefill(model, None, ids, mask)
     evict, logits = _prefill(model, "fp32+knorm:0.5", ids, mask)
-    for i, layer in enumerate(full.cache.layers):
+    for layer in full.cache.layers:
         norms = -layer.keys.norm(dim=-1).masked_fill(~mask.bool()[:, None, :], float("inf"))
         index = _sorted_topk(norms, 8)
-        gather = lambda t: t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
-        layer.keys, layer.values = gather(layer.keys), gather(layer.values)
+        layer.keys, layer.values = _at(layer.keys, index), _at(layer.values, index)
     kept_mask = torch.stack([mask[b].gather(0, index[b, 0]) for b in range(2)])
     assert torch.equal(evict.mask, kept_mask)
     full.mask = kept_mask
