@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from runner.infer.cache import layers
 from runner.infer.cache.codebooks import fitted_levels
+from runner.infer.cache.evicting import evicting_layer, install_hooks
 from runner.infer.cache.layers import STORAGE_DTYPES
 from runner.infer.cache.sizes import BlockSizes, FloatSizes, KiviSizes, Sizes, dims, float_per_token, native_bytes
 from runner.infer.cache.static.kivi import StaticKiviLayer
@@ -69,13 +70,24 @@ def layer_levels(model, options: KindOptions, n_layers: int) -> list[dict]:
 
 
 def make_cache(kind: str | None, model) -> Cache:
-    """An empty cache of `kind` (aliases, options ok) for `model`; None or the model's own dtype → DynamicCache."""
+    """An empty cache of `kind` (aliases, options ok) for `model`; None or the model's own dtype → DynamicCache.
+
+    With eviction (`q8_0+snapkv:0.5`), each layer is the kind's class (DynamicLayer for the model's own dtype)
+    behind cache/evicting.EvictingMixin, carrying the EvictionOptions; the model's attention modules get the
+    pre-hook that feeds it (once per model)."""
     options = parse_kind(kind)
-    if options is None or native(options, model.dtype):
+    if options is None or (native(options, model.dtype) and options.eviction is None):
         return DynamicCache(config=model.config)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    eager = KINDS[options.name].eager
-    return Cache(layers=[eager(options, **extra) for extra in layer_levels(model, options, n_layers)])
+    if options.eviction is None:
+        eager = KINDS[options.name].eager
+        return Cache(layers=[eager(options, **extra) for extra in layer_levels(model, options, n_layers)])
+    install_hooks(model)
+    if native(options, model.dtype):
+        return Cache(layers=[evicting_layer(layers.DynamicLayer)(options.eviction) for _ in range(n_layers)])
+    eager = evicting_layer(KINDS[options.name].eager)
+    return Cache(layers=[eager(options.eviction, options=options, **extra)
+                         for extra in layer_levels(model, options, n_layers)])
 
 
 def bytes_per_token(config, kind: str | None, model_dtype: torch.dtype) -> int | float:
@@ -99,9 +111,18 @@ def residual_bytes(config, kind: str | None, batch: int, seq_len: int, model_dty
     return KINDS[options.name].sizes.residual(options, dims(config), batch, seq_len, model_dtype)
 
 
-def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype) -> int:
-    """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens; equals `cache_bytes` for llama-style models."""
+def estimate_cache_bytes(config, kind: str | None, batch: int, seq_len: int, model_dtype: torch.dtype,
+                         prompt_len: int | None = None) -> int:
+    """Bytes a cache of `kind` holds at `batch` × `seq_len` tokens fed; equals `cache_bytes` for llama-style models.
+
+    With eviction, seq_len counts every token fed (prompt + generated) and `prompt_len` the prompt's, fed in one
+    prefill (None: all seq_len of them): the cache holds eviction.held(prompt, generated) tokens (the kept prompt,
+    plus what the decoding schedule has not compressed yet) at the kind's rate. A chunked prefill evicts per chunk
+    and holds more; batches count the longest row's columns."""
     options = parse_kind(kind)
-    if options is None or native(options, model_dtype):  # transformers' DynamicCache: windows respected
+    if options is not None and options.eviction is not None:
+        prompt = seq_len if prompt_len is None else min(prompt_len, seq_len)
+        seq_len = options.eviction.held(prompt, seq_len - prompt)
+    elif options is None or native(options, model_dtype):  # transformers' DynamicCache: windows respected
         return native_bytes(config, batch, seq_len, model_dtype)
     return KINDS[options.name].sizes.held(options, dims(config), batch, seq_len, model_dtype)

@@ -101,6 +101,9 @@ def make_window_cache(kind: str | None, model, window: int, sinks: int) -> Cache
     options = parse_kind(kind)
     if options is not None and options.family == "kivi":
         raise ValueError("the sliding window does not support KIVI cache kinds")
+    if options is not None and options.eviction is not None:
+        raise ValueError(f"cache kind {kind!r} evicts tokens already: it does not stack with the sliding window "
+                         f"(decode_local_window); streaming eviction keeps sinks + a recent window")
     base, args = ((DynamicLayer, {}) if options is None or native(options, model.dtype) else
                   (KINDS[options.name].eager, {"options": options}))
     layer = type(f"Window{base.__name__}", (WindowMixin, base), {})

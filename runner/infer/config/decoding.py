@@ -11,6 +11,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runner.errors import ValueAt
+from runner.infer.config.eviction import compiled_eviction_reason
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations
 from runner.infer.config.tasks import TaskGates
@@ -221,6 +222,11 @@ class GenerateConfig(AutoCacheConfig):
                              "q4_0, q4_1 or nf4, or decode_plan: none")
         if self.prefill == "compiled" and self.engine != "compiled":
             raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
+        if self.engine == "compiled" and (reason := compiled_eviction_reason(self.cache_kind)):
+            raise ValueError(f"engine: compiled: {reason}")
+        if self.decode_plan != "none" and self.cache_kind and "+" in self.cache_kind:
+            raise ValueError("the sliding window (decode_plan) does not stack with eviction (the cache kind's "
+                             "'+...'): use decode_plan: none, or streaming eviction for sinks + a recent window")
         _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
         return self

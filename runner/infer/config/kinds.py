@@ -8,10 +8,13 @@ so it holds the format constants the grammar checks (BLOCK, CODES_PER_UNIT) and 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple, overload
+
+from runner.infer.config.eviction import EvictionOptions, compiled_eviction_reason, parse_eviction
 
 # The one dtype table: a model dtype's manifest name → the cache kind that stores K/V in that dtype.
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -73,6 +76,7 @@ class KindOptions:
     rotate_values: bool = False
     nuq: bool = False
     value_block: int = BLOCK
+    eviction: EvictionOptions | None = None  # tokens dropped after a prompt forward (config/eviction.py)
     family: str = field(init=False)  # float, block or kivi: which registry entries share their classes
 
     def __post_init__(self) -> None:
@@ -80,7 +84,8 @@ class KindOptions:
             raise ValueError(f"unknown cache kind {self.name!r}: known: {', '.join(KIND_NAMES)}")
         object.__setattr__(self, "family", FAMILIES[self.name])
         if self.family != "kivi":
-            if any(getattr(self, f.name) != f.default for f in fields(self) if f.init and f.name != "name"):
+            if any(getattr(self, f.name) != f.default for f in fields(self)
+                   if f.init and f.name not in ("name", "eviction")):
                 raise ValueError(f"cache kind {self.name!r} takes no options")
             return
         bits = KIVI_BITS[self.name]  # the kivi family is exactly KIVI_BITS's names
@@ -124,16 +129,18 @@ class KindOptions:
     @property
     def canonical(self) -> str:
         """The one spelling: aliases resolved, KIVI options spelled out (`kivi4` → `kivi4:g32:r32`, the other
-        options after g and r in a fixed order, only when not their default). Cache plans key on it."""
+        options after g and r in a fixed order, only when not their default), then `+` and the eviction's
+        canonical spelling when it has one. Cache plans key on it."""
+        evict = f"+{self.eviction.canonical}" if self.eviction is not None else ""
         if self.family != "kivi":
-            return self.name
+            return self.name + evict
         split = (self.key_bits, self.value_bits) != (self.bits,) * 2
         extras = [f"s{self.sinks}" if self.sinks else "",
                   f"o{self.outlier_percent:g}" if self.outlier_percent else "",
                   f"b{self.value_block}" if self.value_block != BLOCK else "",
                   f"k{self.key_bits}v{self.value_bits}" if split else "",
                   *[flag for flag, option in KIVI_FLAGS.items() if getattr(self, option)]]
-        return ":".join([self.name, f"g{self.group_size}", f"r{self.residual_len}", *filter(None, extras)])
+        return ":".join([self.name, f"g{self.group_size}", f"r{self.residual_len}", *filter(None, extras)]) + evict
 
 
 @overload
@@ -147,9 +154,17 @@ def parse_kind(kind: str | None) -> KindOptions | None:
     "kivi3:g64:r128:s4:o1:rot:nuq" → group 64, residual 128, 4 sinks, 1 % outliers, rotated keys, fitted codes;
     "kivi3:k4v2:b64" → keys at 4 bits, values at 2 in blocks of 64 channels (the name's bits are the average of
     key and value bits, rounded down). r defaults to g; each option at most once, in any order.
+    "q8_0+snapkv:0.5" → q8_0 with SnapKV eviction of half the prompt (config/eviction.py's grammar after the `+`).
     """
     if kind is None:
         return None
+    kind, plus, evict = kind.partition("+")
+    if plus:
+        try:
+            eviction = parse_eviction(evict)
+        except ValueError as error:
+            raise ValueError(f"cache kind {kind + plus + evict!r}: {error}") from None
+        return dataclasses.replace(parse_kind(kind), eviction=eviction)
     name, *fields = kind.split(":")
     name = KIND_ALIASES.get(name, name)
     if name not in KIND_NAMES:
@@ -187,6 +202,8 @@ def parse_kind(kind: str | None) -> KindOptions | None:
 def compiled_serve_reason(kind: str | None) -> str:
     """Why `kind` cannot be served by continuous batching on the compiled engine (serve/compiled_slots.py), or ""
     when it can: here, without torch, so `run check` judges a serve block's engines as the server does."""
+    if reason := compiled_eviction_reason(kind):
+        return reason
     options = parse_kind(kind)
     if options is not None and options.family == "kivi":
         return ("KIVI codes keys per channel over groups of columns and keeps its residual in a ring indexed by "
@@ -211,7 +228,8 @@ def seq_len_problem(kind: str | None, max_seq_len: int, what: str = "max_seq_len
     if options.sinks >= max_seq_len:
         return (f"cache kind {kind!r}: {options.sinks} sink tokens (s{options.sinks}) leave no room in {what} "
                 f"{max_seq_len}")
-    written = any(_letter(part) == "r" for part in str(kind).split(":")[1:])  # the default window fits any cache
+    kind_part = str(kind).partition("+")[0]  # the eviction's options are not the kind's
+    written = any(_letter(part) == "r" for part in kind_part.split(":")[1:])  # the default window fits any cache
     if written and residual > max_seq_len:
         return (f"cache kind {kind!r}: the residual window r{residual} is longer than {what} {max_seq_len} "
                 f"(nothing would ever be quantized)")

@@ -360,12 +360,14 @@ def test_bytes_relative_to_fp16_for_smollm2_shapes():
 
 def test_parse_kind_resolves_aliases_and_defaults():
     assert parse_kind(None) is None
+    # what a plain kind carries
     none = dict(key_bits=None, value_bits=None, group_size=None, residual_len=None, sinks=0, outlier_percent=0.0,
-                rotate_keys=False, rotate_values=False, nuq=False, value_block=32)  # what a plain kind carries
+                rotate_keys=False, rotate_values=False, nuq=False, value_block=32, eviction=None)
     assert asdict(parse_kind("q4")) == {"name": "q4_0", "family": "block", **none}
     assert asdict(parse_kind("q4_1")) == {"name": "q4_1", "family": "block", **none}
     # sinks, outliers, rotations, nuq, value block: off unless named; both sides at the name's bits
-    off = dict(sinks=0, outlier_percent=0.0, rotate_keys=False, rotate_values=False, nuq=False, value_block=32)
+    off = dict(sinks=0, outlier_percent=0.0, rotate_keys=False, rotate_values=False, nuq=False, value_block=32,
+               eviction=None)
     four, two = {**off, "key_bits": 4, "value_bits": 4}, {**off, "key_bits": 2, "value_bits": 2}
     kivi4, kivi2 = {"name": "kivi4", "family": "kivi"}, {"name": "kivi2", "family": "kivi"}
     assert asdict(parse_kind("kivi4")) == {**kivi4, "group_size": 32, "residual_len": 32, **four}

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from runner.infer.cache.layers import CastLayer, KiviLayer, QuantLayer, cache_bytes
-from runner.infer.cache.registry import KINDS, native
+from runner.infer.cache.registry import KINDS, estimate_cache_bytes, native
 from runner.infer.cache.sizes import BlockSizes, FloatSizes, KiviSizes, dims
 from runner.infer.cache.static.cache import make_static_cache
 from runner.infer.cache.static.kivi import StaticKiviLayer
@@ -86,3 +86,20 @@ def test_each_entry_estimates_its_static_layers_and_names_their_kernel_formats(k
     ring_bytes = 2 * layers * heads * 2 * head_dim * ring * model.dtype.itemsize
     estimate = entry.sizes.held(options, dims(model.config), 2, cache.length, model.dtype)
     assert cache_bytes(cache) == estimate + ring_bytes
+
+
+@pytest.mark.parametrize("kind", KINDS_AND_OPTIONS)
+@pytest.mark.parametrize("eviction", ["snapkv:0.5:w4", "knorm:0.3:e5", "streaming:0.75:s2"])
+def test_each_entry_estimates_the_bytes_its_evicting_layers_hold(kind, eviction, tiny_lm):
+    """With eviction, seq_len counts every token fed and prompt_len the prompt's: the estimate is the kept prompt
+    (and the schedule's decoded tokens) at the kind's rate, equal to what the layers hold."""
+    model, spelled = tiny_lm.model, f"{kind}+{eviction}"
+    options = parse_kind(spelled)
+    for batch, seq_len, steps in FILLS:
+        if seq_len < 2:  # a one-token forward is a decode step: nothing to evict
+            continue
+        cache = _fill(model, spelled, batch, seq_len, steps)
+        held = options.eviction.held(seq_len, steps)
+        assert cache.get_seq_length() == held < seq_len + steps
+        estimate = estimate_cache_bytes(model.config, spelled, batch, seq_len + steps, model.dtype, prompt_len=seq_len)
+        assert cache_bytes(cache) == estimate == estimate_cache_bytes(model.config, kind, batch, held, model.dtype)

@@ -40,6 +40,7 @@ from runner.infer.cache.registry import KINDS, NATIVE_KINDS, layer_levels
 from runner.infer.cache.sizes import dims
 from runner.infer.cache.static.kivi import StaticKiviLayer
 from runner.infer.cache.static.plain import StaticPlainLayer
+from runner.infer.config.eviction import compiled_eviction_reason
 from runner.infer.config.kinds import parse_kind
 from runner.infer.kernels import cpu_attention
 
@@ -122,6 +123,8 @@ def static_length(kind: str | None, length: int) -> int:
 def make_static_cache(kind: str | None, model, batch: int, length: int) -> StaticKVCache:
     """A zeroed static cache of `kind` (None = the model's dtype) for `model`: `batch` rows × `length` columns
     (KIVI: `static_length` of them)."""
+    if reason := compiled_eviction_reason(kind):
+        raise ValueError(reason)
     options = parse_kind(kind if kind is not None else NATIVE_KINDS.get(model.dtype))
     if options is None:
         raise ValueError(f"the compiled engine has no static layout for cache kind {kind!r}: "
