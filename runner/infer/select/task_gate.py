@@ -1,0 +1,58 @@
+"""The task gate of cache selection (`cache_quality_tasks`): a candidate cache must not lose long-context task
+accuracy against the reference cache, beyond the noise of the sample count.
+
+    TaskGate(model, tokenizer, gates)   the reference's scores, once: every task × length, `samples` each, seeded
+    gate.judge(model, kind, row)        the same samples on the candidate → the row's task figures and failures
+
+Per (task, length) the drop is how far the candidate's score falls below the reference's 95 % interval
+(`tasks.scoring.drop_beyond_noise`: a drop within the interval is not a drop); pairs the reference cannot do
+(`TaskScore.informative`) do not gate and are counted in the row. The gate compares the mean drop over the
+informative pairs with `max_drop`, or each pair's with `per_task`. Run after the ΔNLL/KL gates, on their survivors
+only: a prefill of thousands of tokens per sample is the selection's most expensive measurement.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from runner.infer.config.tasks import TaskGates
+from runner.infer.tasks.evaluate import Evaluation, evaluate_tasks
+from runner.infer.tasks.scoring import drop_beyond_noise
+from runner.report import ProgressFactory, no_progress
+
+
+class TaskGate:
+    """The reference cache's task scores and the rule that judges a candidate's against them."""
+
+    def __init__(self, model, tokenizer, gates: TaskGates, progress: ProgressFactory = no_progress):
+        self.gates, self.tokenizer, self.progress = gates, tokenizer, progress
+        self.reference = self._evaluate(model, None)
+        self.informative = [key for key, score in self.reference.scores.items() if score.informative]
+
+    def _evaluate(self, model, kind: str | None) -> Evaluation:
+        g = self.gates
+        return evaluate_tasks(model, self.tokenizer, g.tasks, g.lengths, g.samples, g.seed, kind,
+                              progress=self.progress)
+
+    def judge(self, model, kind: str, row: dict) -> list[str]:
+        """Score `kind` on the reference's samples; put its figures in `row`; the failures, each with its figure."""
+        candidate = self._evaluate(model, kind)
+        drops = {key: drop_beyond_noise(self.reference.scores[key], candidate.scores[key])
+                 for key in self.informative}
+        row.update(task_score=_mean(candidate.scores[k].score for k in self.informative),
+                   task_reference=_mean(self.reference.scores[k].score for k in self.informative),
+                   task_drop=_mean(drops.values()), task_pairs=len(self.informative),
+                   task_uninformative=len(self.reference.scores) - len(self.informative),
+                   task_samples=self.gates.samples)
+        if not self.informative:
+            return []  # nothing the reference can do: no gate (the row says so through task_pairs = 0)
+        limit = self.gates.max_drop
+        if self.gates.per_task:
+            return [f"{name}@{length} drop {drop:.1f} > {limit:g}" for (name, length), drop in drops.items()
+                    if not drop <= limit]
+        return [f"task drop {row['task_drop']:.1f} > {limit:g}"] if not row["task_drop"] <= limit else []
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else float("nan")
