@@ -15,6 +15,7 @@ Does not know about models, caches or scores (the metric is named here, computed
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import random
 import re
@@ -211,15 +212,26 @@ def _sentences(text: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
 
 
-def _insert(units: list[str], needles: list[str], depths: list[float]) -> list[float]:
-    """Insert each needle before unit int(len × depth) (in depth order); → the realised depths."""
+def _insert(units: list[str], needles: list[str], depths: list[float], by_chars: bool = False) -> list[float]:
+    """Insert each needle before unit int(len × depth) (in depth order), or, `by_chars`, at the unit boundary
+    nearest to that fraction of the units' characters (essay sentences differ in length); → the realised depths."""
     n = len(units)
+    ends = list(itertools.accumulate(len(u) + 1 for u in units))  # characters up to the end of each unit
+    total = ends[-1] if ends else 0
     order = sorted(range(len(needles)), key=lambda i: depths[i])
     realised = [0.0] * len(needles)
-    for shift, i in enumerate(order):
-        position = min(int(n * depths[i]), n)
+    places = []
+    for i in order:
+        if by_chars and total:
+            want = depths[i] * total
+            position = min(range(n + 1), key=lambda k: abs((ends[k - 1] if k else 0) - want))
+            realised[i] = (ends[position - 1] if position else 0) / total
+        else:
+            position = min(int(n * depths[i]), n)
+            realised[i] = position / n if n else 0.0
+        places.append((position, i))
+    for shift, (position, i) in enumerate(places):
         units.insert(position + shift, needles[i])
-        realised[i] = position / n if n else 0.0
     return realised
 
 
@@ -240,7 +252,7 @@ def _build_niah(spec: Task, units: int, rng: random.Random, length: int, words: 
         essay = _essay()
         text = " ".join((essay * (units // len(essay) + 1))[:units])
         parts = _sentences(text)
-        realised = _insert(parts, needles, where)
+        realised = _insert(parts, needles, where, by_chars=True)
         context = " ".join(parts)
     else:
         if a["haystack"] == "noise":
