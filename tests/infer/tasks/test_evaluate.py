@@ -27,7 +27,8 @@ def test_evaluate_on_a_tiny_model_returns_predictions_scores_bytes_and_seconds(t
     assert set(ev.scores) == {("niah_single_1", 700), ("fwe", 700)}
     assert ev.scores[("niah_single_1", 700)].n == 2
     rows = ev.rows()
-    assert {row["task"] for row in rows} == {"niah_single_1", "fwe"} and all(row["cache_kind"] == "q8_0" for row in rows)
+    assert {row["task"] for row in rows} == {"niah_single_1", "fwe"}
+    assert all(row["cache_kind"] == "q8_0" for row in rows)
     fp = evaluate(tiny_lm.model, tok, samples[:1], None, q_chunk=None)
     assert fp.results[0].cache_bytes > ev.results[0].cache_bytes  # q8_0 stores less than fp32
 

@@ -1,7 +1,17 @@
 import pytest
 
-from runner.infer.tasks.scoring import (Interval, TaskScore, drop_beyond_noise, informative, interval, score,
-                                        string_match_all, string_match_part, task_score, wilson)
+from runner.infer.tasks.scoring import (
+    Interval,
+    TaskScore,
+    drop_beyond_noise,
+    informative,
+    interval,
+    score,
+    string_match_all,
+    string_match_part,
+    task_score,
+    wilson,
+)
 
 
 def test_string_match_all_counts_the_references_found_case_insensitively():
