@@ -14,7 +14,7 @@ import runner
 
 RUNNER = Path(runner.__file__).parent
 ROOT = RUNNER.parent
-INFER_LAYERS = ["config", "kernels", "quant", "loading", "decode", "cache", "measure", "compiled", "select",
+INFER_LAYERS = ["config", "kernels", "quant", "loading", "decode", "cache", "measure", "tasks", "compiled", "select",
                 "generation", "speculative", "serve", "bench"]
 RUNNER_LAYERS = ["errors", "files", "report", "infer", "manifest", "steps", "execute", "cli", "__main__"]
 BOTTOM = {"errors", "files", "report"}  # import nothing of runner themselves but runner.errors

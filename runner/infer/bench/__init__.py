@@ -1,1 +1,1 @@
-"""Layer 12: one bench cell measured on runner's engine, transformers, speculative and assisted decoding."""
+"""Layer 14: one bench cell measured on runner's engine, transformers, speculative and assisted decoding."""

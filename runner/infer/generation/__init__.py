@@ -1,1 +1,1 @@
-"""Layer 10: the Generator, the seed API's front door to decoding."""
+"""Layer 11: the Generator, the seed API's front door to decoding."""

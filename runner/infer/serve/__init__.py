@@ -1,1 +1,1 @@
-"""Layer 12: serving under load: requests arriving over time, a continuous-batching scheduler, what each saw."""
+"""Layer 13: serving under load: requests arriving over time, a continuous-batching scheduler, what each saw."""

@@ -1,1 +1,1 @@
-"""Layer 11: speculative decoding: the round's arithmetic, drafts through text, batched rounds, the generator."""
+"""Layer 12: speculative decoding: the round's arithmetic, drafts through text, batched rounds, the generator."""

@@ -1,0 +1,53 @@
+import pytest
+
+from runner.infer.loading.zoo import zoo_cached
+from runner.infer.tasks.evaluate import check_length, evaluate, evaluate_tasks
+from runner.infer.tasks.ruler import make_samples
+
+
+def test_evaluate_on_a_tiny_model_returns_predictions_scores_bytes_and_seconds(tiny_lm, one_thread, words):
+    tok = tiny_lm.tokenizer
+    samples = make_samples("niah_single_1", tok, 700, 2, words=words) + make_samples("fwe", tok, 700, 1, words=words)
+    seen = []
+
+    def bar(description, total, unit):
+        from runner.report import Progress
+
+        class Recording(Progress):
+            def update(self, n=1, note=""):
+                seen.append(note)
+        return Recording(description, total, unit)
+
+    ev = evaluate(tiny_lm.model, tok, samples, "q8_0", q_chunk=128, progress=bar)
+    assert len(ev.results) == 3 and len(seen) == 3
+    for r in ev.results:
+        assert r.prompt_tokens == r.sample.tokens <= 700 and 0 <= r.score <= 1 and r.cache_bytes > 0
+        assert r.prefill_s > 0 and r.decode_s >= 0 and r.stop in {"eos", "max_tokens", "newline", "answered"}
+        assert r.new_tokens <= r.sample.max_new_tokens
+    assert set(ev.scores) == {("niah_single_1", 700), ("fwe", 700)}
+    assert ev.scores[("niah_single_1", 700)].n == 2
+    rows = ev.rows()
+    assert {row["task"] for row in rows} == {"niah_single_1", "fwe"}
+    assert all(row["cache_kind"] == "q8_0" for row in rows)
+    fp = evaluate(tiny_lm.model, tok, samples[:1], None, q_chunk=None)
+    assert fp.results[0].cache_bytes > ev.results[0].cache_bytes  # q8_0 stores less than fp32
+
+
+def test_a_length_above_the_context_and_an_unknown_task_are_value_errors(tiny_lm):
+    limit = tiny_lm.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"above the model's context \\({limit} tokens"):
+        check_length(tiny_lm.model, limit + 1)
+    with pytest.raises(ValueError, match="did you mean 'cwe'"):
+        evaluate_tasks(tiny_lm.model, tiny_lm.tokenizer, ["cwf"], [256], 1)
+
+
+@pytest.mark.slow
+def test_smollm2_finds_the_needle_over_noise_at_1024(one_thread):
+    if not zoo_cached("zoo:smollm2-135m"):
+        pytest.skip("zoo:smollm2-135m is not converted in runner's cache (load it once to fetch it)")
+    from runner.infer.loading.models import load_model
+
+    lm = load_model("zoo:smollm2-135m", device="cpu")
+    ev = evaluate_tasks(lm.model, lm.tokenizer, ["niah_single_1"], [1024], 3, cache_kind="fp16")
+    result = ev.scores[("niah_single_1", 1024)]
+    assert result.n == 3 and result.score >= 66  # seen: 100 (3 of 3) on fp16, and on the fp32 cache
