@@ -82,7 +82,7 @@ class Run(Strict):
 class RunError(ValueAt):
     """A target's check that concerns one of its runs: reported at that run (its index and key), naming its id."""
 
-    def __init__(self, index: int, run_id: str, key: tuple[str, ...], message: str):
+    def __init__(self, index: int, run_id: str, key: tuple[str | int, ...], message: str):
         super().__init__(("runs", index, *key), f"run {run_id!r}: {message}")
 
 
@@ -109,10 +109,11 @@ class Target(Strict):
             suite, key = ((run.eval, ("eval", "lengths")) if run.eval is not None else
                           (run.generate.cache_quality_tasks, ("generate", "cache_quality_tasks", "lengths"))
                           if run.generate is not None else (None, ()))
-            too_long = [j for j, n in enumerate(suite.lengths) if context and n > context] if suite else []
+            lengths = suite.lengths if suite is not None else []
+            too_long = [j for j, n in enumerate(lengths) if context and n > context]
             if too_long:
-                raise RunError(i, run.id, (*key, too_long[0]), f"length {suite.lengths[too_long[0]]} is above the "
-                               f"model's context of {context} tokens: use lengths up to {context}")
+                raise RunError(i, run.id, (*key, too_long[0]), f"length {lengths[too_long[0]]} is above the model's "
+                               f"context of {context} tokens: use lengths up to {context}")
         for i, run in enumerate(self.runs):  # int4 weights need bfloat16: each run judged by its own dtypes
             if run.bench is not None:
                 quantizations, dtypes = run.bench.quantizations or [], run.bench.dtypes or [self.model.dtype]

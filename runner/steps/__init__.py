@@ -8,9 +8,10 @@ result is logged to MLflow as parameters, and an optional `series` (name → lis
 
 from runner.steps.bench import run_bench
 from runner.steps.cache_select import run_cache_select
+from runner.steps.eval import run_eval
 from runner.steps.generate import run_generate
 from runner.steps.serve import run_serve
 from runner.steps.speculative import run_speculative
 
 STEP_RUNNERS = {"generate": run_generate, "auto-cache-select": run_cache_select, "speculative": run_speculative,
-                "bench": run_bench, "serve": run_serve}
+                "bench": run_bench, "serve": run_serve, "eval": run_eval}

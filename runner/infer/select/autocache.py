@@ -33,6 +33,7 @@ from runner.infer.measure.quality import build_probe, compare, run_probe
 from runner.infer.measure.timing import Stopwatch, device_name
 from runner.infer.select.cache_plans import CachePlanStore, cache_plan_key
 from runner.infer.select.speed import compile_pairs, time_decode_pairs
+from runner.infer.select.task_gate import TaskGate
 from runner.report import ProgressFactory, no_progress
 
 MIB = 1024 * 1024
@@ -102,7 +103,8 @@ def planned_selection(fields: dict, config: GenerateConfig, measure_and_choose, 
 
 
 ROW_NUMBERS = ("estimated_mib", "measured_mib", "delta_nll", "ppl_ratio", "mean_kl", "tokens_per_s",
-               "tokens_per_s_spread", "prefill_ms", "weight_mib", "total_mib")
+               "tokens_per_s_spread", "prefill_ms", "weight_mib", "total_mib", "task_score", "task_reference",
+               "task_drop")
 
 
 def cache_plan_problem(plan: dict, joint: bool = False) -> str:
@@ -153,6 +155,7 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
     probe = config_probe(tokenizer, text, config, device)
     bar = progress("cache quality", len(fitting) + 1, "kind")
     reference = run_probe(model, probe, None)
+    tasks = TaskGate(model, tokenizer, config.cache_quality_tasks, progress) if config.cache_quality_tasks else None
     bar.update(note="reference")
     for row in fitting:
         try:
@@ -169,6 +172,8 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
         bar.update(note=row["kind"])
         row.update(metrics, measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
         failures = gate_failures(metrics, config)
+        if tasks is not None and not failures:  # the costly gate last, on the cheap gates' survivors only
+            failures = tasks.judge(model, row["kind"], row)
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
     survivors = [row for row in fitting if row["passed"]]
@@ -229,8 +234,12 @@ def check_lengths(config: GenerateConfig) -> None:
 
 
 def within_budget(model, kind: str, config: GenerateConfig, batch_size: int) -> dict:
+    """The candidate's estimated bytes at max_seq_len × batch (an evicting kind: a prompt of max_seq_len −
+    max_new_tokens, pressed, then max_new_tokens more) against cache_budget_mb."""
     per_token = bytes_per_token(model.config, kind, model.dtype)
-    estimated_mib = estimate_cache_bytes(model.config, kind, batch_size, config.max_seq_len, model.dtype) / MIB
+    prompt_len = max(1, config.max_seq_len - config.max_new_tokens)
+    estimated_mib = estimate_cache_bytes(model.config, kind, batch_size, config.max_seq_len, model.dtype,
+                                         prompt_len=prompt_len) / MIB
     fits = config.cache_budget_mb is None or estimated_mib <= config.cache_budget_mb
     verdict = "" if fits else f"over budget: {estimated_mib:.1f} MiB > {config.cache_budget_mb:g} MiB"
     return {"kind": kind, "estimated_bytes_per_token": per_token, "estimated_mib": estimated_mib, "fits": fits,

@@ -42,6 +42,7 @@ from runner.infer.select.autocache import (
     time_survivors,
     within_budget,
 )
+from runner.infer.select.task_gate import TaskGate
 from runner.report import ProgressFactory, no_progress
 
 
@@ -102,6 +103,7 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
     probe = config_probe(tokenizer, text, config, device)
     bar = progress("weights × cache quality", len(fitting) + 1, "pair")
     reference = run_probe(model, probe, None)
+    tasks = TaskGate(model, tokenizer, config.cache_quality_tasks, progress) if config.cache_quality_tasks else None
     bar.update(note="reference")
     models = {}
     for weights in dict.fromkeys(row["weights"] for row in fitting):
@@ -110,6 +112,8 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
         for row in (r for r in fitting if r["weights"] == weights):
             metrics = compare(reference, run_probe(candidate, probe, row["kind"]))
             failures = gate_failures(metrics, config)
+            if tasks is not None and not failures:  # the costly gate last, on the cheap gates' survivors only
+                failures = tasks.judge(candidate, row["kind"], row)
             row.update(metrics, measured_weight_mib=measured_mib, passed=not failures,
                        measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB,
                        verdict="; ".join(failures) or "passed gates")

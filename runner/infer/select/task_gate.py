@@ -17,7 +17,7 @@ import statistics
 
 from runner.infer.config.tasks import TaskGates
 from runner.infer.tasks.evaluate import Evaluation, evaluate_tasks
-from runner.infer.tasks.scoring import drop_beyond_noise
+from runner.infer.tasks.scoring import TaskScore, drop_beyond_noise
 from runner.report import ProgressFactory, no_progress
 
 
@@ -27,7 +27,6 @@ class TaskGate:
     def __init__(self, model, tokenizer, gates: TaskGates, progress: ProgressFactory = no_progress):
         self.gates, self.tokenizer, self.progress = gates, tokenizer, progress
         self.reference = self._evaluate(model, None)
-        self.informative = [key for key, score in self.reference.scores.items() if score.informative]
 
     def _evaluate(self, model, kind: str | None) -> Evaluation:
         g = self.gates
@@ -36,21 +35,27 @@ class TaskGate:
 
     def judge(self, model, kind: str, row: dict) -> list[str]:
         """Score `kind` on the reference's samples; put its figures in `row`; the failures, each with its figure."""
-        candidate = self._evaluate(model, kind)
-        drops = {key: drop_beyond_noise(self.reference.scores[key], candidate.scores[key])
-                 for key in self.informative}
-        row.update(task_score=_mean(candidate.scores[k].score for k in self.informative),
-                   task_reference=_mean(self.reference.scores[k].score for k in self.informative),
-                   task_drop=_mean(drops.values()), task_pairs=len(self.informative),
-                   task_uninformative=len(self.reference.scores) - len(self.informative),
-                   task_samples=self.gates.samples)
-        if not self.informative:
-            return []  # nothing the reference can do: no gate (the row says so through task_pairs = 0)
-        limit = self.gates.max_drop
-        if self.gates.per_task:
-            return [f"{name}@{length} drop {drop:.1f} > {limit:g}" for (name, length), drop in drops.items()
-                    if not drop <= limit]
-        return [f"task drop {row['task_drop']:.1f} > {limit:g}"] if not row["task_drop"] <= limit else []
+        figures, failures = verdict(self.reference.scores, self._evaluate(model, kind).scores, self.gates)
+        row.update(figures)
+        return failures
+
+
+def verdict(reference: dict[tuple[str, int], TaskScore], candidate: dict[tuple[str, int], TaskScore],
+            gates: TaskGates) -> tuple[dict, list[str]]:
+    """(the row's task figures, the failures): the rule on (task, length) → scores of the same samples."""
+    useful = [key for key, score in reference.items() if score.informative]
+    drops = {key: drop_beyond_noise(reference[key], candidate[key]) for key in useful}
+    figures = {"task_score": _mean(candidate[k].score for k in useful),
+               "task_reference": _mean(reference[k].score for k in useful), "task_drop": _mean(drops.values()),
+               "task_pairs": len(useful), "task_uninformative": len(reference) - len(useful),
+               "task_samples": gates.samples}
+    if not useful:
+        return figures, []  # nothing the reference can do: no gate (task_pairs = 0 says so)
+    if gates.per_task:
+        return figures, [f"{name}@{length} drop {drop:.1f} > {gates.max_drop:g}"
+                         for (name, length), drop in drops.items() if not drop <= gates.max_drop]
+    drop = figures["task_drop"]
+    return figures, [f"task drop {drop:.1f} > {gates.max_drop:g}"] if not drop <= gates.max_drop else []
 
 
 def _mean(values) -> float:

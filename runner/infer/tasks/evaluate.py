@@ -1,7 +1,8 @@
 """Run task samples through a model on a cache kind: predictions, scores with intervals, bytes and seconds.
 
 Owns: one sample's greedy answer through the forward chain (`DecodeState.prefill` in chunks of `q_chunk` tokens,
-then `feed` one token at a time on a cache from `make_cache(kind, model)`, so any kind string `make_cache` accepts
+except for an evicting kind, whose prompt goes in one forward since eviction acts on each prompt forward; then
+`feed` one token at a time on a cache from `make_cache(kind, model)`, so any kind string `make_cache` accepts
 works, eviction options included), the stop rules, the cache's measured bytes after the prefill, prefill and decode
 seconds through the timing harness's `Stopwatch`, and the per-task scores (`scoring.TaskScore`). Batch 1.
 Stops: the model's EOS; the task's max answer tokens (RULER's tokens_to_generate); the model's context; a line break
@@ -20,6 +21,7 @@ import torch
 
 from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
+from runner.infer.config.kinds import parse_kind
 from runner.infer.decode.forward import DecodeState, eos_ids
 from runner.infer.measure.timing import Stopwatch, on_device
 from runner.infer.tasks.ruler import Sample, make_samples, task
@@ -140,6 +142,9 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
     room = sample.max_new_tokens if limit is None else max(0, min(sample.max_new_tokens, limit - ids.shape[1]))
     eos = eos_ids(model)
     state = DecodeState(make_cache(cache_kind, model))
+    options = parse_kind(cache_kind)
+    if options is not None and options.eviction is not None:
+        q_chunk = None  # eviction runs on each prompt forward: the whole prompt at once, as kvpress presses it
     watch = Stopwatch(**on_device(device))
     logits, _ = state.prefill(model, ids, torch.ones_like(ids), q_chunk)
     token = logits.argmax(-1)

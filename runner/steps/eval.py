@@ -1,0 +1,131 @@
+"""mode: eval: the long-context task suite (runner.infer.tasks) scored on the model's own uncompressed cache (the
+reference) and on each cache kind of the block (quantized, evicting, or both), on the same seeded samples.
+
+One table, task × length × cache kind: the score (points of 100), its sample count and 95 % interval, whether the
+reference's score is informative (a task the model cannot do uncompressed gates nothing), the drop beyond the
+reference's interval, the cache's measured MiB after the prompt and its ratio to the reference's, and seconds per
+sample. Tables are written after each cache kind, so an interrupt keeps what finished; the frontier (mean score
+against bytes) is plotted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+from runner.errors import StepError
+from runner.infer.config.kinds import DTYPES
+from runner.infer.loading.models import LoadedModel
+from runner.infer.tasks.evaluate import check_length, evaluate
+from runner.infer.tasks.ruler import make_samples
+from runner.infer.tasks.scoring import drop_beyond_noise
+from runner.manifest.eval_block import EvalBlock
+from runner.manifest.plan import Step
+from runner.report import ProgressFactory, show
+from runner.steps.shared import markdown, step_block
+
+log = logging.getLogger(__name__)
+MIB = 2**20
+COLUMNS = ["task", "length", "cache_kind", "score", "low", "high", "n", "reference_score", "informative", "drop",
+           "cache_mib", "bytes_ratio", "prefill_s", "decode_s"]
+
+
+def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
+    block = step_block(EvalBlock, step)
+    try:  # a length past the model's context, or too short for a task's smallest prompt with this tokenizer
+        for length in block.lengths:
+            check_length(lm.model, length)
+        samples = [s for name in block.tasks for length in block.lengths
+                   for s in make_samples(name, lm.tokenizer, length, block.samples, block.seed)]
+    except ValueError as error:
+        raise StepError(f"step {step.key}: eval.lengths: {error}") from None
+    reference_name = DTYPES.get(str(lm.model.dtype).removeprefix("torch."), "reference")
+    kinds = [None, *(k for k in block.cache_kinds if k != reference_name)]
+    rows: list[dict] = []
+    answers: list[dict] = []
+    reference = None
+    for kind in kinds:
+        name = kind or reference_name
+        evaluation = evaluate(lm.model, lm.tokenizer, samples, kind, q_chunk=block.prefill_chunk, progress=progress)
+        reference = reference or evaluation
+        for row in evaluation.rows():
+            base = reference.scores[(row["task"], row["length"])]
+            mine = evaluation.scores[(row["task"], row["length"])]
+            ref_bytes = next(r["cache_bytes"] for r in reference.rows()
+                             if (r["task"], r["length"]) == (row["task"], row["length"]))
+            rows.append({**row, "cache_kind": name, "reference_score": base.score, "informative": base.informative,
+                         "drop": drop_beyond_noise(base, mine), "cache_mib": row["cache_bytes"] / MIB,
+                         "bytes_ratio": row["cache_bytes"] / ref_bytes if ref_bytes else float("nan")})
+        answers += [{"task": r.sample.task, "length": r.sample.length, "index": r.sample.index, "cache_kind": name,
+                     "score": r.score, "prediction": r.prediction, "answers": " | ".join(r.sample.answers),
+                     "stop": r.stop, "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens}
+                    for r in evaluation.results]
+        _write(out_dir, rows, answers)  # after every kind: an interrupt keeps what finished
+        log.info("[%s] %s: mean score %.1f", step.key, name, statistics.fmean(r.score for r in evaluation.results)
+                 * 100)
+    table = pd.DataFrame(rows)[COLUMNS]
+    summary = _summary(table)
+    _plot(summary, out_dir / "eval_frontier.png")
+    show(f"\n[{step.key}] long-context tasks ({block.samples} samples each, seed {block.seed}; scores in points "
+         f"with 95 % intervals; drop = below the reference's interval):\n{markdown(table)}\n\n"
+         f"[{step.key}] per cache kind, over the tasks the reference can do (informative):\n{markdown(summary)}")
+    return {"scores": table.astype(object).where(table.notna(), None).to_dict("records"),
+            "summary": summary.astype(object).where(summary.notna(), None).to_dict("records"),
+            "metrics": _metrics(summary), "params": {"eval.samples": len(samples), "eval.cache_kinds": len(kinds)}}
+
+
+def _write(out_dir: Path, rows: list[dict], answers: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(out_dir / "eval_scores.csv", index=False)
+    pd.DataFrame(answers).to_csv(out_dir / "eval_answers.csv", index=False)
+
+
+def _summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (cache kind, length): mean score and drop over the informative tasks, bytes ratio, seconds."""
+    out = []
+    for (kind, length), group in table.groupby(["cache_kind", "length"], sort=False):
+        useful = group[group["informative"]]
+        out.append({"cache_kind": kind, "length": length, "informative_tasks": len(useful),
+                    "score": useful["score"].mean() if len(useful) else float("nan"),
+                    "score_all_tasks": group["score"].mean(),
+                    "drop": useful["drop"].mean() if len(useful) else float("nan"),
+                    "cache_mib": group["cache_mib"].mean(), "bytes_ratio": group["bytes_ratio"].mean(),
+                    "prefill_s": group["prefill_s"].mean()})
+    return pd.DataFrame(out)
+
+
+def _metrics(summary: pd.DataFrame) -> dict:
+    """`<kind>_<length>.<figure>` per summary row (MLflow's names allow no '+': it becomes '_with_')."""
+    out: dict[str, float] = {}
+    for row in summary.to_dict("records"):
+        name = re.sub(r"[^\w.\-:/ ]", "_", str(row["cache_kind"]).replace("+", "_with_")) + f"_{row['length']}"
+        out |= {f"{name}.{k}": float(row[k]) for k in ("score", "drop", "cache_mib", "bytes_ratio", "prefill_s")
+                if pd.notna(row[k])}
+    return out
+
+
+def _plot(summary: pd.DataFrame, path: Path) -> None:
+    """Mean score over the informative tasks (over all, where none is) against the cache's bytes ÷ the
+    reference's: one point per kind, one panel per length."""
+    from matplotlib.figure import Figure
+
+    lengths = list(dict.fromkeys(summary["length"]))
+    fig = Figure(figsize=(5 * len(lengths), 4))
+    for i, length in enumerate(lengths):
+        ax = fig.add_subplot(1, len(lengths), i + 1)
+        part = summary[summary["length"] == length]
+        informative = part["score"].notna().any()  # else every task: none is informative at this length
+        for row in part.to_dict("records"):
+            y = row["score"] if informative else row["score_all_tasks"]
+            ax.scatter(row["bytes_ratio"], y)
+            ax.annotate(row["cache_kind"], (row["bytes_ratio"], y), fontsize=7)
+        ax.set(xlabel="cache bytes ÷ reference", xlim=(0, 1.05), ylim=(-2, 102),
+               ylabel=f"mean task score ({'informative' if informative else 'all, none informative'})",
+               title=f"{length} tokens")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
