@@ -38,7 +38,7 @@ COLUMNS = {  # row key → table heading
     "kind": "kind", "estimated_mib": "est MiB", "measured_mib": "meas MiB", "delta_nll": "ΔNLL",
     "ppl_ratio": "PPL ratio", "mean_kl": "mean KL", "needle_found": "needle", "tokens_per_s": "tok/s",
     "tokens_per_s_spread": "± tok/s", "timed_on": "timed on", "compile_s": "compile s",
-    "verdict": "verdict",
+    "task_score": "task score", "task_drop": "task drop", "verdict": "verdict",
 }
 JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib": "total MiB"}  # weight_candidates
 
@@ -127,9 +127,12 @@ def select_for(step: Step, block: GenerateBlock, config: GenerateConfig, lm: Loa
 
 def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:
     columns = {**JOINT_COLUMNS, **COLUMNS} if joint else COLUMNS
-    frame = pd.DataFrame(rows).reindex(columns=list(columns)).rename(columns=columns)
+    frame = pd.DataFrame(rows)
+    shown = [c for c in columns if c in frame or not c.startswith("task_")]  # task columns with the task gate only
+    frame = frame.reindex(columns=shown).rename(columns=columns)
     return frame.round({"est MiB": 2, "meas MiB": 2, "ΔNLL": 5, "PPL ratio": 4, "mean KL": 5, "tok/s": 1,
-                        "± tok/s": 1, "compile s": 1, "weights MiB": 2, "total MiB": 2})
+                        "± tok/s": 1, "compile s": 1, "weights MiB": 2, "total MiB": 2, "task score": 1,
+                        "task drop": 1})
 
 
 def describe_selection(selection: Selection) -> dict:
