@@ -38,7 +38,7 @@ class ZooModel:
     size: int  # bytes of the assembled GGUF file
     sha256: str
     licence: str
-    context: int  # tokens: the model's max_position_embeddings, so `run check` can bound a task's length
+    context: int | None = None  # tokens (max_position_embeddings), so `run check` can bound a task's length
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
