@@ -128,8 +128,8 @@ class EvictingMixin(DynamicLayer):
         held = self.get_seq_length()
         valid = inputs.valid(t)
         index = self._choose(inputs, key_states, value_states, valid, kept, first=0)  # [B,H,k]
-        whole_keys, whole_values = super().update(gather_columns(key_states, index), gather_columns(value_states, index),
-                                                  *args, **kwargs)
+        whole_keys, whole_values = super().update(gather_columns(key_states, index),
+                                                  gather_columns(value_states, index), *args, **kwargs)
         self.target, self.steps, self.recent = self.get_seq_length(), 0, []
         self.pending = (held, held + t, kept_mask(valid, index, key_states))
         return (torch.cat([whole_keys[..., :held, :], key_states], dim=-2),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from runner.errors import InferenceError
+from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.static.cache import StaticKVCache
 from runner.infer.compiled.attention import STATIC_CACHE, reduced_attention
 from runner.infer.config.eviction import speculative_eviction_reason
@@ -174,6 +175,15 @@ class StaticDecodeState:
         positions = self.seen[:, None]  # [b,1]
         self.seen = self.seen + live
         return self._forward(model, token[:, None], positions, live[:, None])[:, -1]
+
+    def held_bytes(self) -> int:
+        """Bytes of the tokens the cache holds, as an eager cache measures them (and estimate_cache_bytes says): the
+        real rows' columns written so far of a plain or block layout (one token's codes per column; a kind with
+        eviction: its kept tokens and those fed since). A KIVI layout (sinks, blocks, ring) has no bytes per column:
+        its whole buffer. The preallocated buffer itself (cache_bytes of the cache) never shrinks."""
+        if self.cache.codes_columns():
+            return cache_bytes(self.cache)
+        return sum(layer.held_bytes(self.rows, self.column) for layer in self.cache.static_layers)
 
     # speculative rounds: one row, no padding, the cache rolled back after a rejection
 
