@@ -83,6 +83,19 @@ def test_bytes_are_the_held_tokens_as_estimated_and_the_buffer_stays(static_lm):
     assert cache_bytes(gen.state.cache) == estimate_cache_bytes(config, "q4_0", 1, gen.state.cache.length, dtype)
 
 
+@pytest.mark.parametrize("kind", ["q8_0+knorm:0.5", "fp32"])
+def test_the_bench_reports_the_held_tokens_bytes_on_both_engines_and_the_buffer_apart(static_lm, kind):
+    from runner.infer.bench.cells import Cell, measure_ours
+
+    ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    eager = measure_ours(static_lm.model, ids, Cell(6, kind, repeats=1, warmup=0))
+    ours = measure_ours(static_lm.model, ids, Cell(6, kind, repeats=1, warmup=0, engine="compiled"))
+    assert ours["kv_mib"] == eager["kv_mib"] and "kv_buffer_mib" not in eager
+    held = 12 + 5 if "+" in kind else 24 + 5  # the kept prompt and 5 tokens fed; the 6th is never fed
+    per_token = estimate_cache_bytes(static_lm.model.config, kind.split("+")[0], 2, 1, static_lm.model.dtype)
+    assert ours["kv_mib"] * 2**20 == held * per_token and ours["kv_buffer_mib"] * 2**20 == 30 * per_token
+
+
 def test_a_continued_conversation_evicts_each_prompt_forward_as_eager(static_lm):
     """A second turn's prompt forward evicts its own columns, written after the first turn's held ones."""
     enc = static_lm.tokenizer(PROMPTS[:1], return_tensors="pt")
