@@ -88,7 +88,8 @@ def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     seconds, _, recompiles = engine.stats.reading()
     engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing
     compile_s = engine.stats.total_s - seconds
-    live, last = torch.ones_like(ids[:, 0]), {}
+    live = torch.ones_like(ids[:, 0])
+    last: dict[str, object] = {}
 
     @torch.inference_mode()
     def run_once(tick: Callable[[], None]) -> None:
