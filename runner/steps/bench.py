@@ -182,7 +182,8 @@ def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
     wanted = [*AXES, "weight_mib", "ours_total_mib", "ours_tokens_per_s", "hf_tokens_per_s", "ratio_tokens_per_s",
               "hfc_tokens_per_s",
               "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
-              "ours_peak_mib", "ours_kv_mib", "ours_bw_fraction", "ours_acceptance", "ours_acceptance_row_min",
+              "ours_peak_mib", "ours_kv_mib", "ours_kv_buffer_mib", "ours_bw_fraction", "ours_acceptance",
+              "ours_acceptance_row_min",
               "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",
               "hf_error", "hfc_error"]
     present = [c for c in wanted if c in table.columns]

@@ -88,7 +88,8 @@ def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     seconds, _, recompiles = engine.stats.reading()
     engine.state(kind, ids.shape[0], columns, columns)  # compiles this shape now, outside the timing
     compile_s = engine.stats.total_s - seconds
-    live, last = torch.ones_like(ids[:, 0]), {}
+    live = torch.ones_like(ids[:, 0])
+    last: dict[str, object] = {}
 
     @torch.inference_mode()
     def run_once(tick: Callable[[], None]) -> None:
@@ -99,7 +100,7 @@ def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
         for _ in range(new_tokens - 1):
             token = state.feed(model, token, live).argmax(-1)
             tick()
-        last["cache"] = state.cache
+        last["cache"], last["state"] = state.cache, state
 
     figures = _measure(model, ids, cell, run_once, last)
     return {**figures, "compile_s": compile_s, "recompiles": engine.stats.recompiles - recompiles}
@@ -209,7 +210,11 @@ def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[
     with PeakMemory(ids.device) as peak:
         marks = time_ticks(run_once, cell.repeats, cell.warmup, **on_device(ids.device))
     timing = TokenTiming.of(marks, ids.shape[0])
-    kv = cache_bytes(last["cache"])
+    # the bytes of the tokens held at the end, on either engine (an evicting kind: its kept prompt and the tokens
+    # generated since, as estimate_cache_bytes says); the compiled engine's preallocated buffer is apart
+    state = last.get("state")
+    kv = state.held_bytes() if state is not None else cache_bytes(last["cache"])
+    buffer = {} if state is None else {"kv_buffer_mib": cache_bytes(last["cache"]) / MIB}
     figures = {
         "ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
         "ttft_ms_spread": timing.ttft_s.spread * 1e3,
@@ -218,7 +223,7 @@ def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[
         "decode_tokens_per_s": timing.decode_tokens_per_s.median,
         "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
         "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
-        "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB,
+        "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB, **buffer,
     }
     if cell.bandwidth:
         figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], cell.new_tokens, timing.itl_s.median,

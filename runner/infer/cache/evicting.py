@@ -37,6 +37,8 @@ from runner.infer.cache.layers import KiviLayer, QuantLayer
 from runner.infer.config.eviction import EvictionOptions
 
 HOOKED = "_runner_eviction_hooks"  # set on a model once its attention modules carry the pre-hook
+RECEIVES = "receives_evict_inputs"  # where this attribute is true on a cache or on its layer, the pre-hook puts
+# the forward's inputs on the layer (`evict_inputs`): EvictingMixin always, a static cache within a scored forward
 
 
 @dataclass
@@ -75,7 +77,9 @@ def _hook(rotary):
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         layers = getattr(cache, "layers", None)
-        if not layers or module.layer_idx >= len(layers) or not isinstance(layers[module.layer_idx], EvictingMixin):
+        if not layers or module.layer_idx >= len(layers):
+            return None
+        if not (getattr(cache, RECEIVES, False) or getattr(layers[module.layer_idx], RECEIVES, False)):
             return None
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
@@ -87,6 +91,8 @@ def _hook(rotary):
 
 class EvictingMixin(DynamicLayer):
     """Put before a cache layer class (DynamicLayer or one of layers.py's): store only what eviction keeps."""
+
+    receives_evict_inputs = True  # the pre-hook hands every forward's inputs (RECEIVES)
 
     def __init__(self, eviction_options: EvictionOptions, **kwargs):
         super().__init__(**kwargs)
@@ -122,10 +128,10 @@ class EvictingMixin(DynamicLayer):
         held = self.get_seq_length()
         valid = inputs.valid(t)
         index = self._choose(inputs, key_states, value_states, valid, kept, first=0)  # [B,H,k]
-        whole_keys, whole_values = super().update(_gather(key_states, index), _gather(value_states, index),
-                                                  *args, **kwargs)
+        whole_keys, whole_values = super().update(gather_columns(key_states, index),
+                                                  gather_columns(value_states, index), *args, **kwargs)
         self.target, self.steps, self.recent = self.get_seq_length(), 0, []
-        self.pending = (held, held + t, _kept_mask(valid, index, key_states))
+        self.pending = (held, held + t, kept_mask(valid, index, key_states))
         return (torch.cat([whole_keys[..., :held, :], key_states], dim=-2),
                 torch.cat([whole_values[..., :held, :], value_states], dim=-2))
 
@@ -146,48 +152,54 @@ class EvictingMixin(DynamicLayer):
         valid = inputs.valid(n)
         index = self._choose(merged, keys, values, valid, self.target, first=n - len(recent))
         self._gather_stored(index, keys, values)
-        self.pending = (0, n, _kept_mask(valid, index, keys))
+        self.pending = (0, n, kept_mask(valid, index, keys))
 
     def _choose(self, inputs: EvictInputs, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
                 kept: int, first: int) -> torch.Tensor:
-        """The kept columns [B,H,kept] of keys / values [B,H,n,D]; the queries (inputs) are columns first..n−1."""
-        options, module = self.eviction, inputs.module
-
-        def q_post(columns: int | None) -> torch.Tensor:
-            part = slice(-columns if columns else None, None)
-            return eviction.queries(module, inputs.hidden[:, part], inputs.cos[:, part], inputs.sin[:, part])
-
-        def future() -> tuple[torch.Tensor, torch.Tensor]:
-            start = (int(inputs.position_ids.max()) + 1 if inputs.position_ids is not None
-                     else first + inputs.hidden.shape[1])
-            positions = torch.arange(start, start + eviction.FUTURE_POSITIONS, device=keys.device)[None]
-            cos, sin = inputs.rotary(keys, positions)
-            return cos[0], sin[0]
-
-        with torch.no_grad():
-            scores = eviction.score(options, module, keys, values, valid, q_post,
-                                    lambda: eviction.queries(module, inputs.hidden), future, first)
-            window = min(options.window, keys.shape[-2] - first) if first else options.window
-            return eviction.choose(scores, kept, valid, options.sinks, window)
+        return choose_columns(self.eviction, inputs, keys, values, valid, kept, first)
 
     def _gather_stored(self, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep only the columns `index` [B,H,k] of what the layer stores (keys / values: it all, dequantized)."""
         if isinstance(self, KiviLayer):  # codes over groups of tokens: code the kept tokens again
             self.is_initialized = False
-            KiviLayer.update(self, _gather(keys, index), _gather(values, index))
+            KiviLayer.update(self, gather_columns(keys, index), gather_columns(values, index))
         elif isinstance(self, QuantLayer):  # one token's codes stand alone: a gather is exact
-            self._map(lambda t: _gather(t, index))
+            self._map(lambda t: gather_columns(t, index))
         else:
             assert self.keys is not None and self.values is not None, "a layer that holds tokens"
-            self.keys, self.values = _gather(self.keys, index), _gather(self.values, index)
+            self.keys, self.values = gather_columns(self.keys, index), gather_columns(self.values, index)
 
 
-def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def choose_columns(options: EvictionOptions, inputs: EvictInputs, keys: torch.Tensor, values: torch.Tensor,
+                   valid: torch.Tensor | None, kept: int, first: int) -> torch.Tensor:
+    """The kept columns [B,H,kept] of keys / values [B,H,n,D] (valid [B,n] or None: all real); the queries (inputs)
+    are columns first..n−1. The eager layers' choice, and the compiled engine's (compiled/state.py)."""
+    module = inputs.module
+
+    def q_post(columns: int | None) -> torch.Tensor:
+        part = slice(-columns if columns else None, None)
+        return eviction.queries(module, inputs.hidden[:, part], inputs.cos[:, part], inputs.sin[:, part])
+
+    def future() -> tuple[torch.Tensor, torch.Tensor]:
+        start = (int(inputs.position_ids.max()) + 1 if inputs.position_ids is not None
+                 else first + inputs.hidden.shape[1])
+        positions = torch.arange(start, start + eviction.FUTURE_POSITIONS, device=keys.device)[None]
+        cos, sin = inputs.rotary(keys, positions)
+        return cos[0], sin[0]
+
+    with torch.no_grad():
+        scores = eviction.score(options, module, keys, values, valid, q_post,
+                                lambda: eviction.queries(module, inputs.hidden), future, first)
+        window = min(options.window, keys.shape[-2] - first) if first else options.window
+        return eviction.choose(scores, kept, valid, options.sinks, window)
+
+
+def gather_columns(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t [B,H,n,C] → [B,H,k,C] at the columns index [B,H,k]."""
     return t.gather(-2, index[..., None].expand(*index.shape, t.shape[-1]))
 
 
-def _kept_mask(valid: torch.Tensor | None, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def kept_mask(valid: torch.Tensor | None, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[B,k] mask of the kept columns (every head of a row keeps as many pads, first: head 0 stands for all)."""
     if valid is None:
         return torch.ones(index.shape[0], index.shape[-1], dtype=torch.long, device=like.device)

@@ -106,14 +106,17 @@ def score_h2o(q_all: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | Non
 
 
 def score_expected(q_prerope: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-                   future_cos: torch.Tensor, future_sin: torch.Tensor, sinks: int) -> torch.Tensor:
+                   future_cos: torch.Tensor, future_sin: torch.Tensor, sinks: int,
+                   query_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Expected Attention: pre-RoPE queries [B,Hq,T,D] of the forward's columns after the sinks give a mean μ and
     covariance Σ per head; R = mean over the next positions of RoPE's rotation (future_cos/sin [n,D]); then
-    score(k) = softmax_T(k·Rμ/√d + ½ kᵀRΣRᵀk/d), group mean, × ‖v‖. Pads weigh nothing in μ and Σ."""
+    score(k) = softmax_T(k·Rμ/√d + ½ kᵀRΣRᵀk/d), group mean, × ‖v‖. Pads weigh nothing in μ and Σ: valid [B,T] says
+    which keys are real, query_valid [B,≥Tq] (default: valid) which queries (its last Tq columns)."""
     d = q_prerope.shape[-1]
     q = q_prerope[:, :, sinks:].float()
-    weight = (torch.ones(q.shape[0], q.shape[2], device=q.device) if valid is None
-              else valid[:, -q_prerope.shape[2]:][:, sinks:].float())
+    query_valid = valid if query_valid is None else query_valid
+    weight = (torch.ones(q.shape[0], q.shape[2], device=q.device) if query_valid is None
+              else query_valid[:, -q_prerope.shape[2]:][:, sinks:].float())
     weight = (weight / weight.sum(-1, keepdim=True).clamp(min=1))[:, None, :, None]  # [B,1,T',1]
     mu = (q * weight).sum(2)  # [B,Hq,D]
     centered = (q - mu[:, :, None]) * weight.sqrt()
@@ -173,5 +176,5 @@ def score(options: EvictionOptions, module, keys: torch.Tensor, values: torch.Te
     skip = max(0, min((options.sinks) - first, w - 1))  # the sinks' own queries, when they are among them
     s = min(options.sinks, t - 1)  # the sink keys stay out of the softmax (kvpress); `choose` keeps them
     scores = score_expected(q_pre(), keys[:, :, s:], values[:, :, s:], None if valid is None else valid[:, s:],
-                            cos, sin, skip)
+                            cos, sin, skip, query_valid=valid)  # the sink keys' columns out, their queries in
     return F.pad(scores, (s, 0), value=0.0)

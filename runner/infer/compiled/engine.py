@@ -47,6 +47,7 @@ from runner.infer.cache.static.plain import StaticPlainLayer
 from runner.infer.compiled.attention import reduced_attention
 from runner.infer.compiled.state import StaticDecodeState, decode_step, prefill_pieces, set_writes
 from runner.infer.config.architecture import compiled_refusal
+from runner.infer.config.eviction import compiled_eviction_reason
 from runner.infer.decode.forward import sync
 from runner.infer.kernels import cpu_linear
 from runner.infer.measure.timing import time_interleaved, time_once
@@ -183,11 +184,16 @@ class CompiledEngine:
         `step_lengths` new columns run compiled (compiled now, before any timing), others eagerly; `prefill` > 0:
         a prompt of that many columns is fed in compiled pieces (compiled now too). States live at once only in
         different slots (a model drafting for itself: "target" and "draft")."""
+        if reason := compiled_eviction_reason(kind, prefill="compiled" if prefill else "eager"):
+            raise ValueError(reason)
         pieces = prefill_pieces(prefill)
         step_lengths = (*step_lengths, *sorted({padded for _, padded in pieces} - set(step_lengths)))
         columns = max(columns, prefill - pieces[-1][0] + pieces[-1][1] if pieces else 0)  # room for the padding
-        key = (kind, batch_bucket(batch), length_bucket(columns, max_seq_len))
-        cache = self._cache((*key, slot))
+        shape = (batch_bucket(batch), length_bucket(columns, max_seq_len))
+        cache = self._cache((kind, *shape, slot))
+        # the steps' key: the static layout, which eviction leaves as it is (a kind with eviction runs the steps of
+        # its kind without: its cache is compacted between them, never inside one)
+        key = (kind.partition("+")[0] if kind else kind, *shape)
         for length in step_lengths:
             if length <= key[2]:
                 self._compile(cache, (*key, length))

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from runner.errors import InferenceError
+from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.static.cache import StaticKVCache
 from runner.infer.compiled.attention import STATIC_CACHE, reduced_attention
+from runner.infer.config.eviction import speculative_eviction_reason
 from runner.infer.decode.forward import positions_from
 
 PREFILL_MIN, PREFILL_MAX = 16, 512  # compiled prefill pieces: powers of two between these (prefill_pieces)
@@ -80,13 +82,14 @@ class StaticDecodeState:
         self.engine, self.key, self.cache, self.rows, self.step_lengths = engine, key, cache, batch, step_lengths
         self.compiled_prefill = compiled_prefill  # prompts in compiled pieces (prefill_pieces), not eagerly
         self.columns = torch.zeros(cache.batch, cache.length, dtype=torch.long, device=engine.device)  # [B,S]
-        self.seen: torch.Tensor | None = None  # [b] real tokens so far
-        self.length = 0
+        self.seen: torch.Tensor | None = None  # [b] real tokens so far: the next position
+        self.column = 0  # the next column written (< length once eviction compacted a prompt forward)
+        self.length = 0  # columns (tokens and pads) fed so far, as the eager state counts them (max_seq_len)
 
     @property
     def mask(self) -> torch.Tensor:
-        """[b,length] mask of what was fed (DecodeStateProtocol's)."""
-        return self.columns[:self.rows, :self.length]
+        """[b,column] mask of what the cache holds (DecodeStateProtocol's)."""
+        return self.columns[:self.rows, :self.column]
 
     def _pad(self, t: torch.Tensor, fill: int = 0) -> torch.Tensor:
         """[b,...] → [B,...], dummy rows filled with `fill`."""
@@ -100,19 +103,20 @@ class StaticDecodeState:
         rest are padding, masked, and the next write goes over them."""
         t = ids.shape[1]
         real = t if real is None else real
-        if self.length + t > self.cache.length:
+        if self.column + t > self.cache.length:
             raise InferenceError(f"the compiled engine's cache holds {self.cache.length} columns; this call needs "
-                                 f"{self.length + t}: raise max_seq_len or start a new conversation")
-        columns = torch.arange(self.length, self.length + t, device=ids.device)  # [T]
-        self.columns[:, self.length:self.length + t] = self._pad(new_mask)
+                                 f"{self.column + t}: raise max_seq_len or start a new conversation")
+        columns = torch.arange(self.column, self.column + t, device=ids.device)  # [T]
+        self.columns[:, self.column:self.column + t] = self._pad(new_mask)
         ids, positions = self._pad(ids).contiguous(), self._pad(positions).contiguous()  # a beam's tokens are a view
         args = (self.cache, ids, positions, columns, columns[real - 1] + 1, self.columns)
         if compiled and t in self.step_lengths:
-            logits = self.engine.call(self.key, *args, coding=t == 1 and self.cache.needs_coding(self.length, real))
+            logits = self.engine.call(self.key, *args, coding=t == 1 and self.cache.needs_coding(self.column, real))
         else:
             set_writes(self.cache, model, t, True)
             with reduced_attention(model):
                 logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)
+        self.column += real
         self.length += real
         return logits[:self.rows]
 
@@ -137,8 +141,33 @@ class StaticDecodeState:
         step = q_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], step):
             part = slice(start, start + step)
-            logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
+            if self.cache.eviction is not None and ids[:, part].shape[1] > 1:
+                logits = self._evicting_forward(model, ids[:, part], positions[:, part], new_mask[:, part])
+            else:
+                logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
         return logits[:, -1], None
+
+    def _evicting_forward(self, model, ids: torch.Tensor, positions: torch.Tensor,
+                          new_mask: torch.Tensor) -> torch.Tensor:
+        """A prompt forward of a kind with eviction ([b,t] ids, positions, mask → [b,t,V] logits), the eager
+        engine's EvictingMixin on a static cache: one static forward, run eagerly, writes all t columns from
+        `column` while each layer chooses its kept columns per (row, KV head) from the exact K/V (StaticKVCache's
+        `score_next`); the cache then moves them to the forward's first k columns (`compact`), the mask follows
+        (a row's pads first), and the next write goes to column start + k. Positions stay the real tokens' (`seen`)."""
+        start, t = self.column, ids.shape[1]
+        self.cache.score_next(self._pad(new_mask).bool())
+        try:
+            logits = self._forward(model, ids, positions, new_mask, compiled=False)
+        except BaseException:
+            self.cache.stop_scoring()
+            raise
+        kept = self.cache.compact(start)
+        if kept is not None:
+            k = kept.shape[1]
+            self.columns[:, start:start + k] = kept
+            self.columns[:, start + k:start + t] = 0
+            self.column = start + k
+        return logits
 
     def feed(self, model, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: [b] token (live [b] 0/1: a finished row feeds a masked pad) → [b,V] logits."""
@@ -147,24 +176,36 @@ class StaticDecodeState:
         self.seen = self.seen + live
         return self._forward(model, token[:, None], positions, live[:, None])[:, -1]
 
+    def held_bytes(self) -> int:
+        """Bytes of the tokens the cache holds, as an eager cache measures them (and estimate_cache_bytes says): the
+        real rows' columns written so far of a plain or block layout (one token's codes per column; a kind with
+        eviction: its kept tokens and those fed since). A KIVI layout (sinks, blocks, ring) has no bytes per column:
+        its whole buffer. The preallocated buffer itself (cache_bytes of the cache) never shrinks."""
+        if self.cache.codes_columns():
+            return cache_bytes(self.cache)
+        return sum(layer.held_bytes(self.rows, self.column) for layer in self.cache.static_layers)
+
     # speculative rounds: one row, no padding, the cache rolled back after a rejection
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.column
 
     def feed_row(self, model, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
         """Batch 1: [t] tokens appended → [keep,V] float32 logits of the last `keep` of them."""
-        positions = torch.arange(self.length, self.length + tokens.shape[0], device=tokens.device)[None]
+        if self.cache.eviction is not None:  # config.eviction.speculative_eviction_reason: refused before this
+            raise InferenceError(speculative_eviction_reason(f"{self.cache.kind}+{self.cache.eviction.canonical}"))
+        positions = torch.arange(self.column, self.column + tokens.shape[0], device=tokens.device)[None]
         logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None])
         return logits[0, -keep:].float()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
         0 and the next write overwrites them (KIVI: kept columns leave the quantized region, `rollback`)."""
-        held = self.length
+        held = self.column
+        self.column += tokens_to_remove
         self.length += tokens_to_remove
-        self.columns[:, self.length:] = 0
-        self.cache.rollback(self.length, held)
+        self.columns[:, self.column:] = 0
+        self.cache.rollback(self.column, held)
 
     @property
     def layers(self) -> list:

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runner.errors import ValueAt
-from runner.infer.config.eviction import compiled_eviction_reason
+from runner.infer.config.eviction import compiled_eviction_reason, speculative_eviction_reason
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
 from runner.infer.config.quantization import check_quantizations
 from runner.infer.config.tasks import TaskGates
@@ -222,7 +222,7 @@ class GenerateConfig(AutoCacheConfig):
                              "q4_0, q4_1 or nf4, or decode_plan: none")
         if self.prefill == "compiled" and self.engine != "compiled":
             raise ValueError("prefill: compiled needs engine: compiled (the eager engine prefills eagerly)")
-        if self.engine == "compiled" and (reason := compiled_eviction_reason(self.cache_kind)):
+        if self.engine == "compiled" and (reason := compiled_eviction_reason(self.cache_kind, prefill=self.prefill)):
             raise ValueError(f"engine: compiled: {reason}")
         if self.decode_plan != "none" and self.cache_kind and "+" in self.cache_kind:
             raise ValueError("the sliding window (decode_plan) does not stack with eviction (the cache kind's "
@@ -295,6 +295,12 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("cache_kind 'auto' is not supported in speculative decoding: name a kind "
                              "(the auto-cache-select mode can choose one)")
         return _fits(checked_kind(value), info.data.get("max_seq_len"))
+
+    @model_validator(mode="after")
+    def _no_eviction(self):
+        if reason := speculative_eviction_reason(self.cache_kind):
+            raise ValueError(reason)
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,8 @@ forward keeps ceil(T·(1 − ratio)) of its T tokens per (row, KV head). Options
     e<every>   decoding schedule (kvpress's DecodingPress): every N decode steps, a layer holding more than its
                size after the prompt forward is compressed back to it, scored with the queries of the last N tokens
 Methods (runner.infer.cache.eviction scores them): streaming, h2o, snapkv, tova, knorm, expected.
-Owns `EvictionOptions`, `parse_eviction`, and the one reason the compiled engine refuses eviction.
+Owns `EvictionOptions`, `parse_eviction`, and the one decision on what eviction the compiled engine (and
+speculative decoding) refuses, with its reason (`compiled_eviction_reason`).
 """
 
 from __future__ import annotations
@@ -114,14 +115,54 @@ def parse_eviction(text: str) -> EvictionOptions:
         raise ValueError(f"eviction {text!r}: {error}") from None
 
 
-def compiled_eviction_reason(kind: str | None) -> str:
+USES = ("decode", "serve", "speculative")  # what asks compiled_eviction_reason: the engine's decoding, its server,
+# speculative decoding
+
+
+def compiled_eviction_reason(kind: str | None, use: str = "decode", prefill: str = "eager") -> str:
     """Why the compiled engine cannot run `kind`, when it has eviction, or "": the one decision, here without
-    torch so that `run check` and the compiled engine (and its server) say the same."""
+    torch so that `run check` and the compiled engine (its Generator states, its server) say the same. `use`: what
+    runs it (USES); `prefill`: the config's prefill ("compiled": the prompt in compiled pieces).
+
+    It can: a float or block kind (fp32 / fp16 / bf16, q8_0 / q4_0 / q4_1 / nf4) evicting at each prompt forward,
+    prefilled eagerly into the static cache, which is then compacted in place (compiled/state.py)."""
     if kind is None or "+" not in kind:
         return ""
-    return (f"cache kind {kind!r} evicts tokens: eviction keeps a different set of tokens per KV head and shrinks "
-            f"the cache after a prompt forward, and the compiled engine's static cache has one fixed column per "
-            f"token, shared by every head; use engine: eager")
+    base, _, spelt = kind.partition("+")
+    head = f"cache kind {kind!r} evicts tokens"
+    if base.split(":")[0].startswith("kivi"):
+        return (f"{head} from a KIVI cache: the compiled engine's static KIVI layout codes keys over groups of columns "
+                f"and keeps its residual in a ring indexed by column, so kept tokens cannot be moved to other columns "
+                f"without coding them again; use engine: eager (which codes the kept tokens as if fed alone), or a "
+                f"float or block kind (fp16, q8_0, q4_0, q4_1, nf4) with eviction")
+    if use == "serve":
+        return (f"{head}: the compiled continuous-batching server's rows share one column pointer and join at any "
+                f"column, and eviction moves each row's kept tokens to its first columns at its own prefill; serve "
+                f"it with the eager scheduler, or decode it with mode generate on engine: compiled")
+    if use == "speculative":
+        return speculative_eviction_reason(kind)
+    try:
+        options = parse_eviction(spelt)
+    except ValueError:
+        return ""  # a misspelt eviction is parse_kind's error to report, not a refusal
+    if options.every:
+        return (f"{head} on a decoding schedule (e{options.every}): the compiled engine compacts its static cache "
+                f"only after a prompt forward, never between its compiled decode steps (whose every shape and "
+                f"column are fixed); use engine: eager, or drop the :e{options.every}")
+    if prefill == "compiled":
+        return (f"{head}: prefill: compiled feeds the prompt in pieces of at most 512 columns padded on the right, "
+                f"and eviction scores each prompt forward as a whole (as the eager engine does); use prefill: eager "
+                f"(the compiled engine then prefills in one static forward and evicts at its end)")
+    return ""
+
+
+def speculative_eviction_reason(kind: str | None) -> str:
+    """Why speculative decoding cannot run `kind` (on either engine), when it has eviction, or ""."""
+    if kind is None or "+" not in kind:
+        return ""
+    return (f"cache kind {kind!r} evicts tokens: speculative decoding verifies chunks of draft tokens, which "
+            f"eviction would score and thin as if they were a prompt, places tokens by the cache's length and rolls "
+            f"back by cropping columns; decode it without speculation")
 
 
 def _hint(word: str, known) -> str:

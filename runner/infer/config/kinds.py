@@ -202,7 +202,7 @@ def parse_kind(kind: str | None) -> KindOptions | None:
 def compiled_serve_reason(kind: str | None) -> str:
     """Why `kind` cannot be served by continuous batching on the compiled engine (serve/compiled_slots.py), or ""
     when it can: here, without torch, so `run check` judges a serve block's engines as the server does."""
-    if reason := compiled_eviction_reason(kind):
+    if reason := compiled_eviction_reason(kind, use="serve"):
         return reason
     options = parse_kind(kind)
     if options is not None and options.family == "kivi":

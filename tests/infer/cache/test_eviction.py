@@ -257,11 +257,15 @@ def test_hooks_are_installed_once_and_leave_other_caches_alone(tiny_lm):
     assert after.cache.get_seq_length() == 10
 
 
-def test_the_compiled_engine_and_the_window_refuse_eviction(tiny_lm):
-    with pytest.raises(ValueError, match="evicts tokens"):
-        make_static_cache("q8_0+snapkv:0.5", tiny_lm.model, 1, 32)
-    with pytest.raises(ValueError, match="evicts tokens"):
-        GenerateConfig(cache_kind="q8_0+snapkv:0.5", engine="compiled")
+def test_the_compiled_engine_refuses_what_it_cannot_evict_and_the_window_refuses_eviction(tiny_lm):
+    """What the compiled engine does evict is tests/infer/compiled/test_eviction.py's."""
+    make_static_cache("q8_0+snapkv:0.5", tiny_lm.model, 1, 32)
+    with pytest.raises(ValueError, match="evicts tokens from a KIVI cache"):
+        make_static_cache("kivi4+snapkv:0.5", tiny_lm.model, 1, 32)
+    with pytest.raises(ValueError, match="on a decoding schedule"):
+        make_static_cache("q8_0+snapkv:0.5:e4", tiny_lm.model, 1, 32)
+    with pytest.raises(ValueError, match="evicts tokens from a KIVI cache"):
+        GenerateConfig(cache_kind="kivi4+snapkv:0.5", engine="compiled")
     with pytest.raises(ValueError, match="does not stack with eviction"):
         GenerateConfig(cache_kind="q8_0+snapkv:0.5", decode_plan="auto")
 

@@ -1,6 +1,8 @@
 """The eviction grammar after a cache kind's `+`: good spellings, their canonical round trip, bad ones said clearly
 (what was expected, the closest method), and the kept counts the estimator relies on. Torch-free."""
 
+import re
+
 import pytest
 
 from runner.infer.config.eviction import EvictionOptions, compiled_eviction_reason, parse_eviction
@@ -84,10 +86,43 @@ def test_held_counts_the_schedule():
     assert [scheduled.held(10, g) for g in (0, 3, 4, 9)] == [5, 8, 5, 6]
 
 
-def test_the_compiled_engine_refuses_eviction_in_one_place():
-    reason = compiled_eviction_reason("q8_0+snapkv:0.5")
-    assert "evicts tokens" in reason and compiled_serve_reason("q8_0+snapkv:0.5") == reason
-    assert compiled_eviction_reason("q8_0") == "" and compiled_eviction_reason(None) == ""
+@pytest.mark.parametrize("kind", ["fp32+knorm:0.5", "fp16+streaming:0.75:s4:w64", "bf16+tova:0.5", "q8_0+snapkv:0.5",
+                                  "q4_0+h2o:0.3", "q4_1+expected:0.5", "nf4+knorm:0.5:s2"])
+def test_the_compiled_engine_evicts_float_and_block_kinds_at_prefill(kind):
+    assert compiled_eviction_reason(kind) == ""
+    assert compiled_eviction_reason(None) == "" and compiled_eviction_reason("q8_0") == ""
+
+
+@pytest.mark.parametrize("kind, use, prefill, words", [
+    ("kivi4+knorm:0.5", "decode", "eager", "KIVI cache: the compiled engine's static KIVI layout codes keys"),
+    ("kivi2:g16:r32:s2+snapkv:0.5", "decode", "eager", "ring indexed by column"),
+    ("q4_0+snapkv:0.5:e16", "decode", "eager", r"on a decoding schedule \(e16\): the compiled engine compacts"),
+    ("q8_0+snapkv:0.5", "serve", "eager", "continuous-batching server's rows share one column pointer"),
+    ("q8_0+snapkv:0.5", "decode", "compiled", "prefill: compiled feeds the prompt in pieces"),
+    ("q8_0+snapkv:0.5", "speculative", "eager", "speculative decoding verifies chunks of draft tokens"),
+])
+def test_what_the_compiled_engine_cannot_evict_is_refused_in_one_place_saying_why(kind, use, prefill, words):
+    reason = compiled_eviction_reason(kind, use, prefill)
+    assert re.search(words, reason) and reason.startswith(f"cache kind {kind!r} evicts tokens"), reason
+    if use == "serve":
+        assert compiled_serve_reason(kind) == reason
+
+
+def test_the_refusals_reach_the_configs():
+    from pydantic import ValidationError
+
+    from runner.infer.config.decoding import GenerateConfig, SpeculativeConfig
+
+    GenerateConfig(cache_kind="q8_0+snapkv:0.5", engine="compiled")
+    for settings, words in (({"cache_kind": "kivi4+snapkv:0.5"}, "KIVI"),
+                            ({"cache_kind": "q8_0+snapkv:0.5:e4"}, "decoding schedule"),
+                            ({"cache_kind": "q8_0+snapkv:0.5", "prefill": "compiled"}, "prefill: compiled")):
+        with pytest.raises(ValidationError, match=words):
+            GenerateConfig(engine="compiled", **settings)
+        GenerateConfig(engine="eager", **{k: v for k, v in settings.items() if k != "prefill"})
+    for engine in ("eager", "compiled"):
+        with pytest.raises(ValidationError, match="speculative decoding verifies chunks"):
+            SpeculativeConfig(cache_kind="q8_0+knorm:0.5", engine=engine)
 
 
 def test_the_grammar_needs_no_torch():

@@ -36,11 +36,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from runner.infer.cache.evicting import RECEIVES, EvictInputs, choose_columns, install_hooks, kept_mask
 from runner.infer.cache.registry import KINDS, NATIVE_KINDS, layer_levels
 from runner.infer.cache.sizes import dims
 from runner.infer.cache.static.kivi import StaticKiviLayer
 from runner.infer.cache.static.plain import StaticPlainLayer
-from runner.infer.config.eviction import compiled_eviction_reason
+from runner.infer.config.eviction import EvictionOptions, compiled_eviction_reason
 from runner.infer.config.kinds import parse_kind
 from runner.infer.kernels import cpu_attention
 
@@ -50,10 +51,15 @@ STATIC_KINDS = tuple(KINDS)  # every kind, every KIVI option
 class StaticKVCache(Cache):
     """One static layer per model layer and the columns the next forward writes."""
 
-    def __init__(self, layers: list[StaticPlainLayer], kind: str):
+    def __init__(self, layers: list[StaticPlainLayer], kind: str, eviction: EvictionOptions | None = None):
         super().__init__(layers=[*layers])
         self.static_layers = layers  # self.layers' layers, typed as the static layers they are
         self.kind = kind
+        assert eviction is None or not isinstance(layers[0], StaticKiviLayer), "compiled_eviction_reason refuses it"
+        self.eviction = eviction  # a kind with eviction: each prompt forward scored (`score_next`), then `compact`
+        setattr(self, RECEIVES, False)  # true only within a scored prompt forward (eager): the pre-hook's inputs
+        self.valid: torch.Tensor | None = None  # [B,t] real columns of the scored forward
+        self.chosen: list[torch.Tensor | None] = [None] * len(layers)  # per layer: kept columns [B,H,k] of it
         self.columns = torch.zeros(1, dtype=torch.long, device=layers[0].device)  # [T]
         self.end = torch.ones((), dtype=torch.long, device=layers[0].device)  # 0-d: columns from here are padding
 
@@ -87,7 +93,58 @@ class StaticKVCache(Cache):
         return start < layer.sinks or blocks(start + count) > blocks(start)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.static_layers[layer_idx].write(key_states, value_states, self.columns, self.end)
+        layer = self.static_layers[layer_idx]
+        if not getattr(self, RECEIVES):
+            return layer.write(key_states, value_states, self.columns, self.end)
+        return self._scored_write(layer, layer_idx, key_states, value_states)
+
+    # eviction (a float or block kind; compiled/state.py drives it): a prompt forward of t > 1 columns runs eagerly
+    # with `score_next` set; each layer's update chooses its kept columns from the exact K/V, as the eager engine's
+    # EvictingMixin does, and stores every column; `compact` then moves the kept ones to the forward's first columns.
+
+    def score_next(self, valid: torch.Tensor) -> None:
+        """The next forward (eager, t > 1 columns, valid [B,t] its real ones) is a prompt forward to score."""
+        assert self.eviction is not None, "a cache without eviction scores nothing"
+        setattr(self, RECEIVES, True)
+        self.valid, self.chosen = valid, [None] * len(self.static_layers)
+
+    def _scored_write(self, layer: StaticPlainLayer, layer_idx: int, key_states: torch.Tensor,
+                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose the layer's kept columns of the new [B,H,t,D] K/V (scored as the eager layer scores them), write
+        them all; attention sees the forward's own K/V exact (as EvictingMixin hands them) over the stored rest."""
+        assert self.eviction is not None and self.valid is not None, "score_next first"
+        inputs: EvictInputs | None = getattr(layer, "evict_inputs", None)
+        layer.evict_inputs = None
+        t = key_states.shape[-2]
+        kept = self.eviction.kept(t)
+        if inputs is None or kept >= t:
+            return layer.write(key_states, value_states, self.columns, self.end)
+        self.chosen[layer_idx] = choose_columns(self.eviction, inputs, key_states, value_states, self.valid, kept, 0)
+        keys, values = layer.write(key_states, value_states, self.columns, self.end)
+        return (keys.index_copy(2, self.columns, key_states.to(keys.dtype)),
+                values.index_copy(2, self.columns, value_states.to(values.dtype)))
+
+    def stop_scoring(self) -> None:
+        """Back to plain writes, the scores forgotten (after `compact`, or a scored forward that failed)."""
+        setattr(self, RECEIVES, False)
+        self.valid, self.chosen = None, [None] * len(self.static_layers)
+        for layer in self.static_layers:
+            layer.evict_inputs = None
+
+    def compact(self, start: int) -> torch.Tensor | None:
+        """After a scored forward written from column `start`: every layer keeps its chosen columns, moved to
+        start..start+k−1 per (row, KV head), in order (plain K/V or the block kinds' codes and scales: exact) →
+        the [B,k] mask of the kept columns (a row's pads first, as the eager engine's), or None: nothing evicted."""
+        chosen, valid = self.chosen, self.valid
+        self.stop_scoring()
+        if any(index is None for index in chosen):
+            assert all(index is None for index in chosen), "every layer scores a forward of the same columns"
+            return None
+        for layer, index in zip(self.static_layers, chosen):
+            assert index is not None
+            layer.compact(start, index)
+        assert chosen[0] is not None and valid is not None
+        return kept_mask(valid, chosen[0], chosen[0])
 
     @property
     def batch(self) -> int:
@@ -137,4 +194,6 @@ def make_static_cache(kind: str | None, model, batch: int, length: int) -> Stati
     shape = dict(batch=batch, heads=heads, length=static.columns(options, length), key_dim=head_dim,
                  value_dim=head_dim, dtype=model.dtype, device=device)
     layers = [static(options, **shape, **extra) for extra in layer_levels(model, options, n_layers)]
-    return StaticKVCache(layers, options.name)
+    if options.eviction is not None:
+        install_hooks(model)  # the attention modules hand a scored forward's inputs to its layers
+    return StaticKVCache(layers, options.name, options.eviction)

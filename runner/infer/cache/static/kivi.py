@@ -30,6 +30,10 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
     ring_keys: torch.Tensor
     ring_values: torch.Tensor
 
+    def compact(self, start: int, index: torch.Tensor) -> None:
+        raise NotImplementedError("a static KIVI layer codes keys over groups of columns and keeps a ring indexed by "
+                                  "column: kept tokens cannot move (config.eviction.compiled_eviction_reason)")
+
     @staticmethod
     def columns(options: KindOptions, length: int) -> int:
         """The sinks and whole rings (2r) after them: at least `length` columns."""

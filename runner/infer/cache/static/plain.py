@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import StaticLayer
 
+from runner.infer.cache.evicting import EvictInputs, gather_columns
 from runner.infer.config.kinds import KindOptions, torch_dtype
 from runner.infer.kernels import cpu_attention
 from runner.infer.quant.formats import NF4_LEVELS, dequantize_expr, quantize
@@ -22,6 +23,7 @@ class StaticPlainLayer(StaticLayer):
 
     TENSORS: tuple[str, ...] = ("keys", "values")
     device: torch.device  # given to __init__, never None
+    evict_inputs: EvictInputs | None = None  # the pre-hook's, within a scored prompt forward (StaticKVCache)
 
     @staticmethod
     def columns(options: KindOptions, length: int) -> int:
@@ -83,6 +85,19 @@ class StaticPlainLayer(StaticLayer):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def held_bytes(self, rows: int, columns: int) -> int:
+        """Bytes of the first `columns` columns of the first `rows` rows (what a state holds; every column of
+        these layouts holds one token's codes, the same bytes)."""
+        return sum(t[:rows, :, :columns].numel() * t.element_size() for t in self.tensors())
+
+    def compact(self, start: int, index: torch.Tensor) -> None:
+        """Keep the columns start + index [B,H,k] (ascending, each < the columns written from `start`), moved to
+        start..start+k−1 of their (row, KV head) in place: every stored tensor gathered along its columns, so the
+        block kinds' codes and scales move as they are (exact: each column is coded on its own)."""
+        k = index.shape[-1]
+        for t in self.tensors():
+            t[:, :, start:start + k] = gather_columns(t[:, :, start:], index)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Rows follow their parent beams, in place (the storage keeps its address)."""
