@@ -147,6 +147,19 @@ def test_stored_tokens_are_the_kept_tokens_coded_as_if_fed_alone(kind, tiny_lm):
     assert state.mask.shape == (1, 12) and state.cache.get_seq_length() == 12
 
 
+def test_kept_index_records_the_columns_the_prompt_forward_kept(tiny_lm):
+    """`kept_index` (what benchmarks compare with kvpress's kept sets): knorm's smallest-norm columns of each head of
+    the prompt forward, [B,H,k] ascending; untouched by decode steps."""
+    model = tiny_lm.model
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    full, _ = _prefill(model, None, ids)
+    state, logits = _prefill(model, "fp32+knorm:0.5", ids)
+    _greedy(state, model, logits, 2)
+    for i, layer in enumerate(state.cache.layers):
+        expect = _sorted_topk(-full.cache.layers[i].keys.norm(dim=-1), 12)
+        assert torch.equal(layer.kept_index, expect), i
+
+
 def _greedy(state, model, logits, steps):
     tokens = []
     with torch.no_grad():
