@@ -19,14 +19,15 @@ sample's answer is capped at --max-new-tokens (both sides) so that the two imple
    Per press: our score and kvpress's [95 % interval] with n; the paired difference's 95 % interval (Student's t
    over the per-sample differences); how many answers agree; the mean Jaccard overlap of the kept positions per
    layer and KV head; prefill seconds per sample, decode ms per token and the peak RSS added, for each side
-   (kvpress's prefill includes recording its kept rows).
+   (kvpress's prefill includes recording its kept rows); the fraction of the answer's token positions (the
+   needle's value, vt's names, wherever they occur in the prompt) kept, averaged over layers and KV heads.
 2. the frontier: bytes (measured after the prefill, summed over the samples, over fp16's on the same samples)
    against the average score over every sample: quantization only (--quant), eviction only (fp16 + the --best
    methods of part 1 at every --ratios), and both (--stack kinds × the best methods × --ratios). The frontier of
    each family is its Pareto set. The target (item 8): a configuration at ≤ 0.15× fp16's bytes within 2 points of
    fp16's average, beating the best quantization alone and the best eviction alone at no more bytes.
 
-Writes --out (default bench_out/eviction_frontier/): compare.csv, frontier.csv, samples.csv (every sample of
+Writes --out (default runs/eviction_frontier/): compare.csv, frontier.csv, samples.csv (every sample of
 every configuration: prediction, score, seconds, bytes), frontier.png; prints both tables as markdown.
 Rows are written as they finish, so an interrupted run leaves what it measured.
 """
@@ -157,6 +158,27 @@ def jaccard(ours: list, theirs: list) -> float:
     return statistics.fmean(values)
 
 
+def answer_positions(tokenizer, sample) -> list[int]:
+    """Token positions of the prompt that spell the answers (every occurrence of each reference: the needle's value,
+    vt's chain of names)."""
+    enc = tokenizer(sample.prompt, return_offsets_mapping=True)
+    spans = []
+    for ref in sample.answers:
+        start = sample.prompt.find(ref)
+        while start >= 0:
+            spans.append((start, start + len(ref)))
+            start = sample.prompt.find(ref, start + 1)
+    return [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and any(a < e and b > s for s, e in spans)]
+
+
+def answer_kept(kept: list, positions: list[int]) -> float:
+    """The fraction of the answer's token positions kept, averaged over layers and KV heads."""
+    if not positions:
+        return math.nan
+    want = set(positions)
+    return statistics.fmean(len(want & set(head)) / len(want) for layer in kept for head in layer)
+
+
 def per_layer_jaccard(ours_kept: list, theirs_kept: list) -> list[float]:
     layers = len(ours_kept[0])
     return [statistics.fmean(len(set(a) & set(b)) / len(set(a) | set(b))
@@ -183,7 +205,7 @@ class Writer:
         if new:
             self.fields = list(row)
         with self.path.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.fields)
+            w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             if new:
                 w.writeheader()
             w.writerow(row)
@@ -242,6 +264,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5, help="part 1's compression ratio")
     parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     parser.add_argument("--skip-kvpress", action="store_true", help="part 1 without kvpress (ours only)")
+    parser.add_argument("--skip-frontier", action="store_true", help="part 1 only")
     parser.add_argument("--best", type=int, default=2, help="methods of part 1 carried into the frontier")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.875])
     parser.add_argument("--quant", nargs="+", default=["q8_0", "q4_0", "kivi4", "kivi2"])
@@ -249,7 +272,7 @@ def main() -> None:
                                                        "kivi4:0.5", "kivi4:0.75"],
                         help="kind:ratio pairs stacked with each best method")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="bench_out/eviction_frontier")
+    parser.add_argument("--out", default="runs/eviction_frontier")
     parser.add_argument("--quick", action="store_true", help="smoke: 1 niah_single_1 sample of 256 tokens, "
                         "knorm and snapkv, one ratio, one stacked kind")
     args = parser.parse_args()
@@ -321,8 +344,15 @@ def main() -> None:
                                 "new_tokens": len(r["answer_ids"]), "cache_bytes": ""})
             print(f"  kvpress {PRESSES[method]}: {summary(theirs['scores'])}, {time.perf_counter() - t0:.0f} s "
                   f"with start-up", flush=True)
+        spans = [answer_positions(tok, s) for s in samples]
+        if all(k is not None for k in mine["kept"]):
+            kept_share = statistics.fmean(answer_kept(k, p) for k, p in zip(mine["kept"], spans))
+            row["answer tokens kept ours"] = f"{kept_share:.2f}"
         if theirs is not None:
             res = theirs["out"]["results"]
+            if all(r["kept"] for r in res):
+                row["answer tokens kept kvpress"] = (
+                    f"{statistics.fmean(answer_kept(r['kept'], p) for r, p in zip(res, spans)):.2f}")
             diff, low, high = paired(mine["scores"], theirs["scores"])
             same = sum(a.prediction == b for a, b in zip(mine["results"], theirs["predictions"]))
             has_kept = all(k is not None for k in mine["kept"]) and all(r["kept"] for r in res)
@@ -347,6 +377,8 @@ def main() -> None:
         compare.add(row)
         compare_rows.append(row)
     print_table(compare_rows)
+    if args.skip_frontier:
+        return
 
     # ---- part 2
     best = sorted(part1, key=lambda m: (-part1[m], PREFERENCE.index(m)))[: args.best]
