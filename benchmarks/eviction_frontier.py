@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import dataclasses
 import math
 import os
@@ -94,6 +95,7 @@ def run_ours(model, tokenizer, samples, kind: str | None) -> dict:
     try:
         for sample in samples:
             made.clear()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back: the peak starts from the live set
             base = rss_bytes()
             with PeakMemory(torch.device("cpu")) as peak:
                 results.append(task_eval.answer(model, tokenizer, sample, kind, q_chunk=None))
@@ -177,6 +179,13 @@ def answer_kept(kept: list, positions: list[int]) -> float:
         return math.nan
     want = set(positions)
     return statistics.fmean(len(want & set(head)) / len(want) for layer in kept for head in layer)
+
+
+def nested(ours: list, theirs: list) -> bool:
+    """Whether, in every layer and KV head, kvpress's kept set lies inside ours and ours has at most one more (we keep
+    ceil(T·(1 − r)) tokens, kvpress int(T·(1 − r)): the same choice, rounded the other way)."""
+    return all(set(b) <= set(a) and len(a) - len(b) <= 1
+               for layer_a, layer_b in zip(ours, theirs) for a, b in zip(layer_a, layer_b))
 
 
 def per_layer_jaccard(ours_kept: list, theirs_kept: list) -> list[float]:
@@ -362,6 +371,8 @@ def main() -> None:
                 "kept Jaccard": (f"{statistics.fmean(jaccard(k, r['kept']) for k, r in zip(mine['kept'], res)):.3f}"
                                  if has_kept else "n/a"),
                 "Jaccard per layer (min..max)": "",
+                "kvpress's ⊆ ours, ≤ 1 more": (f"{sum(nested(k, r['kept']) for k, r in zip(mine['kept'], res))}/{n}"
+                                               if has_kept else "n/a"),
                 "prefill s ours / kvpress": f"{ours_prefill:.1f} / {statistics.fmean(r['prefill_s'] for r in res):.1f}",
                 "decode ms/token ours / kvpress": f"{ours_ms:.0f} / "
                 f"{1000 * sum(r['decode_s'] for r in res) / max(1, sum(len(r['answer_ids']) for r in res)):.0f}",
