@@ -17,7 +17,8 @@ int, "dtype": "float32" | "bfloat16" | "float16", "attn_implementation": null (s
 observed_attention, which needs the attention weights) | "eager" | "sdpa", "threads": int, "return_kept": bool}.
 Response (JSON on stdout): {"versions": {...}, "press": repr of the press, "attn_implementation": str,
 "results": [{"context_tokens": int, "answer_ids": [int], "kept": [[[int] per KV head] per layer] (sorted context
-positions), "prefill_s": float, "decode_s": float}, ...]}.
+positions), "prefill_s": float, "decode_s": float, "peak_rss_added": bytes the process's peak RSS rose over its RSS
+before the prompt (Linux; else null)}, ...]}.
 """
 
 from __future__ import annotations
@@ -132,6 +133,22 @@ def capture_kept(press, kept_by_layer: dict) -> None:
     press.compress = recording
 
 
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_rss_peak() -> int | None:
+    """Reset the process's peak RSS (VmHWM) to its current RSS; the current RSS in bytes (None: not Linux)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return rss_kib("VmRSS") * 1024
+    except (OSError, RuntimeError):
+        return None
+
+
 def worker(request: dict) -> dict:
     import torch
     import transformers
@@ -148,12 +165,16 @@ def worker(request: dict) -> dict:
         capture_kept(press, kept_by_layer)
     model = AutoModelForCausalLM.from_pretrained(request["model_dir"], dtype=getattr(torch, request["dtype"]),
                                                  attn_implementation=attn).eval()
+    with torch.no_grad():  # page the weights in (a lazily mapped checkpoint), so no prompt's peak RSS counts them
+        for p in model.parameters():
+            p.sum()
     eos = model.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     results = []
     for prompt in request["prompts"]:
         context, question = (prompt, []) if isinstance(prompt, list) else (prompt["context"], prompt["question"])
         kept_by_layer.clear()
+        base_rss = reset_rss_peak()
         with torch.inference_mode():
             start = time.perf_counter()
             cache = DynamicCache()
@@ -173,7 +194,8 @@ def worker(request: dict) -> dict:
                 answer.append(int(out.logits[0, -1].argmax()))
         results.append({"context_tokens": len(context), "answer_ids": answer,
                         "kept": [kept_by_layer[i] for i in sorted(kept_by_layer)],
-                        "prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s})
+                        "prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
+                        "peak_rss_added": rss_kib("VmHWM") * 1024 - base_rss if base_rss is not None else None})
     from importlib.metadata import version
 
     return {"versions": {"kvpress": version("kvpress"), "transformers": transformers.__version__,

@@ -102,6 +102,7 @@ class EvictingMixin(DynamicLayer):
         self.steps = 0  # decode steps since the schedule last looked
         self.recent: list[EvictInputs] = []  # the last `every` decode steps' inputs
         self.pending: tuple[int, int, torch.Tensor] | None = None  # (start, end, kept mask [B,k]) for keep_columns
+        self.kept_index: torch.Tensor | None = None  # the last evicting prompt forward's kept columns [B,H,k]
 
     def keep_columns(self, mask: torch.Tensor) -> torch.Tensor:
         """[B,n] mask of what was fed → the columns this layer holds (forward.trim_mask asks)."""
@@ -128,6 +129,7 @@ class EvictingMixin(DynamicLayer):
         held = self.get_seq_length()
         valid = inputs.valid(t)
         index = self._choose(inputs, key_states, value_states, valid, kept, first=0)  # [B,H,k]
+        self.kept_index = index  # columns of this forward (0 = its first token): benchmarks compare kept sets
         whole_keys, whole_values = super().update(gather_columns(key_states, index),
                                                   gather_columns(value_states, index), *args, **kwargs)
         self.target, self.steps, self.recent = self.get_seq_length(), 0, []

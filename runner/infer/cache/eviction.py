@@ -87,11 +87,13 @@ def score_tova(q_last: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | N
 
 def score_snapkv(q_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """SnapKV: the window's queries [B,Hq,w,D] (the last w columns) over the keys, averaged over the window,
-    pooled over POOL neighbours, group mean. The window itself is protected by `choose`."""
+    pooled over POOL neighbours among the keys before the window only (zero-padded at both ends, as kvpress: the
+    window's own columns, which draw much of its attention, do not raise the two keys just before it), group mean.
+    The window itself is protected by `choose`; its columns keep their unpooled weights."""
     w, t = q_window.shape[-2], keys.shape[-2]
     weights = attention(q_window, keys, valid, t - w).mean(-2)  # [B,Hq,T]
-    pooled = F.avg_pool1d(weights, kernel_size=POOL, padding=POOL // 2, stride=1)
-    return group_mean(pooled, keys.shape[1])
+    before = F.avg_pool1d(weights[..., : t - w], kernel_size=POOL, padding=POOL // 2, stride=1)
+    return group_mean(torch.cat([before, weights[..., t - w:]], dim=-1), keys.shape[1])
 
 
 def score_h2o(q_all: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, first: int = 0) -> torch.Tensor:

@@ -86,8 +86,24 @@ def test_snapkv_keeps_what_the_window_attends_to_and_the_window():
     logits = (q[0] @ keys[0, 0].T) / math.sqrt(d)  # [2,w,t]
     for i in range(w):
         logits[:, i, t - w + i + 1:] = float("-inf")
-    pooled = torch.nn.functional.avg_pool1d(logits.softmax(-1).mean(1)[None], 5, 1, 2)[0]
-    assert torch.allclose(scores[0, 0], pooled.mean(0), atol=1e-6)
+    weights = logits.softmax(-1).mean(1)  # [2,t]
+    pooled = torch.nn.functional.avg_pool1d(weights[None, :, : t - w], 5, 1, 2)[0]  # the keys before the window
+    assert torch.allclose(scores[0, 0, : t - w], pooled.mean(0), atol=1e-6)
+
+
+def test_snapkv_pools_only_the_keys_before_the_window():
+    """kvpress pools the window's attention over the keys before the window, zero-padded: the window's own columns
+    (which draw most of its attention here) must not raise the two keys just before it."""
+    d, t, w = 8, 16, 4
+    keys = torch.zeros(1, 1, t, d)
+    q = torch.zeros(1, 1, w, d)
+    q[..., 1] = 20.0
+    keys[0, 0, t - w:, 1] = 1.0  # the window attends to itself
+    keys[0, 0, 3, 1] = 0.5  # and a little to token 3
+    scores = eviction.score_snapkv(q, keys, None)
+    assert float(scores[0, 0, t - w - 2:t - w].max()) < float(scores[0, 0, 3]) / 5  # no borrowed window weight
+    kept = eviction.choose(scores, 9, None, 0, window=w)
+    assert kept[0, 0, :5].tolist() == [1, 2, 3, 4, 5]
 
 
 def test_h2o_is_the_accumulated_attention_over_the_queries_that_see_each_key():
@@ -145,6 +161,19 @@ def test_stored_tokens_are_the_kept_tokens_coded_as_if_fed_alone(kind, tiny_lm):
         got_keys, got_values = layer.update(keys[..., :0, :], values[..., :0, :])  # the whole, dequantized
         assert torch.equal(got_keys, expect_keys) and torch.equal(got_values, expect_values), (kind, i)
     assert state.mask.shape == (1, 12) and state.cache.get_seq_length() == 12
+
+
+def test_kept_index_records_the_columns_the_prompt_forward_kept(tiny_lm):
+    """`kept_index` (what benchmarks compare with kvpress's kept sets): knorm's smallest-norm columns of each head of
+    the prompt forward, [B,H,k] ascending; untouched by decode steps."""
+    model = tiny_lm.model
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    full, _ = _prefill(model, None, ids)
+    state, logits = _prefill(model, "fp32+knorm:0.5", ids)
+    _greedy(state, model, logits, 2)
+    for i, layer in enumerate(state.cache.layers):
+        expect = _sorted_topk(-full.cache.layers[i].keys.norm(dim=-1), 12)
+        assert torch.equal(layer.kept_index, expect), i
 
 
 def _greedy(state, model, logits, steps):
