@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import StepError
-from runner.infer.config.kinds import DTYPES
 from runner.infer.loading.models import LoadedModel
+from runner.infer.select.autocache import reference_kind
 from runner.infer.tasks.evaluate import check_length, evaluate
 from runner.infer.tasks.ruler import make_samples
 from runner.infer.tasks.scoring import drop_beyond_noise
@@ -43,23 +43,23 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
                    for s in make_samples(name, lm.tokenizer, length, block.samples, block.seed)]
     except ValueError as error:
         raise StepError(f"step {step.key}: eval.lengths: {error}") from None
-    reference_name = DTYPES.get(str(lm.model.dtype).removeprefix("torch."), "reference")
+    reference_name = reference_kind(lm.model)
     kinds = [None, *(k for k in block.cache_kinds if k != reference_name)]
     rows: list[dict] = []
     answers: list[dict] = []
-    reference = None
+    reference, ref_bytes = None, {}
     for kind in kinds:
         name = kind or reference_name
         evaluation = evaluate(lm.model, lm.tokenizer, samples, kind, q_chunk=block.prefill_chunk, progress=progress)
-        reference = reference or evaluation
+        if reference is None:  # the first kind (None): the uncompressed cache every other is judged against
+            reference = evaluation
+            ref_bytes = {(r["task"], r["length"]): r["cache_bytes"] for r in evaluation.rows()}
         for row in evaluation.rows():
-            base = reference.scores[(row["task"], row["length"])]
-            mine = evaluation.scores[(row["task"], row["length"])]
-            ref_bytes = next(r["cache_bytes"] for r in reference.rows()
-                             if (r["task"], r["length"]) == (row["task"], row["length"]))
+            key = (row["task"], row["length"])
+            base, mine = reference.scores[key], evaluation.scores[key]
             rows.append({**row, "cache_kind": name, "reference_score": base.score, "informative": base.informative,
                          "drop": drop_beyond_noise(base, mine), "cache_mib": row["cache_bytes"] / MIB,
-                         "bytes_ratio": row["cache_bytes"] / ref_bytes if ref_bytes else float("nan")})
+                         "bytes_ratio": row["cache_bytes"] / ref_bytes[key] if ref_bytes[key] else float("nan")})
         answers += [{"task": r.sample.task, "length": r.sample.length, "index": r.sample.index, "cache_kind": name,
                      "score": r.score, "prediction": r.prediction, "answers": " | ".join(r.sample.answers),
                      "stop": r.stop, "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens}
