@@ -7,6 +7,7 @@ A check that concerns one key of the block raises ValueAt, so it is reported at 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ValueAt
 from runner.infer.config.kinds import compiled_serve_reason, parse_kind
+from runner.infer.loading.zoo import zoo_entry
 from runner.infer.serve.load import DEFAULT_PROMPT, Lengths, LoadSpec
 from runner.infer.serve.metrics import PERCENTILES, Slo
 from runner.manifest.blocks import MAX_SEED, Strict, no_baseline
@@ -70,6 +72,49 @@ class SloBlock(Strict):
         return Slo(self.ttft_ms, self.tpot_ms, self.e2e_ms, self.percentile)
 
 
+class EndpointBlock(Strict):
+    """An OpenAI-compatible server the same load is sent to over HTTP: already running at `url`, or started by
+    `launch` for the step and stopped after it."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$", description=(
+        "The system's name in the tables and plots (letters, digits, . _ -)."))
+    url: str = Field(description="Its base URL, e.g. http://127.0.0.1:8000 (a /v1 suffix is optional).")
+    model: str = Field(min_length=1, description="The model name the server lists at /v1/models.")
+    api: Literal["completions", "chat"] = Field("completions", description=(
+        "completions (/v1/completions) or chat (/v1/chat/completions, the prompt as one user message)."))
+    prompt_format: Literal["text", "token_ids"] = Field("text", description=(
+        "Send each prompt as text (decoded by this run's tokenizer) or as its token ids (a server with the same "
+        "vocabulary)."))
+    suppress_eos: bool = Field(False, description=(
+        "Add a logit bias of -100 on this run's EOS ids, for servers that ignore min_tokens/ignore_eos (llama.cpp's); "
+        "only for a server with the same vocabulary."))
+    launch: list[str] | None = Field(None, min_length=1, description=(
+        "A command (a list of arguments, no shell) that starts the server; runner waits until `url` lists `model`, "
+        "runs the points, then stops it (SIGINT). Placeholders: {python} (runner's python), {gguf:NAME} (a zoo "
+        "model's GGUF file), {manifest_dir}."))
+    launch_timeout_s: float = Field(300, gt=0, le=3600, allow_inf_nan=False, description=(
+        "Seconds a launched server may take to answer."))
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", value):
+            raise ValueError(f"expected an http:// or https:// URL such as http://127.0.0.1:8000 (got {value!r})")
+        return value
+
+    @field_validator("launch")
+    @classmethod
+    def _known_placeholders(cls, values: list[str] | None) -> list[str] | None:
+        for arg in values or []:
+            for name in re.findall(r"\{([^{}]*)\}", arg):
+                if name not in ("python", "manifest_dir") and not name.startswith("gguf:"):
+                    raise ValueError(f"unknown placeholder {{{name}}} in {arg!r}: {{python}}, {{gguf:NAME}} "
+                                     "or {manifest_dir}")
+                if name.startswith("gguf:"):
+                    zoo_entry("zoo:" + name.removeprefix("gguf:"))  # ValueError names the zoo's models
+        return values
+
+
 class ServeBlock(Strict):
     """The `serve` block: the load, the SLO, the scheduler's limits, axes and baselines. Lists take one value too."""
 
@@ -121,12 +166,15 @@ class ServeBlock(Strict):
         "Most requests waiting; beyond it a request is refused (counted), never held forever. Default: unbounded."))
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds, an axis (as in bench); default: the model's dtype."))
-    engines: list[Literal["eager", "compiled"]] = Field(["eager"], min_length=1, description=(
+    engines: list[Literal["eager", "compiled"]] = Field(["eager"], description=(
         "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
         "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
     baselines: list[Literal["static", "transformers", "none"]] = Field(["static", "transformers"], description=(
         "Served on the same requests beside continuous batching: static (fixed batches of max_batch_size, after "
         "max_wait_ms), transformers (its own continuous batching, generate_batch); none = no baseline."))
+    endpoints: list[EndpointBlock] = Field([], description=(
+        "OpenAI-compatible servers sent the same load over HTTP (ours by `run serve`, llama.cpp's, vLLM's), each a "
+        "system of the table; `engines: []` with `baselines: [none]` sends the load to them alone."))
 
     @field_validator("prompts_file")
     @classmethod
@@ -148,6 +196,7 @@ class ServeBlock(Strict):
         if len(set(values)) != len(values):
             raise ValueError(f"each engine once (got {values})")
         return values
+
 
     @field_validator("baselines")
     @classmethod
@@ -175,6 +224,14 @@ class ServeBlock(Strict):
             raise ValueAt(("duration_s",), "give num_requests or duration_s, not both")
         if self.kv_budget_mib is not None and self.kv_blocks is not None:
             raise ValueAt(("kv_blocks",), "give kv_budget_mib or kv_blocks, not both")
+        taken = {"ours", "ours-compiled", "static", "transformers"}
+        for i, endpoint in enumerate(self.endpoints):
+            if endpoint.name in taken:
+                raise ValueAt(("endpoints", i, "name"), f"endpoint name {endpoint.name!r} is taken (by one of ours, a "
+                                                        "baseline or an endpoint above): give each a name of its own")
+            taken.add(endpoint.name)
+        if not self.engines and not self.endpoints:
+            raise ValueAt(("engines",), "engines is empty and there are no endpoints: nothing would serve the load")
         self._prefix_fits()
         self._compiled_has_a_kind()
         return self

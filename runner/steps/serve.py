@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -22,18 +26,20 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
+from runner.infer.loading.zoo import fetch_gguf, zoo_entry
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive, load_clock
-from runner.infer.serve.load import LoadSpec, build_load
+from runner.infer.serve.load import Load, LoadSpec, build_load
 from runner.infer.serve.metrics import max_rate_meeting, point_meets, summarize
 from runner.infer.serve.prompts import prompt_lines
+from runner.infer.serve.remote import Endpoint, RemoteServer, launched
 from runner.infer.serve.requests import RequestRecord
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
 from runner.infer.serve.static import StaticBatcher
 from runner.infer.serve.transformers_cb import TransformersServer, transformers_cb_reason
 from runner.manifest.paths import read_text, text_source
 from runner.manifest.plan import Step
-from runner.manifest.serve_block import ServeBlock
+from runner.manifest.serve_block import EndpointBlock, ServeBlock
 from runner.report import ProgressFactory, show
 from runner.steps.serve_report import markdown_points, plot_all, write_tables
 from runner.steps.shared import is_number, step_block
@@ -45,6 +51,7 @@ HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
             "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used", "compile_s", "recompiles")
 OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
+ENDPOINT = "endpoint"  # an endpoint's cache-kind column: whatever its server was started with
 
 
 def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -54,41 +61,34 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=_max_seq_len(lm))
     kinds: list[str | None] = list(block.cache_kinds) if block.cache_kinds else [None]  # None: the model dtype
     systems = [(name, kind) for name in (*(OURS[e] for e in block.engines), *block.baselines) for kind in kinds]
+    systems += [(endpoint.name, ENDPOINT) for endpoint in block.endpoints]
     specs = block.load_specs()
     points, requests, timelines = [], [], []
     bar = progress(step.key, len(specs) * len(systems) * _count(specs[0]), "request")
-    for spec in specs:
-        for system, kind in systems:
-            label = f"{system} {kind or lm.model.dtype} {_x_label(spec)}"
-            reason = _reason(system, kind, lm, block)
-            if reason:
-                points.append({**_point_keys(system, kind, spec), "status": f"not run: {reason}"})
-                log.info("[%s] %s: not run: %s", step.key, label, reason)
-                bar.update(_count(spec), note=f"{label} not run")
-                continue
-            warm = build_load(spec, lm.tokenizer, text, prompts, warmup=True)
-            compile_s = 0.0  # the compiled engine's warm-up compile, before any clock starts
-            if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
-                warm_server = _server(system, kind, lm, block, sampling)
-                compile_s += getattr(warm_server, "compile_s", 0.0)
-                _serve(warm_server, warm)
-            server = _server(system, kind, lm, block, sampling)
-            compile_s += getattr(server, "compile_s", 0.0)
-            records = _serve(server, build_load(spec, lm.tokenizer, text, prompts), lambda _r: bar.update(1))
-            timeline = getattr(server, "timeline", [])
-            summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
-            summary |= _occupancy(timeline)
-            point = {**_point_keys(system, kind, spec), "status": "ok", **summary}
-            if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
-                point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
-            if block.slo:
-                point["meets_slo"] = point_meets(summary, block.slo.slo())
-            points.append(point)
-            requests += [_request_row(point, r) for r in records]
-            timelines += [{**_point_keys(system, kind, spec), "t_s": t, "running": run, "blocks_used": used,
-                           "waiting": wait} for t, run, used, wait in timeline]
-            bar.update(0, note=f"{label}: {summary['output_tokens_per_s']:.1f} tok/s")
-            write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
+    with ExitStack() as servers:  # launched endpoints: up for the whole step, stopped after it (or on a failure)
+        for endpoint in block.endpoints:
+            if endpoint.launch:
+                log.info("[%s] starting endpoint %s: %s", step.key, endpoint.name, " ".join(endpoint.launch))
+                servers.enter_context(launched(_command(endpoint.launch, base_dir), _endpoint(endpoint),
+                                               out_dir / f"endpoint-{endpoint.name}.log", endpoint.launch_timeout_s))
+        for spec in specs:
+            for system, kind in systems:
+                label = f"{system} {kind or lm.model.dtype} {_x_label(spec)}"
+                reason = _reason(system, kind, lm, block)
+                if reason:
+                    points.append({**_point_keys(system, kind, spec), "status": f"not run: {reason}"})
+                    log.info("[%s] %s: not run: %s", step.key, label, reason)
+                    bar.update(_count(spec), note=f"{label} not run")
+                    continue
+                point, records, timeline = _point(system, kind, spec, lm, block, sampling,
+                                                  partial(build_load, spec, lm.tokenizer, text, prompts),
+                                                  lambda _r: bar.update(1))
+                points.append(point)
+                requests += [_request_row(point, r) for r in records]
+                timelines += [{**_point_keys(system, kind, spec), "t_s": t, "running": run, "blocks_used": used,
+                               "waiting": wait} for t, run, used, wait in timeline]
+                bar.update(0, note=f"{label}: {point['output_tokens_per_s']:.1f} tok/s")
+                write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
     bar.close()
     table = pd.DataFrame(points)
     write_tables(out_dir, points, requests, timelines)
@@ -103,6 +103,34 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             "metrics": _metrics(table, best), "params": {"serve.points": len(points)}}
 
 
+def _point(system: str, kind: str | None, spec: LoadSpec, lm: LoadedModel, block: ServeBlock,
+           sampling: GenerateConfig, load: Callable[..., Load], on_finish: Callable[[RequestRecord], None]
+           ) -> tuple[dict, list[RequestRecord], list]:
+    """One point: the warm-up load (if any) on a server of its own, then the measured load → (its row, its
+    requests' records, the scheduler's timeline)."""
+    warm = load(warmup=True)
+    compile_s = 0.0  # the compiled engine's warm-up compile, before any clock starts
+    if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
+        warm_server = _server(system, kind, lm, block, sampling)
+        compile_s += getattr(warm_server, "compile_s", 0.0)
+        _serve(warm_server, warm)
+    server = _server(system, kind, lm, block, sampling)
+    compile_s += getattr(server, "compile_s", 0.0)
+    records = _serve(server, load(), on_finish)
+    timeline = getattr(server, "timeline", [])
+    summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
+    point = {**_point_keys(system, kind, spec), "status": "ok", **summary, **_occupancy(timeline)}
+    if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
+        point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
+    if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
+        counted = server.server_prompt_tokens
+        point["prompt_tokens_unchecked"] = sum(r.id not in counted for r in records if r.ok)
+        point["prompt_tokens_mismatched"] = sum(counted[r.id] != r.prompt_tokens for r in records if r.id in counted)
+    if block.slo:
+        point["meets_slo"] = point_meets(summary, block.slo.slo())
+    return point, records, timeline
+
+
 def _serve(server, load, on_finish=None) -> list[RequestRecord]:
     """`load` on `server`, on a clock of its own; a server with threads of its own (transformers') is closed."""
     try:
@@ -113,6 +141,10 @@ def _serve(server, load, on_finish=None) -> list[RequestRecord]:
 
 
 def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig):
+    endpoint = next((e for e in block.endpoints if e.name == system), None)
+    if endpoint is not None:
+        return RemoteServer(_endpoint(endpoint), lm.tokenizer, max_in_flight=_max_in_flight(block),
+                            seed=sampling.seed)
     budget = int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None
     if system in OURS.values():
         config = SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
@@ -128,6 +160,28 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
     return TransformersServer(lm.model, max_batch_size=block.max_batch_size, block_size=block.block_size,
                               num_blocks=blocks, kv_budget_mb=block.kv_budget_mib if blocks is None else None,
                               seed=sampling.seed or 0)
+
+
+def _endpoint(block: EndpointBlock) -> Endpoint:
+    return Endpoint(block.name, block.url, block.model, block.api, block.prompt_format, block.suppress_eos)
+
+
+def _max_in_flight(block: ServeBlock) -> int:
+    """Threads (and connections) of a remote point: every request of an open load may be in flight at once, up to
+    a bound; a closed loop has its users'."""
+    return block.concurrency or min(256, max(16, 4 * block.max_batch_size))
+
+
+def _command(command: list[str], base_dir: Path) -> list[str]:
+    """A launch command with its placeholders filled: {python}, {manifest_dir}, {gguf:NAME} (fetched if needed)."""
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name == "python":
+            return sys.executable
+        if name == "manifest_dir":
+            return str(base_dir)
+        return str(fetch_gguf(zoo_entry("zoo:" + name.removeprefix("gguf:"))))
+    return [re.sub(r"\{([^{}]*)\}", fill, arg) for arg in command]
 
 
 def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -> str:

@@ -1,0 +1,233 @@
+"""Any OpenAI-compatible server as a server the driver feeds: our own (`run serve`), llama.cpp's
+(`python -m llama_cpp.server`), vLLM's. The same seeded load, the same latencies from each request's scheduled
+arrival, one table with the in-process systems.
+
+Each request is one streaming POST (`/v1/completions`, or `/v1/chat/completions` with the prompt as one user
+message) on a thread of a pool, so requests are in flight together as their arrivals say; `step` only waits for one
+to finish (at most `POLL_S`, so an arrival is sent at most that late). Sent as text (the load's token ids decoded by
+the load's tokenizer) or as token ids (`prompt_format: token_ids`, for a server with the same vocabulary).
+
+What is counted through the server's own tokenizer: `usage.prompt_tokens` (kept per request as `server_prompt_tokens`:
+a server whose tokenizer or BOS differs shows it there) and `usage.completion_tokens` (the output length; a server
+without usage in its stream counts one token per chunk). A token's time is when its chunk arrived; a chunk carrying
+several tokens gives them all its time (tokens past the chunks, when usage says more, take the last chunk's time).
+Exact output lengths: `min_tokens` and `ignore_eos` are sent (vLLM's and runner's extensions); a server that ignores
+them stops at EOS, unless `suppress_eos` adds a logit bias of -100 on the load tokenizer's EOS ids (same vocabulary
+only). The output's ids are the load tokenizer's encoding of the returned text (multi-turn loads build the next
+prompt from them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from runner.errors import StepError
+from runner.infer.serve.requests import Request, RequestRecord
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.001  # longest `step` waits before the driver looks at arrivals again
+READY_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server: its base URL (`http://host:port`, with or without `/v1`) and the model name it
+    serves."""
+
+    name: str
+    url: str
+    model: str
+    api: str = "completions"  # or "chat"
+    prompt_format: str = "text"  # or "token_ids"
+    suppress_eos: bool = False
+    timeout_s: float = 600.0
+
+    @property
+    def base(self) -> str:
+        url = self.url.rstrip("/")
+        return url if url.endswith("/v1") else url + "/v1"
+
+
+class RemoteServer:
+    """Requests sent to an Endpoint as they arrive, each streamed back on a thread of its own."""
+
+    def __init__(self, endpoint: Endpoint, tokenizer, max_in_flight: int = 256, seed: int | None = None):
+        self.endpoint, self.tokenizer, self.seed = endpoint, tokenizer, seed
+        self.clock = time.perf_counter
+        self._client = httpx.Client(timeout=endpoint.timeout_s,
+                                    limits=httpx.Limits(max_connections=max_in_flight,
+                                                        max_keepalive_connections=max_in_flight))
+        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"remote-{endpoint.name}")
+        self._open: dict[int, RequestRecord] = {}
+        self._finished = threading.Event()
+        self._lock = threading.Lock()
+        self.server_prompt_tokens: dict[int, int] = {}  # request id → usage.prompt_tokens
+
+    def submit(self, request: Request) -> RequestRecord:
+        record = RequestRecord(request.id, request.arrival_s, len(request.prompt_ids))
+        with self._lock:
+            self._open[request.id] = record
+        self._pool.submit(self._send, request, record)
+        return record
+
+    def step(self) -> None:
+        self._finished.wait(POLL_S)
+        self._finished.clear()
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            for rid in [rid for rid, record in self._open.items() if record.finish]:
+                del self._open[rid]
+            return bool(self._open)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
+
+    def body(self, request: Request) -> dict:
+        """The JSON body of one request (greedy; exact output lengths asked for as the module says)."""
+        ep = self.endpoint
+        prompt: str | list[int] = (list(request.prompt_ids) if ep.prompt_format == "token_ids"
+                                   else self.tokenizer.decode(list(request.prompt_ids)))
+        body: dict = {"model": ep.model, "max_tokens": request.max_new_tokens, "temperature": 0.0, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if self.seed is not None:
+            body["seed"] = self.seed
+        body |= ({"messages": [{"role": "user", "content": prompt}]} if ep.api == "chat" else {"prompt": prompt})
+        if request.min_new_tokens:
+            body |= {"min_tokens": request.min_new_tokens,
+                     "ignore_eos": request.min_new_tokens >= request.max_new_tokens}
+            if ep.suppress_eos:
+                body["logit_bias"] = {str(i): -100 for i in _eos_ids(self.tokenizer)}
+        return body
+
+    def _send(self, request: Request, record: RequestRecord) -> None:
+        ep, path = self.endpoint, "/chat/completions" if self.endpoint.api == "chat" else "/completions"
+        text: list[str] = []
+        times: list[float] = []
+        usage: dict = {}
+        reason = ""
+        try:
+            with self._client.stream("POST", ep.base + path, json=self.body(request)) as response:
+                if response.status_code != 200:
+                    response.read()
+                    record.finish = "refused" if response.status_code in (429, 503) else "error"
+                    record.error = f"HTTP {response.status_code}: {_message(response.text)}"
+                    return
+                for data in _events(response.iter_lines()):
+                    chunk = json.loads(data)
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content") if ep.api == "chat" else choice.get("text")
+                        if piece:
+                            times.append(self.clock())
+                            text.append(piece)
+                        reason = choice.get("finish_reason") or reason
+            record.output_ids = list(self.tokenizer.encode("".join(text), add_special_tokens=False))
+            count = int(usage.get("completion_tokens", len(times)))
+            record.token_s = times[:count] + times[-1:] * max(0, count - len(times)) if times else []
+            if "prompt_tokens" in usage:
+                self.server_prompt_tokens[request.id] = int(usage["prompt_tokens"])
+            record.finish = {"stop": "stop", "length": "length"}.get(reason, "eos" if reason else "length")
+        except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+            record.finish, record.error = "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finished.set()
+
+
+def _events(lines: Iterator[str]) -> Iterator[str]:
+    """The data of each server-sent event up to `[DONE]`."""
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            if data:
+                yield data
+
+
+def _message(body: str) -> str:
+    try:
+        error = json.loads(body).get("error", body)
+        return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
+    except (ValueError, AttributeError):
+        return body[:300]
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [int(eos)]
+
+
+def served_models(url: str, timeout_s: float = 5.0) -> list[str]:
+    """The model names an OpenAI-compatible server lists at /v1/models (raises httpx.HTTPError when it does not
+    answer)."""
+    response = httpx.get(Endpoint("", url, "").base + "/models", timeout=timeout_s)
+    response.raise_for_status()
+    return [m.get("id", "") for m in response.json().get("data", [])]
+
+
+@contextmanager
+def launched(command: Sequence[str], endpoint: Endpoint, log_path: Path, timeout_s: float) -> Iterator[None]:
+    """Start a server's `command`, wait until `endpoint` lists its model, and stop it on leaving (SIGINT, then
+    SIGKILL after 10 s). Its output goes to `log_path`; a server that exits or does not answer in `timeout_s` is a
+    StepError quoting the end of that log."""
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(proc, endpoint, log_path, timeout_s)
+        yield
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(proc: subprocess.Popen, endpoint: Endpoint, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StepError(f"endpoint {endpoint.name}: its server exited ({proc.returncode}) before answering; "
+                            f"the end of {log_path}:\n{_tail(log_path)}")
+        try:
+            models = served_models(endpoint.url)
+        except httpx.HTTPError:
+            time.sleep(READY_POLL_S)
+            continue
+        if endpoint.model not in models:
+            raise StepError(f"endpoint {endpoint.name}: {endpoint.url} serves {models}, not model "
+                            f"{endpoint.model!r}: set model to one of them")
+        return
+    raise StepError(f"endpoint {endpoint.name}: no answer at {endpoint.url} within {timeout_s:g} s; the end of "
+                    f"{log_path}:\n{_tail(log_path)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
