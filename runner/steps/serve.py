@@ -123,6 +123,7 @@ def _point(system: str, kind: str | None, spec: LoadSpec, lm: LoadedModel, block
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
+        server.count_prompt_tokens()
         counted = server.server_prompt_tokens
         point["prompt_tokens_unchecked"] = sum(r.id not in counted for r in records if r.ok)
         point["prompt_tokens_mismatched"] = sum(counted[r.id] != r.prompt_tokens for r in records if r.id in counted)

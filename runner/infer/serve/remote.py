@@ -8,9 +8,11 @@ to finish (at most `POLL_S`, so an arrival is sent at most that late). Sent as t
 the load's tokenizer) or as token ids (`prompt_format: token_ids`, for a server with the same vocabulary).
 
 What is counted through the server's own tokenizer: `usage.prompt_tokens` (kept per request as `server_prompt_tokens`:
-a server whose tokenizer or BOS differs shows it there) and `usage.completion_tokens` (the output length; a server
-without usage in its stream counts one token per chunk). A token's time is when its chunk arrived; a chunk carrying
-several tokens gives them all its time (tokens past the chunks, when usage says more, take the last chunk's time).
+a server whose tokenizer or BOS differs shows it there; a stream without usage, as llama.cpp's servers send, has its
+prompts counted by the server's tokenize endpoint after the load) and `usage.completion_tokens` (the output length;
+without usage, one token per chunk). A token's time is when its chunk arrived (a chunk with empty text before the
+last is a token that ends mid-character); a chunk carrying several tokens gives them all its time (tokens past the
+chunks, when usage says more, take the last chunk's time).
 Exact output lengths: `min_tokens` and `ignore_eos` are sent (vLLM's and runner's extensions); a server that ignores
 them stops at EOS, unless `suppress_eos` adds a logit bias of -100 on the load tokenizer's EOS ids (same vocabulary
 only). The output's ids are the load tokenizer's encoding of the returned text (multi-turn loads build the next
@@ -40,6 +42,7 @@ from runner.infer.serve.requests import Request, RequestRecord
 log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # longest `step` waits before the driver looks at arrivals again
+TOKENIZE_PATHS = ("/tokenize", "/extras/tokenize")  # vLLM's and llama.cpp's own server; llama-cpp-python's server
 READY_POLL_S = 0.25
 
 
@@ -58,8 +61,11 @@ class Endpoint:
 
     @property
     def base(self) -> str:
-        url = self.url.rstrip("/")
-        return url if url.endswith("/v1") else url + "/v1"
+        return self.root + "/v1"
+
+    @property
+    def root(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
 
 
 class RemoteServer:
@@ -75,7 +81,8 @@ class RemoteServer:
         self._open: dict[int, RequestRecord] = {}
         self._finished = threading.Event()
         self._lock = threading.Lock()
-        self.server_prompt_tokens: dict[int, int] = {}  # request id → usage.prompt_tokens
+        self.server_prompt_tokens: dict[int, int] = {}  # request id → the server's count of its prompt tokens
+        self._texts: dict[int, str] = {}  # request id → the prompt sent as text
 
     def submit(self, request: Request) -> RequestRecord:
         record = RequestRecord(request.id, request.arrival_s, len(request.prompt_ids))
@@ -104,6 +111,8 @@ class RemoteServer:
         ep = self.endpoint
         prompt: str | list[int] = (list(request.prompt_ids) if ep.prompt_format == "token_ids"
                                    else self.tokenizer.decode(list(request.prompt_ids)))
+        if isinstance(prompt, str):
+            self._texts[request.id] = prompt
         body: dict = {"model": ep.model, "max_tokens": request.max_new_tokens, "temperature": 0.0, "stream": True,
                       "stream_options": {"include_usage": True}}
         if self.seed is not None:
@@ -115,6 +124,23 @@ class RemoteServer:
             if ep.suppress_eos:
                 body["logit_bias"] = {str(i): -100 for i in _eos_ids(self.tokenizer)}
         return body
+
+    def count_prompt_tokens(self) -> None:
+        """Prompts whose stream carried no usage (llama.cpp's servers send none), counted by the server's tokenize
+        endpoint after the load, outside its timing; a server with none leaves them unchecked."""
+        ep = self.endpoint
+        for rid, text in self._texts.items():
+            if rid in self.server_prompt_tokens:
+                continue
+            for path in TOKENIZE_PATHS:  # one body that each server's schema reads its own field from
+                try:
+                    response = httpx.post(ep.root + path, timeout=30,
+                                          json={"model": ep.model, "prompt": text, "content": text, "input": text})
+                    if response.status_code == 200 and isinstance(tokens := response.json().get("tokens"), list):
+                        self.server_prompt_tokens[rid] = len(tokens)
+                        break
+                except (httpx.HTTPError, ValueError):
+                    continue
 
     def _send(self, request: Request, record: RequestRecord) -> None:
         ep, path = self.endpoint, "/chat/completions" if self.endpoint.api == "chat" else "/completions"
@@ -134,10 +160,11 @@ class RemoteServer:
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:
                         piece = (choice.get("delta") or {}).get("content") if ep.api == "chat" else choice.get("text")
-                        if piece:
+                        finish = choice.get("finish_reason")
+                        if piece or (piece == "" and not finish):  # an empty piece: a token ending mid-character
                             times.append(self.clock())
                             text.append(piece)
-                        reason = choice.get("finish_reason") or reason
+                        reason = finish or reason
             record.output_ids = list(self.tokenizer.encode("".join(text), add_special_tokens=False))
             count = int(usage.get("completion_tokens", len(times)))
             record.token_s = times[:count] + times[-1:] * max(0, count - len(times)) if times else []
