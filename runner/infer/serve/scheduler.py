@@ -154,6 +154,7 @@ class Scheduler:
             self.waiting.append(Live(request, record, rng))
         return record
 
+    @torch.inference_mode()  # the compiled slots zero the row's mask, an inference tensor
     def cancel(self, request_id: int) -> bool:
         """Take a waiting or running request out now (`finish="cancelled"`), freeing its blocks and cache; False when
         it is not held (unknown, or already finished)."""
