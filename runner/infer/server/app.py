@@ -172,20 +172,26 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
 
 
 async def _until_finished(events: asyncio.Queue[Event], http: Request, cancel: Callable[[], None]) -> Event | None:
-    """The request's last event; None, and the request cancelled, when its client disconnects first."""
-    while True:
-        try:
-            event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                cancel()
-                return None
-            continue
-        except asyncio.CancelledError:
-            cancel()
-            raise
-        if event.finish:
-            return event
+    """The request's last event; None, and the request cancelled, when its client disconnects first (checked every
+    DISCONNECT_POLL_S, tokens arriving or not)."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
+    try:
+        while True:
+            try:
+                event: Event | None = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if event is not None and event.finish:
+                return event
+            if loop.time() >= check_at:
+                check_at = loop.time() + DISCONNECT_POLL_S
+                if await http.is_disconnected():
+                    cancel()
+                    return None
+    except asyncio.CancelledError:
+        cancel()
+        raise
 
 
 async def _chunks(events: asyncio.Queue[Event], text: Detokenizer, name: str, model: str, prompt_tokens: int,
