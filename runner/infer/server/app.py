@@ -28,7 +28,6 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.serve.requests import Request as ServeRequest
 from runner.infer.server import protocol as p
 from runner.infer.server.engine_loop import EngineLoop, Event
-from runner.infer.server.text import Detokenizer, chat_prompt_ids, cut_at_stop, text_prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
         prompt = body.prompt
         if isinstance(prompt, str):
-            ids = text_prompt_ids(state.tokenizer, prompt)
+            ids = p.text_prompt_ids(state.tokenizer, prompt)
         else:
             ids = list(prompt)  # type: ignore[arg-type]
             if bad := [i for i in ids if not 0 <= i < state.vocab_size]:
@@ -102,7 +101,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, http: Request) -> Response:
-        ids = chat_prompt_ids(state.tokenizer, [(m.role, m.text) for m in body.messages])
+        ids = p.chat_prompt_ids(state.tokenizer, [(m.role, m.text) for m in body.messages])
         return await _generate(state, http, body, ids, chat=True)
 
     return app
@@ -149,7 +148,7 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
     if first.code != 200:
         return _error(first.code, f"{prompt_field}: {first.error}", param=prompt_field)
     name = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
-    text = Detokenizer(state.tokenizer, body.stops)
+    text = p.Detokenizer(state.tokenizer, body.stops)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _chunks(events, text, name, state.model_name, len(ids), chat, usage)
@@ -165,7 +164,7 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
         return _error(last.code, last.error, kind="server_error")
     out = state.tokenizer.decode(record.output_ids, skip_special_tokens=True)
     if last.finish == "stop":
-        out = cut_at_stop(out, body.stops)
+        out = p.cut_at_stop(out, body.stops)
     make = p.chat_body if chat else p.completion_body
     return JSONResponse(make(name, state.model_name, out, p.finish_reason(last.finish), len(ids),
                              len(record.output_ids)))
@@ -194,7 +193,7 @@ async def _until_finished(events: asyncio.Queue[Event], http: Request, cancel: C
         raise
 
 
-async def _chunks(events: asyncio.Queue[Event], text: Detokenizer, name: str, model: str, prompt_tokens: int,
+async def _chunks(events: asyncio.Queue[Event], text: p.Detokenizer, name: str, model: str, prompt_tokens: int,
                   chat: bool, usage: bool) -> AsyncIterator[str]:
     """The server-sent events of one request: text deltas, the finish, the usage when asked, then [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"

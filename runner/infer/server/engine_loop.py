@@ -139,12 +139,12 @@ class EngineLoop:
             if record.finish:  # refused at once: queue full (429) or cannot ever fit (400)
                 self.scheduler.records.pop(request.id, None)
                 self.metrics.finished(record)
-                sink(Event(429 if record.finish == "refused" else 400, finish=record.finish, error=record.error,
-                           record=record))
+                _send(sink, Event(429 if record.finish == "refused" else 400, finish=record.finish,
+                                  error=record.error, record=record))
                 return
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
             self._open[request.id] = _Open(sink, record)
-            sink(Event(200))
+            _send(sink, Event(200))
         elif what == "cancel":
             self.scheduler.cancel(command[1])
         elif what == "cancel_all":
@@ -164,9 +164,9 @@ class EngineLoop:
                 self.scheduler.records.pop(rid, None)
                 self.metrics.finished(record)
                 code = 500 if record.finish == "error" else 200
-                open_.sink(Event(code, list(new), record.finish, record.error, record))
+                _send(open_.sink, Event(code, list(new), record.finish, record.error, record))
             else:
-                open_.sink(Event(200, list(new)))
+                _send(open_.sink, Event(200, list(new)))
 
     def _fail_all(self, error: str) -> None:
         for rid, open_ in self._open.items():
@@ -177,3 +177,12 @@ class EngineLoop:
         s = self.scheduler
         self.counts = (len(s.running), len(s.waiting), s.pool.used)
         self.metrics.state(*self.counts, self.now())
+
+
+def _send(sink: Sink, event: Event) -> None:
+    """An event to its handler; a handler that can no longer take it (its loop closed as the server stops) is
+    skipped, never the engine thread's end."""
+    try:
+        sink(event)
+    except RuntimeError as exc:
+        log.debug("an event was not delivered: %s", exc)

@@ -12,7 +12,7 @@ from runner.infer.serve.driver import drive
 from runner.infer.serve.requests import Request
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
 from runner.infer.server.lifecycle import serving
-from runner.infer.server.text import plain_chat
+from runner.infer.server.protocol import plain_chat
 from tests.infer.serve.clocks import FakeClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,7 +133,7 @@ def test_models_health_and_refusals_in_openais_shape(tiny_lm, server, client):
 
 
 def test_a_chat_template_is_used_when_the_tokenizer_has_one(tiny_lm):
-    from runner.infer.server.text import chat_prompt_ids
+    from runner.infer.server.protocol import chat_prompt_ids
 
     tokenizer = tiny_lm.tokenizer
     saved = getattr(tokenizer, "chat_template", None)
