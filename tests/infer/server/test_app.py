@@ -144,3 +144,28 @@ def test_a_chat_template_is_used_when_the_tokenizer_has_one(tiny_lm):
         tokenizer.chat_template = saved
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<user>Hi<assistant>"
     assert torch.tensor(ids).dtype == torch.long
+
+
+def test_the_compiled_slots_behind_the_server(tiny_lm, monkeypatch):
+    """engine compiled (its static step run uncompiled here): greedy output equals the eager scheduler's in-process,
+    a request longer than a row is a 400, and once a client has left mid-response no row or block stays held."""
+    from runner.infer.compiled import engine as compiled
+    from runner.infer.compiled.engine import CompiledEngine
+
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, CompiledEngine(tiny_lm.model, compile=False))
+    ids = list(range(20, 44))
+    config = SchedulerConfig(block_size=4, max_running=2, sampling=GenerateConfig(temperature=0.0, max_seq_len=256))
+    with serving(tiny_lm.model, tiny_lm.tokenizer, config, engine="compiled", columns=64, model_name="tiny") as server:
+        http = httpx.Client(base_url=server.url, timeout=30)
+        out = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 10, "temperature": 0})
+        expected = _in_process(tiny_lm, ids, 10)
+        assert out.json()["usage"]["completion_tokens"] == len(expected)
+        assert out.json()["choices"][0]["text"] == tiny_lm.tokenizer.decode(expected, skip_special_tokens=True)
+        too_long = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 50})
+        assert too_long.status_code == 400 and "64" in too_long.json()["error"]["message"]
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 40, "ignore_eos": True},
+                      timeout=0.05)
+        assert server.wait_idle(10)
+        slots = server.engine.scheduler
+        assert slots.slot_of == {} and slots.pool.used == 0
