@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from runner.infer.config.decoding import GenerateConfig
@@ -125,8 +126,13 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
     if max_tokens > room:
         return _reject(state, 400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the "
                                    f"model's context of {state.max_seq_len} tokens", "invalid", param="max_tokens")
-    sampling = GenerateConfig(temperature=body.temperature, top_p=body.top_p if body.top_p < 1 else None,
-                              seed=body.seed, stop_strings=body.stops, max_seq_len=state.max_seq_len)
+    try:
+        sampling = GenerateConfig(temperature=body.temperature, top_p=body.top_p if body.top_p < 1 else None,
+                                  seed=body.seed, stop_strings=body.stops, max_seq_len=state.max_seq_len)
+    except ValidationError as exc:  # a value our sampler refuses that the wire format let through
+        error = exc.errors()[0]
+        field = {"stop_strings": "stop"}.get(str(error["loc"][0]), str(error["loc"][0])) if error["loc"] else None
+        return _reject(state, 400, f"{field}: {error['msg']}", "invalid", param=field)
     minimum = max_tokens if body.ignore_eos else min(body.min_tokens, max_tokens)
     engine = state.engine
     events: asyncio.Queue[Event] = asyncio.Queue()
