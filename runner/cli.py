@@ -8,6 +8,7 @@
     run schema                                print the manifest's JSON Schema
     run results [--experiment E] [--mode M]   a table of past runs from MLflow
     run compare A B                           two runs' metrics side by side, regressions flagged
+    run serve MANIFEST.yaml [--run ID] [--host H] [--port P]   its serve run behind an OpenAI-compatible HTTP server
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from runner import __version__, report
 from runner.errors import ManifestError, RunnerError
 
-COMMANDS = ("check", "plan", "schema", "results", "compare")
+COMMANDS = ("check", "plan", "schema", "results", "compare", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +51,8 @@ def _dispatch(command: str, argv: list[str]) -> int:
         return 0
     if command in ("results", "compare"):
         return _browse(command, argv)
+    if command == "serve":
+        return _serve(argv)
     descriptions = {
         "run": "Run a manifest: validate, plan, execute; results go to runs/ and MLflow.",
         "check": "Validate a manifest and its overrides; exits 2 with every problem listed.",
@@ -160,6 +164,55 @@ def _browse(command: str, argv: list[str]) -> int:
     return 1 if regressions and args.fail_on_regression else 0
 
 
+def _serve(argv: list[str]) -> int:
+    """`run serve`: the server until Ctrl-C (or SIGTERM); the first drains (new requests get 503, accepted ones
+    finish), a second cancels what runs."""
+    parser = _parser("serve", "Serve a manifest's mode: serve run (its model, scheduler limits, first cache kind and "
+                     "engine) over an OpenAI-compatible HTTP API with Prometheus /metrics.", manifest=False)
+    parser.add_argument("manifest", help="path to a manifest .yaml file")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. targets.0.runs.0.serve.max_queue=8")
+    parser.add_argument("--run", help="the serve run to serve (its id, or target/id) when the manifest has several")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free port)")
+    args = _parse(parser, argv, intermixed=True)
+    from runner.execute.http_serve import serve_target, start_server
+
+    target = serve_target(Path(args.manifest), args.overrides, args.run)
+    server = start_server(target, args.host, args.port)
+    print(f"serving {target.model_name} at {server.url} (OpenAI API: {server.url}/v1, metrics: {server.url}/metrics)",
+          flush=True)
+    print("[runner] Ctrl-C drains (finishes what runs, accepts nothing new); a second Ctrl-C cancels what runs",
+          file=sys.stderr, flush=True)
+    signals: list[int] = []
+
+    def interrupted(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            server.drain()
+            print(f"\n[runner] draining: {server.engine.in_flight} requests in flight finish, new ones get 503 "
+                  "(Ctrl-C again cancels them)", file=sys.stderr, flush=True)
+        elif len(signals) == 2:
+            server.cancel_running()
+            print(f"[runner] cancelling the {server.engine.in_flight} requests in flight", file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
+    try:
+        while not (signals and server.idle):
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    print("[runner] stopped" + (": drained" if len(signals) == 1 else ": cancelled what ran"), file=sys.stderr)
+    return 0
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {text!r}")
+    return int(text)
+
+
 def _sweep(command: str, args, path: Path, manifest, overrides: list[str], hydra_args: list[str]) -> int:
     from runner.execute import launchers, sweep
     from runner.manifest.sources import read_sources
@@ -244,7 +297,7 @@ def _parser(command: str, description: str, manifest: bool = True) -> argparse.A
     prog = "run" if command == "run" else f"run {command}"
     parser = _Parser(prog=prog, description=description,
                      epilog="Commands: run MANIFEST | run check MANIFEST | run plan MANIFEST | run schema | "
-                            "run results | run compare A B")
+                            "run results | run compare A B | run serve MANIFEST")
     parser.add_argument("--version", action="version", version=f"runner {__version__}")
     loudness = parser.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true", help="also debug messages, with their module")

@@ -82,6 +82,10 @@ class DataError(RunnerError):
     """Evaluation text cannot be found, fetched, verified or is too short for what was asked."""
 
 
+class ServerError(RunnerError):
+    """`run serve` cannot start its HTTP server: the address is taken or refused, the run cannot be served."""
+
+
 def format_loc(loc: tuple) -> str:
     """A key path as the user reads it: ("targets", 0, "runs") → targets[0].runs."""
     out = ""

@@ -1,1 +1,1 @@
-"""Layer 14: one bench cell measured on runner's engine, transformers, speculative and assisted decoding."""
+"""Layer 15: one bench cell measured on runner's engine, transformers, speculative and assisted decoding."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runner.infer.config.decoding import GenerateConfig
+
 
 @dataclass(frozen=True)
 class Request:
@@ -22,6 +24,8 @@ class Request:
     min_new_tokens: int = 0  # synthetic loads ask for exact output lengths: EOS is ignored until this many
     group: int | None = None  # shared-prefix group, or conversation, it belongs to
     turn: int = 0  # the turn in a multi-turn conversation
+    sampling: GenerateConfig | None = None  # its own sampling (an HTTP request's temperature, top_p, seed, stop);
+    # None: the scheduler's. Its max_new_tokens is ignored (the field above counts)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class RequestRecord:
     token_s: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish: str = ""  # "eos" | "length" | "stop" | "refused" (overload: a bounded queue was full) | "error"
+    # | "cancelled" (Scheduler.cancel: its client went away)
     error: str = ""
     preemptions: int = 0  # times its KV blocks were taken back (it was recomputed later)
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache

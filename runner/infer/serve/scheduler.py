@@ -9,6 +9,9 @@ One `Scheduler.step()`, in order:
     prefill chunks of the admitted requests under the step's token budget (`max_tokens_per_step` − decode rows),
            in one more forward (rows.feed_rows); a chunk ends where the kind's stored K/V stay those of a solo
            decode (rows.chunk_end)
+A request samples by its own `Request.sampling` when it has one (an HTTP request's temperature, top_p, seed, stop
+strings), else by the scheduler's. `cancel` takes a request out at once (its client went away): its blocks and cache
+are freed, `finish="cancelled"`.
 A request finishes on EOS (once `min_new_tokens` are out; before that EOS is an ordinary token, as vLLM's
 ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting queue refuses what does not fit
 (`finish="refused"`); a request whose prompt + max_new_tokens exceeds the whole KV budget is refused at submission
@@ -142,9 +145,33 @@ class Scheduler:
         elif self.config.max_queue is not None and len(self.waiting) >= self.config.max_queue:
             record.finish, record.error = "refused", f"waiting queue full ({self.config.max_queue})"
         else:
-            rng = torch.Generator(self.device).manual_seed(request_seed(self.config.sampling.seed, request.id))
+            own = request.sampling
+            if own is not None and own.stop_strings and self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: Scheduler(..., tokenizer=tok)")
+            seed = own.seed if own is not None and own.seed is not None else request_seed(
+                self.config.sampling.seed, request.id)  # a request's own seed: the same tokens whatever its id
+            rng = torch.Generator(self.device).manual_seed(seed)
             self.waiting.append(Live(request, record, rng))
         return record
+
+    @torch.inference_mode()  # the compiled slots zero the row's mask, an inference tensor
+    def cancel(self, request_id: int) -> bool:
+        """Take a waiting or running request out now (`finish="cancelled"`), freeing its blocks and cache; False when
+        it is not held (unknown, or already finished)."""
+        for live in self.waiting:
+            if live.request.id == request_id:
+                self.waiting.remove(live)
+                break
+        else:
+            live = next((x for x in self.running if x.request.id == request_id), None)  # type: ignore[assignment]
+            if live is None:
+                return False
+            self._leave(live)
+        live.record.finish = "cancelled"
+        return True
+
+    def sampling_of(self, live: Live) -> GenerateConfig:
+        return live.request.sampling or self.config.sampling
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -233,13 +260,17 @@ class Scheduler:
 
     def _choose(self, rows: list[Live], logits: torch.Tensor) -> list[int]:
         """[B,V] logits → each row's next token: greedy as one argmax; sampling from each row's own generator."""
-        cfg = self.config.sampling
-        if cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.no_repeat_ngram_size:
+        configs = [self.sampling_of(live) for live in rows]
+        plain = [c.greedy and c.repetition_penalty == 1.0 and not c.no_repeat_ngram_size for c in configs]
+        if all(plain):
             return logits.argmax(-1).tolist()
         chosen = []
         for r, live in enumerate(rows):
+            if plain[r]:
+                chosen.append(int(logits[r].argmax()))
+                continue
             seen = torch.tensor([live.sequence], device=self.device)  # [1,n] penalties read it
-            chosen.append(int(next_token(logits[r:r + 1], seen, cfg, live.rng)[0]))
+            chosen.append(int(next_token(logits[r:r + 1], seen, configs[r], live.rng)[0]))
         return chosen
 
     def _emit(self, live: Live, token: int, now: float) -> None:
@@ -250,7 +281,7 @@ class Scheduler:
         finish = ("eos" if token in self.eos and n >= request.min_new_tokens
                   else "stop" if self._hit_stop_string(live)
                   else "length" if n >= request.max_new_tokens
-                  or len(request.prompt_ids) + n >= self.config.sampling.max_seq_len else "")
+                  or len(request.prompt_ids) + n >= self.sampling_of(live).max_seq_len else "")
         if finish:
             record.finish = finish
             self._leave(live)
@@ -267,7 +298,7 @@ class Scheduler:
 
     def _hit_stop_string(self, live: Live) -> bool:
         """The Generator's rule: a stop string in the decoded tail of this request's new tokens."""
-        stops = self.config.sampling.stop_strings
+        stops = self.sampling_of(live).stop_strings
         if not stops:
             return False
         tail = max(len(s) for s in stops) + 8  # tokens: enough to hold the longest stop string

@@ -118,3 +118,20 @@ def test_a_roomy_cache_rebases_before_it_is_full_and_still_equals_solo_decodes(t
     server, records = _run(tiny_lm.model, requests, static_engine, columns=512, cache_kind="fp32", max_running=4)
     assert [r.output_ids for r in records] == solo
     assert server.rebases > 0 and server.pointer < 2 * 64 + 64
+
+
+def test_cancel_frees_a_row_and_its_blocks(tiny_lm, static_engine):
+    """Scheduler.cancel on the compiled slots: the row is free for the next request, whose output is unchanged."""
+    slots = CompiledSlots(tiny_lm.model, _config(block_size=4, max_running=2), engine=static_engine, columns=64,
+                          clock=FakeClock())
+    gone, kept = Request(0, 0.0, tuple(range(3, 20)), 30), Request(1, 0.0, tuple(range(5, 25)), 8)
+    slots.submit(gone)
+    slots.step()
+    assert slots.slot_of == {0: 0} and slots.pool.used > 0
+    assert slots.cancel(0)
+    assert slots.slot_of == {} and slots.pool.used == 0 and int(slots.mask.sum()) == 0
+    assert slots.records[0].finish == "cancelled"
+    slots.submit(kept)
+    while slots.busy:
+        slots.step()
+    assert slots.records[1].output_ids == _solo(tiny_lm.model, kept, None, engine="compiled")

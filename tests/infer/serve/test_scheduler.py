@@ -187,3 +187,31 @@ def test_static_baseline_decodes_fixed_batches(tiny_lm):
     starts = sorted({r.scheduled_s for r in records})
     assert len(starts) == 3  # batches of 2, 2, 1
     assert all(r.token_s[0] >= r.scheduled_s >= r.arrival_s for r in records)
+
+
+def test_cancel_frees_a_running_and_a_waiting_request_at_once(tiny_lm):
+    """A client that goes away (the HTTP server): its blocks and cache go now, and it finishes "cancelled"."""
+    first, second = (Request(i, 0.0, tuple(range(3, 30)), 50) for i in range(2))
+    scheduler = Scheduler(tiny_lm.model, SchedulerConfig(block_size=4, max_running=1), clock=FakeClock())
+    scheduler.submit(first)
+    scheduler.submit(second)
+    scheduler.step()
+    assert [x.request.id for x in scheduler.running] == [0] and len(scheduler.waiting) == 1
+    assert scheduler.pool.used > 0
+    assert scheduler.cancel(1) and scheduler.cancel(0)
+    assert not scheduler.busy and scheduler.pool.used == 0 and scheduler.pool.held == {}
+    assert [scheduler.records[i].finish for i in (0, 1)] == ["cancelled", "cancelled"]
+    assert not scheduler.cancel(0) and not scheduler.cancel(99)
+
+
+def test_a_request_samples_by_its_own_settings(tiny_lm):
+    """Request.sampling (an HTTP request's temperature and seed) overrides the scheduler's, row by row: two requests
+    with the same seed draw the same tokens whatever their ids; a greedy one beside them is its solo greedy decode."""
+    prompt = tuple(range(3, 20))
+    seeded = GenerateConfig(temperature=1.0, seed=7)
+    requests = [Request(0, 0.0, prompt, 12, 12, sampling=seeded), Request(5, 0.0, prompt, 12, 12, sampling=seeded),
+                Request(9, 0.0, prompt, 12, sampling=GenerateConfig(temperature=0.0))]
+    _, records = _run(tiny_lm.model, requests, sampling=GenerateConfig(temperature=1.0, seed=0))
+    assert records[0].output_ids == records[1].output_ids
+    assert records[2].output_ids == _solo(tiny_lm.model, requests[2], None, temperature=0)
+    assert records[0].output_ids != records[2].output_ids  # sampled at temperature 1 over 258 tokens: not greedy

@@ -1,0 +1,96 @@
+"""`run serve m.yaml`: a manifest's `mode: serve` run behind the OpenAI-compatible HTTP server (runner/infer/server).
+
+From the run it takes its target's model, its serve block's scheduler limits (max_batch_size, kv_budget_mib or
+kv_blocks, block_size, max_tokens_per_step, max_queue), its first cache kind and first engine; the load, the SLO and
+the baselines are for `mode: serve`'s measurements and are not used here. The manifest is validated as `run check`
+does (every problem at once, exit 2) and the address is bound before the model loads, so a taken port is said at
+once. Nothing is written to a run folder or MLflow: the server's figures are its /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.errors import ServerError
+from runner.infer.compiled.engine import length_bucket
+from runner.infer.config.decoding import GenerateConfig
+from runner.infer.loading.models import load_model_block
+from runner.infer.serve.scheduler import SchedulerConfig
+from runner.infer.server.lifecycle import HttpServer, bind, make_scheduler
+from runner.manifest.compose import load_manifest
+from runner.manifest.paths import model_source
+from runner.manifest.plan import Step, make_plan
+from runner.manifest.serve_block import ServeBlock
+
+log = logging.getLogger(__name__)
+MIB = 2**20
+DEFAULT_MAX_SEQ_LEN = 2048  # a model whose config names no context length
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    step: Step
+    block: ServeBlock
+    base_dir: Path
+
+    @property
+    def model_name(self) -> str:
+        """What clients send as `model`: the model's id (zoo:NAME, a hub id, a path), else the target's name."""
+        return str(self.step.model.get("id") or self.step.target)
+
+
+def serve_target(path: Path, overrides: list[str], run: str | None = None) -> ServeTarget:
+    """The manifest's one `mode: serve` run, or the one `run` names (its id, or target/id)."""
+    manifest, _ = load_manifest(path, overrides)
+    steps = [s for s in make_plan(manifest, path.parent).steps if s.mode == "serve"]
+    if not steps:
+        raise ServerError(f"{path} has no run with mode: serve to serve")
+    names = ", ".join(s.key for s in steps)
+    if run is not None:
+        steps = [s for s in steps if run in (s.run_id, s.key)]
+        if not steps:
+            raise ServerError(f"--run {run}: no serve run of {path} is called that; its serve runs: {names}")
+    if len(steps) > 1:
+        raise ServerError(f"{path} has {len(steps)} serve runs ({names}): choose one with --run")
+    step = steps[0]
+    return ServeTarget(step, ServeBlock.model_validate(step.block), path.parent)
+
+
+def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000) -> HttpServer:
+    """Bind, load the model, build the scheduler (the compiled engine compiles its one shape here), listen."""
+    sock = bind(host, port)
+    try:
+        step, block = target.step, target.block
+        lm = load_model_block(model_source(step.model, target.base_dir), step.model_seed, target.base_dir)
+        max_seq_len = int(getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN)
+        sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
+        kind = block.cache_kinds[0] if block.cache_kinds else None
+        config = SchedulerConfig(
+            cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
+            kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
+            max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
+            max_queue=block.max_queue, sampling=sampling)
+        engine = block.engines[0]
+        if len(block.cache_kinds or []) > 1 or len(block.engines) > 1:
+            log.warning("serving one setting: cache kind %s on engine %s (the first of the run's axes)",
+                        kind or "of the model's dtype", engine)
+        try:
+            scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, _columns(block, max_seq_len))
+        except ValueError as exc:  # a kind the scheduler cannot serve
+            raise ServerError(f"{step.key}: {exc}") from None
+        server = HttpServer(scheduler, lm.tokenizer, target.model_name, sock, max_seq_len)
+    except BaseException:
+        sock.close()
+        raise
+    server.start()
+    return server
+
+
+def _columns(block: ServeBlock, max_seq_len: int) -> int:
+    """The compiled slots' columns: the longest request the run's load may draw (as mode serve sizes them), as a
+    length bucket, capped by the context; a longer HTTP request is refused with 400."""
+    prompt = block.prompt_lengths()
+    need = max_seq_len if prompt is None else block.turns * (prompt.high + block.output_tokens.lengths().high)
+    return length_bucket(min(need, max_seq_len), max_seq_len)
