@@ -214,8 +214,12 @@ def launched(command: Sequence[str], endpoint: Endpoint, log_path: Path, timeout
     """Start a server's `command`, wait until `endpoint` lists its model, and stop it on leaving (SIGINT, then
     SIGKILL after 10 s). Its output goes to `log_path`; a server that exits or does not answer in `timeout_s` is a
     StepError quoting the end of that log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            raise StepError(f"endpoint {endpoint.name}: cannot start {command[0]!r}: {exc.strerror or exc}") from None
     try:
         _wait_ready(proc, endpoint, log_path, timeout_s)
         yield

@@ -82,3 +82,10 @@ def test_launched_server_that_exits_is_a_step_error_quoting_its_log(tmp_path):
     with pytest.raises(StepError, match=r"exited \(3\)[\s\S]*cannot load the model"):
         with launched(command, Endpoint("x", "http://127.0.0.1:9", "m"), tmp_path / "x.log", timeout_s=30):
             pass
+
+
+def test_launched_program_that_does_not_exist_is_a_step_error(tmp_path):
+    with pytest.raises(StepError, match="cannot start 'no-such-server-program'"):
+        with launched(["no-such-server-program"], Endpoint("x", "http://127.0.0.1:9", "m"), tmp_path / "a" / "x.log",
+                      timeout_s=5):
+            pass
