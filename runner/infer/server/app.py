@@ -44,8 +44,10 @@ class ServerState:
     engine: EngineLoop
     tokenizer: Any  # a transformers tokenizer
     model_name: str
-    max_seq_len: int
+    max_seq_len: int  # the model's context
     vocab_size: int
+    max_request_tokens: int  # the most prompt + output tokens one request may hold: the context, the whole KV
+    # budget, the compiled slots' columns, whichever is least (`max_model_len` in /v1/models)
     draining: bool = False
     pending: int = 0
 
@@ -81,8 +83,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "runner", "max_model_len": state.max_seq_len}]})
+        model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "runner",
+                 "max_model_len": state.max_request_tokens}
+        return JSONResponse({"object": "list", "data": [model]})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -118,14 +121,16 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
         return _reject(state, 503, "the server is draining (shutting down): it accepts no new requests",
                        "draining", retry=True)
     prompt_field = "messages" if chat else "prompt"
-    room = state.max_seq_len - len(ids)
+    limit = state.max_request_tokens
+    room = limit - len(ids)
     if room < 1:
-        return _reject(state, 400, f"{prompt_field}: {len(ids)} tokens, the model's context holds "
-                                   f"{state.max_seq_len} (prompt and output together)", "invalid", param=prompt_field)
+        return _reject(state, 400, f"{prompt_field}: {len(ids)} tokens; a request holds at most {limit} tokens, prompt "
+                                   f"and output together ({_limits(state)})", "invalid", param=prompt_field)
     max_tokens = body.max_tokens or (room if chat else min(p.DEFAULT_COMPLETION_TOKENS, room))
     if max_tokens > room:
         return _reject(state, 400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the "
-                                   f"model's context of {state.max_seq_len} tokens", "invalid", param="max_tokens")
+                                   f"{limit} tokens a request may hold ({_limits(state)})", "invalid",
+                       param="max_tokens")
     try:
         sampling = GenerateConfig(temperature=body.temperature, top_p=body.top_p if body.top_p < 1 else None,
                                   seed=body.seed, stop_strings=body.stops, max_seq_len=state.max_seq_len)
@@ -237,6 +242,12 @@ class _Stream(StreamingResponse):
         finally:
             self.on_close()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _limits(state: ServerState) -> str:
+    if state.max_request_tokens == state.max_seq_len:
+        return "the model's context"
+    return f"the model's context is {state.max_seq_len}; the KV budget or the compiled slots hold fewer"
 
 
 def _sse(body: dict) -> str:

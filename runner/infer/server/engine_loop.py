@@ -170,7 +170,10 @@ class EngineLoop:
 
     def _fail_all(self, error: str) -> None:
         for rid, open_ in self._open.items():
-            self.scheduler.cancel(rid)
+            try:
+                self.scheduler.cancel(rid)
+            except Exception:  # the failed step may have left it half-placed: its record still says what happened
+                log.exception("cancelling request %d after the failure", rid)
             open_.record.finish, open_.record.error = "error", error
 
     def _gauges(self) -> None:

@@ -68,9 +68,12 @@ class HttpServer:
         self.sock = sock
         self.metrics = ServerMetrics()
         self.engine = EngineLoop(scheduler, self.metrics)
-        self.state = ServerState(self.engine, tokenizer, model_name,
-                                 max_seq_len or scheduler.config.sampling.max_seq_len,
-                                 int(model.get_input_embeddings().num_embeddings))
+        context = max_seq_len or scheduler.config.sampling.max_seq_len
+        spec = scheduler.pool.spec
+        most = min(context, max(0, scheduler.pool.total - spec.reserve) * spec.block_size,
+                   getattr(scheduler, "columns", context))  # what Scheduler.submit (and CompiledSlots') would take
+        self.state = ServerState(self.engine, tokenizer, model_name, context,
+                                 int(model.get_input_embeddings().num_embeddings), most)
         config = uvicorn.Config(create_app(self.state), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)

@@ -102,6 +102,9 @@ def test_seed_and_stop_strings_per_request(tiny_lm, client):
 def test_models_health_and_refusals_in_openais_shape(tiny_lm, server, client):
     http = httpx.Client(base_url=server.url, timeout=30)
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 160  # 40 KV blocks of 4, below the context
+    unbounded = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+    assert unbounded.usage.prompt_tokens + unbounded.usage.completion_tokens <= 160  # max_tokens: what fits
     assert http.get("/health").json() == {"status": "ok"}
     cases = [  # (body, status, param)
         ({"model": "tiny", "prompt": "x", "temperature": 7}, 400, "temperature"),
