@@ -105,7 +105,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatRequest, http: Request) -> Response:
-        ids = p.chat_prompt_ids(state.tokenizer, [(m.role, m.text) for m in body.messages])
+        try:
+            ids = p.chat_prompt_ids(state.tokenizer, [(m.role, m.text) for m in body.messages])
+        except Exception as exc:  # the model's chat template refused them (a role it has no place for, ...)
+            return _reject(state, 400, f"messages: the model's chat template refused them: {exc}", "invalid",
+                           param="messages")
         return await _generate(state, http, body, ids, chat=True)
 
     return app

@@ -5,7 +5,6 @@ per-request sampling and stop strings, and every refusal in OpenAI's error shape
 import httpx
 import openai
 import pytest
-import torch
 
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.serve.driver import drive
@@ -135,18 +134,26 @@ def test_models_health_and_refusals_in_openais_shape(tiny_lm, server, client):
     assert tolerated.status_code == 200 and tolerated.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_a_chat_template_is_used_when_the_tokenizer_has_one(tiny_lm):
+def test_a_chat_template_is_used_when_the_tokenizer_has_one(tiny_lm, server):
     from runner.infer.server.protocol import chat_prompt_ids
 
     tokenizer = tiny_lm.tokenizer
     saved = getattr(tokenizer, "chat_template", None)
-    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system "
+                               "role') }}{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    http = httpx.Client(base_url=server.url, timeout=30)
     try:
         ids = chat_prompt_ids(tokenizer, [("user", "Hi")])
+        out = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3,
+                                                      "messages": [{"role": "user", "content": "Hi"}]})
+        refused = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+            {"role": "system", "content": "x"}, {"role": "user", "content": "Hi"}]})
     finally:
         tokenizer.chat_template = saved
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<user>Hi<assistant>"
-    assert torch.tensor(ids).dtype == torch.long
+    assert out.json()["usage"]["prompt_tokens"] == len(ids)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    assert "no system role" in refused.json()["error"]["message"]
 
 
 def test_the_compiled_slots_behind_the_server(tiny_lm, monkeypatch):
