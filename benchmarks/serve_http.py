@@ -69,7 +69,7 @@ def main() -> None:
     text = load_text("pydoc").text
     config = SchedulerConfig(max_running=args.batch)
     port = free_port()
-    endpoint = Endpoint("http", f"http://127.0.0.1:{port}", "bench")
+    endpoint = Endpoint("http", f"http://127.0.0.1:{port}", args.model)  # run serve names it by its model id
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "serve_http.yaml"
         manifest.write_text(MANIFEST.format(model=args.model, dtype=args.dtype, batch=args.batch))
