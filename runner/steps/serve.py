@@ -249,7 +249,7 @@ def _request_row(point: dict, record: RequestRecord) -> dict:
             "arrival_s": record.arrival_s, "scheduled_s": record.scheduled_s,
             "first_token_s": record.token_s[0] if record.token_s else None,
             "last_token_s": record.token_s[-1] if record.token_s else None, "prompt_tokens": record.prompt_tokens,
-            "output_tokens": len(record.output_ids), "finish": record.finish, "error": record.error,
+            "output_tokens": len(record.token_s), "finish": record.finish, "error": record.error,
             "preemptions": record.preemptions, "cached_prompt_tokens": record.cached_prompt_tokens,
             "max_itl_ms": max(lat) * 1000 if lat else None, "output_ids": " ".join(map(str, record.output_ids))}
 

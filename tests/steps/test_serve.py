@@ -120,3 +120,48 @@ def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(
     assert (q8.loc["ours-compiled"] == q8.loc["ours"]).all()
     metrics = json.loads((step / "results.json").read_text())["metrics"]
     assert "ours-compiled_q8_0_x50.ratio_eager_throughput" in metrics
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_an_endpoint_launched_by_the_step_serves_the_same_load_over_http(tmp_path):
+    """`endpoints:` with `launch`: the step starts `run serve` on its own manifest, sends it the same seeded load
+    over HTTP, stops it after; the HTTP system's greedy tokens are the in-process scheduler's, its prompt counts the
+    server's own."""
+    port = _free_port()
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
+    runs = f"""      - id: load
+        mode: serve
+        serve:
+          rate: 50
+          num_requests: 5
+          prompt_tokens: {{dist: uniform, min: 4, max: 24}}
+          output_tokens: 6
+          data: text.txt
+          max_batch_size: 4
+          baselines: [none]
+          endpoints:
+            - name: ours-http
+              url: http://127.0.0.1:{port}
+              model: tiny
+              prompt_format: token_ids
+              launch: ["{{python}}", -m, runner, serve, -q, "{{manifest_dir}}/m.yaml", --port, "{port}"]
+"""
+    done = run_cli(tiny_manifest(tmp_path, runs), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step = next((tmp_path / "runs").glob("*-t")) / "tiny" / "load"
+    points = pd.read_csv(step / "serve_points.csv").set_index("system")
+    assert points.loc["ours-http", "status"] == "ok" and points.loc["ours-http", "completed"] == 5
+    assert points.loc["ours-http", "prompt_tokens_mismatched"] == 0
+    assert points.loc["ours-http", "prompt_tokens_unchecked"] == 0
+    requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str}).set_index(["system", "id"])
+    assert (requests.loc["ours-http", "output_tokens"] == 6).all()
+    assert (requests.loc["ours-http", "output_ids"] == requests.loc["ours", "output_ids"]).all()
+    assert "serving tiny at http://127.0.0.1" in (step / "endpoint-ours-http.log").read_text()

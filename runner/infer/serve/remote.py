@@ -15,8 +15,9 @@ last is a token that ends mid-character); a chunk carrying several tokens gives 
 chunks, when usage says more, take the last chunk's time).
 Exact output lengths: `min_tokens` and `ignore_eos` are sent (vLLM's and runner's extensions); a server that ignores
 them stops at EOS, unless `suppress_eos` adds a logit bias of -100 on the load tokenizer's EOS ids (same vocabulary
-only). The output's ids are the load tokenizer's encoding of the returned text (multi-turn loads build the next
-prompt from them).
+only). The output's ids are the server's own when it returns them (`return_token_ids`, asked for with
+`prompt_format: token_ids`: vLLM and our server), else the load tokenizer's encoding of the returned text
+(multi-turn loads build the next prompt from them).
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class RemoteServer:
                       "stream_options": {"include_usage": True}}
         if self.seed is not None:
             body["seed"] = self.seed
+        if ep.prompt_format == "token_ids":  # same vocabulary: the output's ids too (vLLM's and our server's field)
+            body["return_token_ids"] = True
         body |= ({"messages": [{"role": "user", "content": prompt}]} if ep.api == "chat" else {"prompt": prompt})
         if request.min_new_tokens:
             body |= {"min_tokens": request.min_new_tokens,
@@ -147,6 +150,7 @@ class RemoteServer:
         text: list[str] = []
         times: list[float] = []
         usage: dict = {}
+        ids: list[int] = []
         reason = ""
         try:
             with self._client.stream("POST", ep.base + path, json=self.body(request)) as response:
@@ -160,13 +164,17 @@ class RemoteServer:
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:
                         piece = (choice.get("delta") or {}).get("content") if ep.api == "chat" else choice.get("text")
-                        finish = choice.get("finish_reason")
-                        if piece or (piece == "" and not finish):  # an empty piece: a token ending mid-character
+                        finish, chunk_ids = choice.get("finish_reason"), choice.get("token_ids")
+                        if isinstance(chunk_ids, list):  # the server said which tokens (return_token_ids)
+                            now = self.clock()
+                            times += [now] * len(chunk_ids)
+                            ids += chunk_ids
+                        elif piece or (piece == "" and not finish):  # an empty piece: a token ending mid-character
                             times.append(self.clock())
-                            text.append(piece)
+                        text.append(piece or "")
                         reason = finish or reason
-            record.output_ids = list(self.tokenizer.encode("".join(text), add_special_tokens=False))
-            count = int(usage.get("completion_tokens", len(times)))
+            record.output_ids = ids or list(self.tokenizer.encode("".join(text), add_special_tokens=False))
+            count = len(ids) if ids else int(usage.get("completion_tokens", len(times)))
             record.token_s = times[:count] + times[-1:] * max(0, count - len(times)) if times else []
             if "prompt_tokens" in usage:
                 self.server_prompt_tokens[request.id] = int(usage["prompt_tokens"])

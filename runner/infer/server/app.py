@@ -166,7 +166,7 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
     text = p.Detokenizer(state.tokenizer, body.stops)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _chunks(events, text, name, state.model_name, len(ids), chat, usage)
+        stream = _chunks(events, text, name, state.model_name, len(ids), chat, usage, body.return_token_ids)
         return _Stream(stream, lambda: engine.cancel(rid), media_type="text/event-stream")
     last = await _until_finished(events, http, lambda: engine.cancel(rid))
     if last is None:  # the client went away
@@ -182,7 +182,7 @@ async def _generate(state: ServerState, http: Request, body: p.Sampling, ids: li
         out = p.cut_at_stop(out, body.stops)
     make = p.chat_body if chat else p.completion_body
     return JSONResponse(make(name, state.model_name, out, p.finish_reason(last.finish), len(ids),
-                             len(record.output_ids)))
+                             len(record.output_ids), token_ids=record.output_ids if body.return_token_ids else None))
 
 
 async def _until_finished(events: asyncio.Queue[Event], http: Request, cancel: Callable[[], None]) -> Event | None:
@@ -209,22 +209,28 @@ async def _until_finished(events: asyncio.Queue[Event], http: Request, cancel: C
 
 
 async def _chunks(events: asyncio.Queue[Event], text: p.Detokenizer, name: str, model: str, prompt_tokens: int,
-                  chat: bool, usage: bool) -> AsyncIterator[str]:
-    """The server-sent events of one request: text deltas, the finish, the usage when asked, then [DONE]."""
+                  chat: bool, usage: bool, token_ids: bool = False) -> AsyncIterator[str]:
+    """The server-sent events of one request: text deltas (with the tokens they came from, when asked), the finish,
+    the usage when asked, then [DONE]. A token whose text is held back (part of a character, a possible stop
+    string) goes out with the next chunk."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
         yield _sse(p.chat_chunk(name, model, {"role": "assistant", "content": ""}, None))
+    held: list[int] = []
     while True:
         event = await events.get()
         final = bool(event.finish)
+        held += event.tokens
         delta = text.add(event.tokens, final=final, stopped=event.finish == "stop")
         if delta or final:
             reason = p.finish_reason(event.finish) if final else None
             if event.code != 200:
                 yield _sse(p.error_body(event.error, "server_error"))
                 break
-            yield _sse(p.chat_chunk(name, model, {"content": delta} if delta else {}, reason) if chat
-                       else p.completion_body(name, model, delta, reason, prompt_tokens, 0, chunk=True))
+            ids, held = (held if token_ids else None), []
+            yield _sse(p.chat_chunk(name, model, {"content": delta} if delta else {}, reason, ids) if chat
+                       else p.completion_body(name, model, delta, reason, prompt_tokens, 0, chunk=True,
+                                              token_ids=ids))
         if final:
             if usage and event.record is not None:
                 yield _sse(p.usage_chunk(name, model, obj, prompt_tokens, len(event.record.output_ids)))

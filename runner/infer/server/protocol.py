@@ -44,6 +44,7 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=10_000_000)
+    return_token_ids: bool = False  # vLLM's: each choice (each streamed chunk's) carries its output token ids
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: 0 only")
@@ -132,24 +133,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int,
-                    chunk: bool = False) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    chunk: bool = False, token_ids: list[int] | None = None) -> dict:
+    body: dict = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                  "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if token_ids is not None:
+        body["choices"][0]["token_ids"] = token_ids
     if not chunk:
         body["usage"] = usage(prompt_tokens, completion_tokens)
     return body
 
 
-def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int,
+              token_ids: list[int] | None = None) -> dict:
+    choice: dict = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, token_ids: list[int] | None = None) -> dict:
+    choice: dict = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [choice]}
 
 
 def usage_chunk(rid: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
