@@ -21,6 +21,7 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.llamacpp import (
     GGML_BYTES,
     GGML_NAMES,
+    QUANTIZED,
     LlamaCppOptions,
     flash_attention,
     ggml_type,
@@ -78,8 +79,10 @@ class LlamaCppEngine:
                 n_threads=threads, n_threads_batch=threads, flash_attn=self.flash_attn, type_k=ggml_type(kind),
                 type_v=ggml_type(kind), logits_all=logits_all, seed=seed, last_n_tokens_size=n_ctx, verbose=False)
         except (ValueError, RuntimeError) as exc:
-            raise ModelError(f"engine: llama.cpp could not load {gguf} with K/V {GGML_NAMES[self.kind]}: {exc}") \
-                from None
+            hint = (" (a block type needs a head size that its block of 32 divides)" if self.kind in QUANTIZED
+                    else "")
+            raise ModelError(f"engine: llama.cpp could not load {gguf} with K/V {GGML_NAMES[self.kind]}: {exc}"
+                             f"{hint}") from None
         self.n_vocab = self.llama.n_vocab()
         self.n_ctx = n_ctx
 
