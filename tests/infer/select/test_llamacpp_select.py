@@ -52,12 +52,15 @@ def test_selection_is_measured_on_llamacpp_persisted_and_reused(tiny_lm, tmp_pat
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
     gguf = written_gguf(tiny_lm.model, tiny_lm.tokenizer)
     plans = tmp_path / "plans.json"
-    config = _config(plans, cache_candidates=["fp32", "q8_0", "q4_0", "kivi4"], cache_budget_mb=0.1)
+    settings = _config(plans).model_dump(exclude={"cache_candidates"}) | {"cache_budget_mb": 0.1}
+    config = GenerateConfig(**settings)  # the default candidates: KIVI and nf4 among them
     selection = select_llamacpp_kind(gguf, tiny_lm.tokenizer, config, text=load_text("pydoc"))
     rows = {row["kind"]: row for row in selection.rows}
-    assert "no KIVI" in rows["kivi4"]["verdict"] and not rows["kivi4"]["passed"]
-    assert not rows["fp32"]["fits"]  # 2 layers × 2 KV heads × 32 × 2 sides × 4 bytes × 256 tokens = 0.25 MiB
-    assert selection.kind in {"q8_0", "q4_0"} and selection.source == "measured" and not selection.reused
+    kivi = [row for row in selection.rows if row["kind"].startswith("kivi")]
+    assert len(kivi) == 4 and all("no KIVI" in row["verdict"] and not row["passed"] for row in kivi)
+    assert "no nf4" in rows["nf4"]["verdict"]
+    assert not rows["fp16"]["fits"]  # 2 layers × 2 KV heads × 32 × 2 sides × 2 bytes × 256 tokens = 0.125 MiB
+    assert selection.kind in {"q8_0", "q4_0", "q4_1"} and selection.source == "measured" and not selection.reused
     assert all(rows[k]["timed_on"] == "llama.cpp" and rows[k]["tokens_per_s"] > 0 for k in ("q8_0", "q4_0"))
     assert selection.fields["engine"] == "llama.cpp" and selection.fields["model"]["sha256"]
     again = select_llamacpp_kind(gguf, tiny_lm.tokenizer, config, text=load_text("pydoc"))
