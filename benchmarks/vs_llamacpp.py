@@ -71,7 +71,7 @@ def main() -> None:
           f"new_tokens={args.new_tokens} repeats={args.repeats}")
     marks = time_interleaved(runs, args.repeats)
     timing = {name: TokenTiming.of(marks[name], 1) for name in runs}
-    print(f"\n| engine | KV | decode tok/s (median) | spread | ttft ms |\n|---|---|---:|---:|---:|")
+    print("\n| engine | KV | decode tok/s (median) | spread | ttft ms |\n|---|---|---:|---:|---:|")
     for name, t in timing.items():
         engine, kind = name.split(" ")
         print(f"| {engine} | {kind} | {t.decode_tokens_per_s.median:.1f} | {t.decode_tokens_per_s.spread:.1f} | "

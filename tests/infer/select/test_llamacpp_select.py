@@ -8,10 +8,10 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.llamacpp import LlamaCppOptions
 from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.llamacpp.gguf_file import written_gguf
+from runner.infer.loading.models import load_model
 from runner.infer.loading.texts import load_text
 from runner.infer.measure.quality import build_probe, compare
 from runner.infer.select.llamacpp import probe_llamacpp, select_llamacpp_kind
-from runner.infer.loading.models import load_model
 from tests.conftest import LLAMA_32, NEEDS_LLAMACPP
 
 pytest.importorskip("llama_cpp", reason=NEEDS_LLAMACPP)
