@@ -90,10 +90,10 @@ def main() -> None:
               f"| KV | fa | llama-bench t/s | ± | runner llama.cpp tok/s | runner / llama-bench |\n"
               f"|---|---|---:|---:|---:|---:|")
         for kind in args.kinds:
-            fa = int(flash_attention(kind, None))
+            fa = "on" if flash_attention(kind, None) else "off"
             out = subprocess.run([str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", "0", "-n",
                                   str(args.new_tokens), "-ctk", GGML_NAMES[kind], "-ctv", GGML_NAMES[kind],
-                                  "-fa", str(fa), "-r", str(args.repeats), "-o", "json"],
+                                  "-fa", fa, "-r", str(args.repeats), "-o", "json"],
                                  capture_output=True, text=True, check=True)
             (row,) = json.loads(out.stdout)
             ours = timing[f"llama.cpp {kind}"].decode_tokens_per_s.median
