@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: quickstart test test-fast lint cpu test-cluster setup bench clean
+.PHONY: quickstart test test-fast lint cpu test-cluster setup setup-llamacpp bench clean
 
 quickstart: setup
 	$(BIN)/run manifests/quickstart.yaml
@@ -44,6 +44,11 @@ $(VENV)/.installed: pyproject.toml
 	# its dependency ray[default] is hundreds of MB; install the `ray` extra to launch on a Ray cluster.
 	$(BIN)/pip install -q --no-deps "hydra-ray-launcher>=1.2,<1.3"
 	touch $@
+
+# engine: llama.cpp (docs/engines.md): llama-cpp-python's pinned sdist (sha256-checked) built once into a wheel cached
+# per CPU under ~/.cache/runner/wheels/ (llama.cpp compiles with -march=native: minutes), then installed; a no-op after.
+setup-llamacpp: setup
+	$(BIN)/python -m runner.infer.llamacpp.install
 
 bench: setup
 	$(BIN)/python benchmarks/decode_vs_hf.py

@@ -13,6 +13,9 @@ import pytest  # noqa: E402
 
 from runner import report  # noqa: E402
 
+NEEDS_LLAMACPP = "needs llama-cpp-python (engine: llama.cpp): make setup-llamacpp installs it"
+LLAMA_32 = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # head size 32: llama.cpp's block K/V types divide it
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2}
 

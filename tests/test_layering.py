@@ -14,8 +14,8 @@ import runner
 
 RUNNER = Path(runner.__file__).parent
 ROOT = RUNNER.parent
-INFER_LAYERS = ["config", "kernels", "quant", "loading", "decode", "cache", "measure", "tasks", "compiled", "select",
-                "generation", "speculative", "serve", "server", "bench"]
+INFER_LAYERS = ["config", "kernels", "quant", "loading", "decode", "cache", "measure", "tasks", "compiled", "llamacpp",
+                "select", "generation", "speculative", "serve", "server", "bench"]
 RUNNER_LAYERS = ["errors", "files", "report", "infer", "manifest", "steps", "execute", "cli", "__main__"]
 BOTTOM = {"errors", "files", "report"}  # import nothing of runner themselves but runner.errors
 

@@ -31,7 +31,7 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed's range
 # DTYPES and ENGINES spelled as types (a Literal cannot be built from a variable a type checker reads); the same
 # values, checked at import.
 Dtype = Literal["float32", "float16", "bfloat16"]
-Engine = Literal["eager", "compiled"]
+Engine = Literal["eager", "compiled", "llama.cpp"]
 if typing.get_args(Dtype) != tuple(DTYPES) or typing.get_args(Engine) != tuple(ENGINES):
     raise RuntimeError("runner.manifest.blocks: Dtype and Engine differ from DTYPES and ENGINES")
 
@@ -207,6 +207,9 @@ class GenerateBlock(GenerateConfig, PromptSource):
             if self.stream and config.num_beams > 1:
                 raise ValueError(f"{where}beam search decides its tokens at the end and cannot stream: "
                                  f"remove stream or num_beams")
+            if config.engine == "llama.cpp" and self.batch_size != 1:
+                raise ValueError("engine: llama.cpp decodes one prompt at a time (llama-cpp-python's one sequence): "
+                                 "set batch_size: 1")
             if config.contrastive and self.batch_size != 1:
                 raise ValueError(f"{where}contrastive search (penalty_alpha) decodes one prompt at a time: "
                                  f"set batch_size: 1")

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from runner.errors import InputFileError, ModelError
 from runner.infer.config.architecture import compiled_refusal
+from runner.infer.config.llamacpp import missing as llamacpp_missing
 from runner.infer.loading.model_files import check_gguf, read_config_file  # torch-free, as is all `run check` reads
 from runner.infer.loading.texts import BUILTIN_TEXTS
 from runner.infer.serve.prompts import prompt_lines, short_prompt
@@ -254,7 +255,25 @@ def input_problems(manifest, base_dir: Path) -> list[tuple[tuple, str]]:
             input_file(value, base_dir, kind)
         except InputFileError as exc:
             problems.append((loc, str(exc)))
-    return problems + compiled_problems(manifest, base_dir) + serve_prompt_problems(manifest, base_dir, problems)
+    return (problems + compiled_problems(manifest, base_dir) + llamacpp_problems(manifest)
+            + serve_prompt_problems(manifest, base_dir, problems))
+
+
+def llamacpp_problems(manifest) -> list[tuple[tuple, str]]:
+    """(key path of the engine, message) for every run on engine llama.cpp where llama-cpp-python is not installed
+    (runner.infer.config.llamacpp.missing: it names the command that installs it)."""
+    reason = llamacpp_missing()
+    if reason is None:
+        return []
+    problems = []
+    for t, target in enumerate(manifest.targets):
+        for r, run in enumerate(target.runs):
+            at = ("targets", t, "runs", r)
+            if run.generate is not None and run.generate.engine == "llama.cpp":
+                problems.append((at + ("generate", "engine"), reason))
+            if run.bench is not None and "llama.cpp" in run.bench.engines:
+                problems.append((at + ("bench", "engine" if run.bench.engine is not None else "engines"), reason))
+    return problems
 
 
 def serve_prompt_problems(manifest, base_dir: Path, known: list) -> list[tuple[tuple, str]]:

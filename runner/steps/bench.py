@@ -27,10 +27,13 @@ from runner.infer.bench.cells import (
     measure_hf,
     measure_hf_assisted,
     measure_hf_compiled,
+    measure_llamacpp,
     measure_ours,
     measure_speculative,
 )
 from runner.infer.config.kinds import DTYPES
+from runner.infer.llamacpp.engine import LlamaCppEngine
+from runner.infer.llamacpp.gguf_file import model_gguf
 from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text, token_windows
 from runner.infer.measure.timing import copy_bandwidth
@@ -60,6 +63,8 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
     draft, draft_tokenizer = load_draft(block.speculative, lm, step, base_dir) if block.speculative else (None, None)
     tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
+    if "llama.cpp" in block.engines:
+        tokenizers["gguf"] = model_gguf(model_source(step.model, base_dir).get("id"), lm.model, lm.tokenizer, base_dir)
     rows, bar = [], progress(step.key, len(cells), "cell")
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))
     for (dtype, quantization), group in itertools.groupby(cells, key=lambda c: (c["dtype"], c["quantization"])):
@@ -82,7 +87,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
             bar.update(note=_label(cell) + speed)
         del model
     bar.close()
-    table = with_spec_speedup(pd.DataFrame(rows))
+    table = with_engine_ratios(with_spec_speedup(pd.DataFrame(rows)))
     write_table(table, out_dir)
     plot_throughput(table, out_dir / "throughput_vs_batch.png")
     plot_latency(table, out_dir / "latency_vs_prompt_len.png")
@@ -111,8 +116,11 @@ def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandw
     (ratio_* = ours / hf, ratio_hfc_* = ours / hf-compiled). A failure (out of memory, an unsupported combination)
     is the row's `error` (a baseline's: `hf_error`, `hfc_error`); the matrix goes on. `tokenizers`: target's and
     draft's, for a draft with another tokenizer (both sides then map through text)."""
-    tokenizers = tokenizers or {}
+    tokenizers = dict(tokenizers or {})
+    gguf = tokenizers.pop("gguf", None)
     row = {**cell, "status": "ok", "error": ""}
+    if cell["engine"] == "llama.cpp":
+        return _llamacpp_row(row, cell, gguf, tokenizer, text, block)
     try:
         ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], model.device)
         shared = Cell(cell["new_tokens"], cell["cache_kind"], block.repeats, block.warmup, cell["engine"], bandwidth)
@@ -150,6 +158,33 @@ def run_cell(cell: dict, model, tokenizer, text, block: BenchBlock, draft, bandw
     return row
 
 
+def _llamacpp_row(row: dict, cell: dict, gguf, tokenizer, text, block: BenchBlock) -> dict:
+    """A llama.cpp cell: the model's GGUF (its own weight types) with K/V at the cell's kind; no baselines."""
+    try:
+        if cell["speculative"] == "on":
+            raise ValueError("engine llama.cpp has no speculative decoding here")
+        ids = prompt_batch(tokenizer, text, cell["batch"], cell["prompt_len"], "cpu")
+        engine = LlamaCppEngine(gguf, kind=cell["cache_kind"], n_ctx=cell["prompt_len"] + cell["new_tokens"] + 1)
+        shared = Cell(cell["new_tokens"], cell["cache_kind"], block.repeats, block.warmup, "llama.cpp")
+        return row | _prefixed("ours", measure_llamacpp(engine, ids, shared)) | {"gguf": Path(gguf).name}
+    except (RunnerError, RuntimeError, ValueError) as exc:
+        return _failed(row, exc)
+
+
+def with_engine_ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """With more than one engine: every row's tokens/s over each other engine's in the same cell
+    (`ratio_<engine>_tokens_per_s`, engine named without dots: eager, compiled, llamacpp)."""
+    if "ours_tokens_per_s" not in table or table["engine"].nunique() < 2:
+        return table
+    keys = [a for a in AXES if a != "engine" and a in table]
+    for other in table["engine"].unique():
+        theirs = table[table["engine"] == other].set_index(keys)["ours_tokens_per_s"]
+        column = f"ratio_{other.replace('.', '')}_tokens_per_s"
+        table[column] = [row["ours_tokens_per_s"] / theirs.get(tuple(row[k] for k in keys), math.nan)
+                         if row["engine"] != other else math.nan for _, row in table.iterrows()]
+    return table
+
+
 def with_spec_speedup(table: pd.DataFrame) -> pd.DataFrame:
     """Speculative rows get `spec_speedup`: their tokens/s over the same cell's without speculation."""
     if "ours_tokens_per_s" not in table or not (table["speculative"] == "on").any():
@@ -184,7 +219,9 @@ def summary_columns(table: pd.DataFrame) -> pd.DataFrame:
               "ratio_hfc_tokens_per_s", "ours_ttft_ms", "ratio_ttft_ms", "ours_itl_ms", "ours_itl_ms_p90",
               "ours_peak_mib", "ours_kv_mib", "ours_kv_buffer_mib", "ours_bw_fraction", "ours_acceptance",
               "ours_acceptance_row_min",
-              "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup", "error",
+              "ours_acceptance_row_max", "ours_batched", "ours_compile_s", "hfc_compile_s", "spec_speedup",
+              *(c for c in table.columns if c.startswith("ratio_") and c.endswith("_tokens_per_s")
+                and c.split("_")[1] in ("eager", "compiled", "llamacpp")), "error",
               "hf_error", "hfc_error"]
     present = [c for c in wanted if c in table.columns]
     frame = table[present].copy()
@@ -211,7 +248,8 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
                 spread = row.get(f"{side}_{figure}_spread")
                 if is_number(spread):
                     out[f"{name}.{side}_{figure}_spread"] = spread
-        for ratio in (*(f"{r}_{n}" for r in ("ratio", "ratio_hfc") for n in RATIOS), "spec_speedup"):
+        engines = (f"ratio_{e}_tokens_per_s" for e in ("eager", "compiled", "llamacpp"))
+        for ratio in (*(f"{r}_{n}" for r in ("ratio", "ratio_hfc") for n in RATIOS), "spec_speedup", *engines):
             if is_number(row.get(ratio)):
                 out[f"{name}.{ratio}"] = row[ratio]
     ratios = table["ratio_tokens_per_s"].dropna() if "ratio_tokens_per_s" in table else pd.Series(dtype=float)
@@ -223,7 +261,7 @@ def metrics(table: pd.DataFrame, bandwidth: float | None) -> dict:
 def metric_name(row: dict) -> str:
     """MLflow-safe cell name, e.g. b1_p128_n64_q8_0_float32 (kivi options: kivi4-g32-r32)."""
     name = f"b{row['batch']}_p{row['prompt_len']}_n{row['new_tokens']}_{row['cache_kind']}_{row['dtype']}"
-    name += "_compiled" if row.get("engine") == "compiled" else ""
+    name += {"compiled": "_compiled", "llama.cpp": "_llamacpp"}.get(row.get("engine") or "eager", "")
     name += f"_w{row['quantization']}" if row.get("quantization", "none") != "none" else ""
     name += "_spec" if row["speculative"] == "on" else ""
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
@@ -296,7 +334,7 @@ def _reason(exc: Exception) -> str:
 
 def _label(cell: dict) -> str:
     flags = " spec" if cell["speculative"] == "on" else ""
-    flags += " compiled" if cell.get("engine") == "compiled" else ""
+    flags += f" {cell['engine']}" if cell.get("engine", "eager") != "eager" else ""
     weights = f" w:{cell['quantization']}" if cell.get("quantization", "none") != "none" else ""
     return (f"b{cell['batch']} p{cell['prompt_len']} n{cell['new_tokens']} {cell['cache_kind']} {cell['dtype']}"
             f"{weights}{flags}")

@@ -15,14 +15,17 @@ from typing import Any
 
 import torch
 
+from runner.errors import StepError
 from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.decode.forward import eos_ids
 from runner.infer.generation.generator import Generator
+from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.loading.models import LoadedModel
 from runner.manifest.blocks import GenerateBlock, library_config
 from runner.manifest.plan import Step
 from runner.report import Progress, ProgressFactory, show, stream
-from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params, step_block
+from runner.steps.shared import describe_selection, load_prompts, select_for, selection_params, step_block, step_gguf
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,17 @@ def run_generate(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, pro
         configs = {name: config.model_copy(update={"cache_kind": selection.kind}) for name, config in configs.items()}
         extra = {"cache_selection": describe_selection(selection), "params": selection_params(selection)}
     prompts = load_prompts(block, base_dir)
+    gguf = step_gguf(step, lm, base_dir) if any(c.engine == "llama.cpp" for c in configs.values()) else None
+
+    def decode(config: GenerateConfig, label: str) -> dict:
+        if config.engine == "llama.cpp":
+            assert gguf is not None
+            return _decode_llamacpp(block, config, prompts, lm, gguf, label, progress)
+        return _decode_all(block, config, prompts, lm, label, progress)
+
     if not block.strategies:
-        return {**_decode_all(block, configs[""], prompts, lm, step.key, progress), **extra}
-    results = {name: _decode_all(block, config, prompts, lm, f"{step.key}/{name}", progress)
-               for name, config in configs.items()}
+        return {**decode(configs[""], step.key), **extra}
+    results = {name: decode(config, f"{step.key}/{name}") for name, config in configs.items()}
     side_by_side = [{"prompt": prompt, "outputs": {name: r["prompts"][i]["output"] for name, r in results.items()}}
                     for i, prompt in enumerate(prompts)]
     _write_outputs_csv(out_dir / "outputs.csv", side_by_side)
@@ -87,6 +97,70 @@ def _decode_all(block: GenerateBlock, config: GenerateConfig, prompts: list[str]
         result["decode_plans"] = plans
         result["metrics"]["sliding_window"] = float(any(p["local_window"] for p in plans))
     return result
+
+
+def _decode_llamacpp(block: GenerateBlock, config: GenerateConfig, prompts: list[str], lm: LoadedModel, gguf: Path,
+                     label: str, progress: ProgressFactory) -> dict:
+    """Every prompt through llama.cpp, one at a time (llama-cpp-python decodes one sequence): the same tokens in,
+    the same record out as our engines."""
+    engine = LlamaCppEngine(gguf, kind=config.cache_kind, n_ctx=config.max_seq_len, options=config.llamacpp,
+                            seed=config.seed or 0)
+    log.info("[%s] llama.cpp on %s: K/V %s, flash attention %s", label, gguf.name, engine.describe()["type_k"],
+             "on" if engine.flash_attn else "off")
+    eos = frozenset(eos_ids(lm.model, config.eos_token_id))
+    bar = None if block.stream else progress(label, len(prompts) * config.max_new_tokens, "tok")
+    records, batches = [], []
+    for prompt in prompts:
+        ids = lm.tokenizer(prompt).input_ids
+        if len(ids) + config.max_new_tokens > config.max_seq_len:
+            raise StepError(f"[{label}] prompt of {len(ids)} tokens + max_new_tokens {config.max_new_tokens} exceed "
+                            f"max_seq_len {config.max_seq_len}")
+        watch = _TextWatch(lm.tokenizer, config.stop_strings, block.stream, bar)
+        if block.stream:
+            stream(prompt)
+        stats = engine.generate(ids, config, eos, watch)
+        record = _record(prompt, stats.tokens, lm.tokenizer, config, _LlamaCppRow(stats), 0, len(ids))
+        if block.stream:
+            show(record["output"][watch.shown:])
+        records.append(record)
+        batches.append({"prefill_s": stats.prefill_s, "decode_s": stats.decode_s})
+    if bar is not None:
+        bar.close()
+        for r in records:
+            show(f"\n[{label}] {r['prompt']!r} →\n{r['output']}")
+    return {"prompts": records, "metrics": _totals(records, batches), "llama_cpp": engine.describe()}
+
+
+class _TextWatch:
+    """A llama.cpp generation's text as its tokens come: streamed (holding back what could still be a stop string)
+    or counted on the bar; true once a stop string has appeared."""
+
+    def __init__(self, tokenizer, stop_strings: list[str], streaming: bool, bar: Progress | None):
+        self.tokenizer, self.stop_strings, self.streaming, self.bar = tokenizer, stop_strings, streaming, bar
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.tokens: list[int] = []
+        self.shown = 0
+
+    def __call__(self, token: int) -> bool:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self.streaming:
+            ready = len(text) - self.holdback - (1 if text.endswith("\ufffd") else 0)
+            if ready > self.shown:
+                stream(text[self.shown:ready])
+                self.shown = ready
+        elif self.bar is not None:
+            self.bar.update(1)
+        return any(stop in text for stop in self.stop_strings)
+
+
+class _LlamaCppRow:
+    """A llama.cpp generation's stats as _record reads a Generator's (one row)."""
+
+    def __init__(self, stats):
+        self.stop_reasons = [stats.stop_reason]
+        self.prefill_s, self.decode_s = stats.prefill_s, stats.decode_s
+        self.decode_tokens_per_s = stats.decode_tokens_per_s
 
 
 def _write_outputs_csv(path: Path, side_by_side: list[dict]) -> None:

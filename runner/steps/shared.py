@@ -19,10 +19,12 @@ from pydantic import BaseModel, ValidationError
 from runner.errors import StepError
 from runner.files import atomic_write_json
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.llamacpp.gguf_file import model_gguf
 from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text
 from runner.infer.select.autocache import Selection, select_cache_kind
 from runner.infer.select.joint import select_weights_and_cache
+from runner.infer.select.llamacpp import select_llamacpp_kind
 from runner.infer.speculative.generator import PROMPT_LOOKUP
 from runner.infer.speculative.text import same_tokenizer
 from runner.manifest.blocks import DraftSource, GenerateBlock, PromptSource
@@ -106,9 +108,14 @@ def select_for(step: Step, block: GenerateBlock, config: GenerateConfig, lm: Loa
                         for c in ([config.weight_candidates] if config.weight_candidates else [])
                         + [config.cache_candidates]),
              _mib(config.memory_budget_mb if joint else config.cache_budget_mb), config.max_seq_len, block.batch_size)
-    select = select_weights_and_cache if joint else select_cache_kind
-    selection = select(lm.model, lm.tokenizer, config, batch_size=block.batch_size, identity=lm.fingerprint,
-                       progress=progress, text=load_text(text_source(config.cache_quality_data, base_dir)))
+    text = load_text(text_source(config.cache_quality_data, base_dir))
+    if config.engine == "llama.cpp":
+        selection = select_llamacpp_kind(step_gguf(step, lm, base_dir), lm.tokenizer, config, text=text,
+                                         progress=progress)
+    else:
+        select = select_weights_and_cache if joint else select_cache_kind
+        selection = select(lm.model, lm.tokenizer, config, batch_size=block.batch_size, identity=lm.fingerprint,
+                           progress=progress, text=text)
     table = candidates_table(selection.rows, joint)
     how = selection.source + (", reused" if selection.reused else "")
     chosen = f"weights {selection.weights}, cache {selection.kind}" if joint else selection.kind
@@ -123,6 +130,12 @@ def select_for(step: Step, block: GenerateBlock, config: GenerateConfig, lm: Loa
     atomic_write_json(out_dir / "cache_plan.json", describe_selection(selection))
     plot_candidates(selection, config, out_dir / "cache_candidates.png")
     return selection
+
+
+def step_gguf(step: Step, lm: LoadedModel, base_dir: Path) -> Path:
+    """The GGUF engine llama.cpp runs for the step's model: the zoo's or a local .gguf as it is, else the loaded
+    weights written as an f32 GGUF (runner.infer.llamacpp.gguf_file)."""
+    return model_gguf(model_source(step.model, base_dir).get("id"), lm.model, lm.tokenizer, base_dir)
 
 
 def candidates_table(rows: list[dict], joint: bool = False) -> pd.DataFrame:

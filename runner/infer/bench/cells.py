@@ -30,6 +30,7 @@ from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import SpeculativeConfig
 from runner.infer.config.kinds import DTYPES
+from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.measure.timing import PeakMemory, Summary, TokenTiming, on_device, time_once, time_ticks
 from runner.infer.quant.weights import is_quantized, tensor_bytes, weight_bytes
 from runner.infer.select.speed import greedy_prefill, greedy_steps
@@ -204,6 +205,25 @@ def _measure_whole(run_once: Callable[[], object], ids: torch.Tensor, cell: Cell
     rates = Summary.of([tokens() / m[-1] for m in marks])  # greedy: the same tokens every repeat
     return {"tokens_per_s": rates.median, "tokens_per_s_spread": rates.spread, "total_ms": seconds.median * 1e3,
             "total_ms_p90": seconds.p90 * 1e3, "peak_mib": peak.bytes / MIB}
+
+
+def measure_llamacpp(engine: LlamaCppEngine, ids: torch.Tensor, cell: Cell) -> dict:
+    """The cell through llama.cpp: one sequence (a batch above 1 is a ValueError: llama-cpp-python decodes one),
+    greedy, `new_tokens` tokens, EOS ignored; KV bytes are llama.cpp's type at the cell's length."""
+    if ids.shape[0] != 1:
+        raise ValueError("engine llama.cpp decodes one sequence: batch 1 only")
+    prompt = ids[0].tolist()
+    with PeakMemory(torch.device("cpu")) as peak:
+        marks = time_ticks(engine.timed_greedy(prompt, cell.new_tokens), cell.repeats, cell.warmup)
+    timing = TokenTiming.of(marks, 1)
+    return {"ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
+            "ttft_ms_spread": timing.ttft_s.spread * 1e3,
+            "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
+            "itl_ms_spread": timing.itl_s.spread * 1e3,
+            "decode_tokens_per_s": timing.decode_tokens_per_s.median,
+            "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
+            "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
+            "peak_mib": peak.bytes / MIB, "kv_mib": engine.kv_bytes(len(prompt) + cell.new_tokens) / MIB}
 
 
 def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[[], None]], None], last: dict) -> dict:

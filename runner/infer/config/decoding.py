@@ -13,11 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from runner.errors import ValueAt
 from runner.infer.config.eviction import compiled_eviction_reason, speculative_eviction_reason
 from runner.infer.config.kinds import DEFAULT_CANDIDATES, checked_kind, seq_len_problem
+from runner.infer.config.llamacpp import LlamaCppOptions, kind_refusal, quantized_v_problem
 from runner.infer.config.quantization import check_quantizations
 from runner.infer.config.tasks import TaskGates
 
-Engine = Literal["eager", "compiled"]  # decode engines (see ENGINE_DESCRIPTION)
+Engine = Literal["eager", "compiled", "llama.cpp"]  # decode engines (see ENGINE_DESCRIPTION)
 ENGINES: tuple[Engine, ...] = get_args(Engine)
+TorchEngine = Literal["eager", "compiled"]  # ours, on the torch model (prefill, speculative decoding)
 
 
 class AutoCacheConfig(BaseModel):
@@ -95,7 +97,9 @@ class AutoCacheConfig(BaseModel):
 ENGINE_DESCRIPTION = (
     "Decode engine: eager (the reference loop over growing caches) or compiled (preallocated caches written in "
     "place, one compiled decode step per batch and length bucket; CUDA graphs on GPU; compile time reported apart "
-    "and cached under ~/.cache/runner). Greedy tokens are the same in float32.")
+    "and cached under ~/.cache/runner). Greedy tokens are the same in float32. llama.cpp: llama-cpp-python on the "
+    "model's GGUF (the zoo's at its own quantization, a local .gguf, or the torch weights written as an f32 GGUF), KV "
+    "types fp32, fp16, bf16, q8_0, q4_0, q4_1 (docs/engines.md; install with make setup-llamacpp).")
 
 
 def _fits(kind: str | None, max_seq_len: int | None) -> str | None:
@@ -134,7 +138,7 @@ class GenerateConfig(AutoCacheConfig):
     )
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in the cache.")
     engine: Engine = Field("eager", description=ENGINE_DESCRIPTION)
-    prefill: Engine = Field("eager", description=(
+    prefill: TorchEngine = Field("eager", description=(
         "engine: compiled only: prefill the prompt eagerly through the static cache, or compiled, in pieces of 512 "
         "columns and a last piece padded on the right to a power of two from 16 (a few more shapes to compile, "
         "up front: compile time reported apart)."))
@@ -179,6 +183,9 @@ class GenerateConfig(AutoCacheConfig):
         "unset = full cache."))
     decode_sink_tokens: int = Field(4, ge=0, le=10_000_000, description=(
         "Attention-sink tokens: the first cache slots kept forever when the sliding window is on."))
+    llamacpp: LlamaCppOptions | None = Field(None, description=(
+        "engine: llama.cpp only: threads, batch (prompt tokens per forward), flash_attn; unset = llama.cpp's "
+        "defaults (every core, 512, flash attention exactly when V is quantized)."))
 
     @field_validator("cache_kind")
     @classmethod
@@ -229,7 +236,29 @@ class GenerateConfig(AutoCacheConfig):
                              "'+...'): use decode_plan: none, or streaming eviction for sinks + a recent window")
         _engine_conflicts(self.engine, penalty_alpha=self.penalty_alpha if self.contrastive else None,
                           decode_plan=self.decode_plan if self.decode_plan != "none" else None)
+        self._llamacpp_conflicts()
         return self
+
+    def _llamacpp_conflicts(self) -> None:
+        """What llama.cpp cannot do is refused here, never silently ignored (docs/engines.md)."""
+        if self.engine != "llama.cpp":
+            if self.llamacpp is not None:
+                raise ValueError("llamacpp settings apply to engine: llama.cpp only: remove them or set that engine")
+            return
+        if reason := kind_refusal(self.cache_kind) or quantized_v_problem(self.cache_kind, self.llamacpp):
+            raise ValueAt(("cache_kind",), reason)
+        written = "cache_candidates" in self.model_fields_set and self.cache_candidates != list(DEFAULT_CANDIDATES)
+        for i, candidate in enumerate(self.cache_candidates if written else ()):
+            if reason := kind_refusal(candidate) or quantized_v_problem(candidate, self.llamacpp):
+                raise ValueAt(("cache_candidates", i), reason)
+        unsupported = {"num_beams": self.num_beams if self.num_beams > 1 else None,
+                       "penalty_alpha": self.penalty_alpha, "no_repeat_ngram_size": self.no_repeat_ngram_size,
+                       "decode_plan": self.decode_plan if self.decode_plan != "none" else None,
+                       "weight_candidates": self.weight_candidates}
+        for key, value in unsupported.items():
+            if value:
+                raise ValueError(f"engine: llama.cpp does not support {key} ({value!r}): remove it or use engine: "
+                                 "eager")
 
     @property
     def contrastive(self) -> bool:
@@ -281,7 +310,7 @@ class SpeculativeConfig(BaseModel):
                               description="Keep the k most likely tokens (0 or unset = off).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass (unset or 1 = off).")
     max_seq_len: int = Field(2048, ge=1, le=10_000_000, description="Most tokens (prompt + generated) in a cache.")
-    engine: Engine = Field("eager", description=ENGINE_DESCRIPTION)
+    engine: TorchEngine = Field("eager", description=ENGINE_DESCRIPTION.split(" llama.cpp:")[0])
     cache_kind: str | None = Field(None, description=(
         "KV-cache storage of target and draft: fp32, fp16, bf16, q8_0 (q8), q4_0 (q4), q4_1, nf4, kivi4, kivi3, "
         "kivi2 (options as in kivi3:g64:r128:s4:o1); unset = the model's dtype. auto is not supported here."))

@@ -1,0 +1,152 @@
+"""The GGUF file llama.cpp runs for a model: the zoo's own (at its own quantization), a local .gguf, or the torch
+weights written as an f32 GGUF with the `gguf` package (llama architecture only), cached by their content.
+
+Writing our own weights is what makes llama.cpp comparable with our engines token for token: the same f32 weights
+on both sides (the zoo's GGUFs are Q4_1 / Q4_K_M, whose matmuls llama.cpp runs on q8 activations).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runner.errors import ModelError
+from runner.files import cache_folder
+from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry
+
+log = logging.getLogger(__name__)
+
+
+def model_gguf(source: str | None, model, tokenizer, base_dir: Path | None = None) -> Path:
+    """The GGUF llama.cpp loads for a model block's `source` (zoo:NAME, a .gguf path) or, otherwise, for the
+    loaded torch `model` (written once as f32)."""
+    if source is not None and source.startswith(ZOO_PREFIX):
+        return fetch_gguf(zoo_entry(source))
+    if source is not None and source.endswith(".gguf"):
+        path = Path(source).expanduser()
+        path = path if path.is_absolute() or base_dir is None else base_dir / path
+        if not path.is_file():
+            raise ModelError(f"engine: llama.cpp: no GGUF file at {path}")
+        return path
+    return written_gguf(model, tokenizer)
+
+
+def written_gguf(model, tokenizer) -> Path:
+    """The torch model as an f32 GGUF in the cache (gguf-f32/<content hash>.gguf), written on first use."""
+    problem = unsupported(model.config)
+    if problem:
+        raise ModelError(f"engine: llama.cpp: {problem}")
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    target = cache_folder("gguf-f32") / f"{digest.hexdigest()[:16]}.gguf"
+    if not target.is_file():
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            write_gguf(model, tokenizer, partial)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return target
+
+
+def unsupported(config) -> str | None:
+    """Why this writer cannot write the model (None when it can)."""
+    if config.model_type != "llama":
+        return (f"writing a {config.model_type} model as GGUF is not supported (llama only): give the model as "
+                "zoo:NAME or a .gguf file")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "writing a llama model with biases as GGUF is not supported"
+    return None
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotary halves → llama.cpp's interleaved pairs (convert_hf_to_gguf.py's permute for q and k)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model, tokenizer, path: Path) -> None:
+    """A llama model's weights (f32) and its tokenizer's vocabulary as a GGUF file llama.cpp loads."""
+    import gguf
+
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("runner-written")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(writer, tokenizer, cfg)
+    weights = {k: v.detach().to(torch.float32).cpu() for k, v in model.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        names |= {f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()}
+    for ours, theirs in names.items():
+        tensor = weights[ours]
+        if theirs.endswith("attn_q.weight"):
+            tensor = _permute(tensor, heads)
+        elif theirs.endswith("attn_k.weight"):
+            tensor = _permute(tensor, kv_heads)
+        writer.add_tensor(theirs, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_vocab(writer, tokenizer, cfg) -> None:
+    """The tokenizer's byte-level BPE vocabulary and merges (llama.cpp's gpt2 kind); ids past the tokenizer's are
+    unused placeholders. llama.cpp never tokenizes here: runner hands it token ids."""
+    import gguf
+
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        token = tokenizer.convert_ids_to_tokens(i) if i < len(tokenizer) else None
+        tokens.append(token if token is not None else f"[PAD{i}]")
+        special = token is None or i in tokenizer.all_special_ids
+        types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.NORMAL)
+    seen: set[str] = set()
+    for i, token in enumerate(tokens):  # llama.cpp maps text → id: each text once
+        if token in seen:
+            tokens[i], types[i] = f"[DUP{i}]", gguf.TokenType.UNUSED
+        seen.add(tokens[i])
+    backend = json.loads(tokenizer.backend_tokenizer.to_str()) if hasattr(tokenizer, "backend_tokenizer") else {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in backend.get("model", {}).get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges or [f"{tokens[0]} {tokens[0]}"])  # llama.cpp requires the key
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [None])[0]
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    bos = getattr(cfg, "bos_token_id", None)
+    if isinstance(bos, int):
+        writer.add_bos_token_id(bos)
+    writer.add_add_bos_token(False)

@@ -1,0 +1,43 @@
+"""The torch weights written as an f32 GGUF (llama only): read back with the gguf package, every tensor is ours (q and
+k in llama.cpp's interleaved rotary order), the vocabulary is the tokenizer's, and the file is cached by content."""
+
+import numpy as np
+import pytest
+import torch
+
+from runner.errors import ModelError
+from runner.infer.llamacpp.gguf_file import _permute, model_gguf, unsupported, written_gguf
+
+
+def test_permute_pairs_each_rotary_half_with_its_partner():
+    weight = torch.arange(8.0)[:, None]  # one head of 8 rows: halves [0..3] and [4..7]
+    assert _permute(weight, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_written_gguf_holds_the_models_weights_and_vocabulary(tiny_lm, tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    path = written_gguf(tiny_lm.model, tiny_lm.tokenizer)
+    assert path.parent == tmp_path / "gguf-f32"
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = tiny_lm.model.config
+    assert len(tensors) == 2 + 9 * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    sd = tiny_lm.model.state_dict()
+    v = np.asarray(tensors["blk.1.attn_v.weight"].data).reshape(sd["model.layers.1.self_attn.v_proj.weight"].shape)
+    assert np.array_equal(v, sd["model.layers.1.self_attn.v_proj.weight"].numpy())
+    q = np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(sd["model.layers.0.self_attn.q_proj.weight"].shape)
+    assert np.array_equal(q, _permute(sd["model.layers.0.self_attn.q_proj.weight"], cfg.num_attention_heads).numpy())
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == cfg.vocab_size
+    assert written_gguf(tiny_lm.model, tiny_lm.tokenizer) == path  # cached: the same file, not rewritten
+    assert model_gguf(None, tiny_lm.model, tiny_lm.tokenizer) == path
+
+
+def test_what_the_writer_cannot_write_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    assert "llama only" in unsupported(AutoConfig.for_model("gpt2"))
+    with pytest.raises(ModelError, match="no GGUF file"):
+        model_gguf(str(tmp_path / "absent.gguf"), None, None)
