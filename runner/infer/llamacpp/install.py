@@ -101,12 +101,22 @@ def build_wheel(sdist: Path) -> Path:
 
 
 def ensure_installed() -> str:
-    """Install the pinned extra into this venv unless it is there; → what was done, in words."""
-    if installed_version() == VERSION:
+    """Install the pinned extra into this venv, with its `server` extra (`python -m llama_cpp.server`, a serve
+    block's endpoint), unless both are there; → what was done, in words."""
+    if installed_version() == VERSION and _has_server():
         return f"llama-cpp-python {VERSION} is installed already"
     wheel = cached_wheel() or build_wheel(fetch_sdist())
-    _run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", str(wheel)], "pip install")
+    _run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", f"{wheel}[server]"],
+         "pip install")
     return f"installed {wheel.name} (cached in {wheel.parent})"
+
+
+def _has_server() -> bool:
+    try:
+        version("sse-starlette"), version("starlette-context"), version("pydantic-settings")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def llama_bench() -> Path:

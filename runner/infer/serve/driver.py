@@ -5,8 +5,9 @@ A server is anything with `submit(request) -> RequestRecord` (at the request's a
 finished at once: refused), `step()` (do the work that can be done now: a decode step, a whole static batch, a
 poll), `busy` (work is waiting or running), a `clock` the driver sets to the load's (the times a server records
 are on it) and, optionally, `wake_s` (the load time at which a server that holds work but cannot start it yet wants
-to be stepped again: a static batch waiting to fill; None: step it now). A server may serve several loads in turn
-(a warm-up, then the load), each on its own clock.
+to be stepped again: a static batch waiting to fill; None: step it now) and `wait(seconds)` (sleeps the driver as
+`sleep` does, ending early when the server has news: a remote server's finished request). A server may serve several
+loads in turn (a warm-up, then the load), each on its own clock.
 
 What follows a finished request (a conversation's next turn, a closed-loop user's next request) is asked of the
 Load as soon as the driver sees it finished, and arrives at that moment. Latencies are measured from each request's
@@ -49,6 +50,7 @@ def drive(server: Server, load: Load | Sequence[Request], clock: Clock, sleep: S
     """Serve `load` (a Load, with its follow-ups; or plain requests) on `server` → every request's record, in
     request-id order. `on_finish` sees each record as it finishes (progress)."""
     server.clock = clock
+    pause = getattr(server, "wait", None) or sleep  # a server whose news comes from threads of its own ends a sleep
     requests = load.requests if isinstance(load, Load) else list(load)
     pending: list[tuple[float, int, Request]] = [(r.arrival_s, r.id, r) for r in requests]
     heapq.heapify(pending)
@@ -68,7 +70,7 @@ def drive(server: Server, load: Load | Sequence[Request], clock: Clock, sleep: S
             elif not pending and any(not record.finish for record in open_.values()):
                 raise RuntimeError("the server is idle with requests unfinished")  # a bug in the server
             if wakes:
-                sleep(max(0.0, min(wakes) - now))
+                pause(max(0.0, min(wakes) - now))
         for rid in [rid for rid, record in open_.items() if record.finish]:
             record = done[rid] = open_.pop(rid)
             if on_finish is not None:

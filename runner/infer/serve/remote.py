@@ -3,9 +3,10 @@
 arrival, one table with the in-process systems.
 
 Each request is one streaming POST (`/v1/completions`, or `/v1/chat/completions` with the prompt as one user
-message) on a thread of a pool, so requests are in flight together as their arrivals say; `step` only waits for one
-to finish (at most `POLL_S`, so an arrival is sent at most that late). Sent as text (the load's token ids decoded by
-the load's tokenizer) or as token ids (`prompt_format: token_ids`, for a server with the same vocabulary).
+message) on a thread of a pool, so requests are in flight together as their arrivals say; the driver sleeps until
+the next arrival or the next finish (`wait`), so it takes no CPU from a server on the same machine. Sent as text
+(the load's token ids decoded by the load's tokenizer) or as token ids (`prompt_format: token_ids`, for a server
+with the same vocabulary).
 
 What is counted through the server's own tokenizer: `usage.prompt_tokens` (kept per request as `server_prompt_tokens`:
 a server whose tokenizer or BOS differs shows it there; a stream without usage, as llama.cpp's servers send, has its
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -42,7 +44,7 @@ from runner.infer.serve.requests import Request, RequestRecord
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.001  # longest `step` waits before the driver looks at arrivals again
+MAX_WAIT_S = 1.0  # longest the driver sleeps in `wait` without looking
 TOKENIZE_PATHS = ("/tokenize", "/extras/tokenize")  # vLLM's and llama.cpp's own server; llama-cpp-python's server
 READY_POLL_S = 0.25
 
@@ -92,9 +94,18 @@ class RemoteServer:
         self._pool.submit(self._send, request, record)
         return record
 
+    @property
+    def wake_s(self) -> float | None:
+        """Due now when a request finished since the last step, else never: the driver sleeps (in `wait`) until
+        its next arrival or the next finish, whichever comes first, and never spins."""
+        return None if self._finished.is_set() else math.inf
+
     def step(self) -> None:
-        self._finished.wait(POLL_S)
         self._finished.clear()
+
+    def wait(self, seconds: float) -> None:
+        """The driver's sleep: over at `seconds`, or as soon as a request finishes."""
+        self._finished.wait(min(seconds, MAX_WAIT_S))
 
     @property
     def busy(self) -> bool:

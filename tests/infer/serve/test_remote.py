@@ -2,6 +2,7 @@
 same greedy tokens over HTTP as on the scheduler in-process, exact output lengths, prompt tokens counted by the
 server, refusals of a full queue, and `launched` reporting a server that dies before it answers."""
 
+import socket
 import sys
 import time
 
@@ -89,3 +90,32 @@ def test_launched_program_that_does_not_exist_is_a_step_error(tmp_path):
         with launched(["no-such-server-program"], Endpoint("x", "http://127.0.0.1:9", "m"), tmp_path / "a" / "x.log",
                       timeout_s=5):
             pass
+
+
+@pytest.mark.slow
+def test_llama_cpp_server_on_the_zoo_gguf_takes_the_load_with_exact_lengths(smollm, tmp_path):
+    """llama-cpp-python's own server (`make setup-llamacpp`) as an endpoint: it honours neither min_tokens nor
+    ignore_eos, so suppress_eos keeps every output at its asked length; it sends no usage in its stream, so the
+    prompts are counted by its /extras/tokenize after the load, and equal what the load asked."""
+    pytest.importorskip("llama_cpp.server.app", reason="llama.cpp's server is not installed: make setup-llamacpp")
+    from runner.infer.loading.zoo import fetch_gguf, zoo_entry
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = Endpoint("llama.cpp", f"http://127.0.0.1:{port}", "smollm2", suppress_eos=True)
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(fetch_gguf(zoo_entry("zoo:smollm2-135m"))),
+               "--model_alias", "smollm2", "--port", str(port), "--n_threads", "1", "--n_ctx", "512",
+               "--interrupt_requests", "False"]
+    ids = smollm.tokenizer("The history of the city begins with a small market by the river, where")["input_ids"]
+    requests = [Request(i, 0.05 * i, tuple(ids[: 8 + 2 * i]), 12, min_new_tokens=12) for i in range(3)]
+    with launched(command, endpoint, tmp_path / "llama.log", timeout_s=120):
+        remote = RemoteServer(endpoint, smollm.tokenizer)
+        try:
+            records = drive(remote, requests, load_clock(), time.sleep)
+        finally:
+            remote.close()
+        remote.count_prompt_tokens()
+    assert [r.finish for r in records] == ["length"] * 3, [r.error for r in records]
+    assert [len(r.token_s) for r in records] == [12] * 3
+    assert remote.server_prompt_tokens == {r.id: len(r.prompt_ids) for r in requests}
