@@ -11,9 +11,9 @@ with the same vocabulary).
 What is counted through the server's own tokenizer: `usage.prompt_tokens` (kept per request as `server_prompt_tokens`:
 a server whose tokenizer or BOS differs shows it there; a stream without usage, as llama.cpp's servers send, has its
 prompts counted by the server's tokenize endpoint after the load) and `usage.completion_tokens` (the output length;
-without usage, one token per chunk). A token's time is when its chunk arrived (a chunk with empty text before the
-last is a token that ends mid-character); a chunk carrying several tokens gives them all its time (tokens past the
-chunks, when usage says more, take the last chunk's time).
+without usage, `max_tokens` when it stopped for length, else one token per chunk). A token's time is when its chunk
+arrived (a chunk with empty text before the last is a token that ends mid-character); a chunk carrying several
+tokens gives them all its time (tokens past the chunks, when the count says more, take the last chunk's time).
 Exact output lengths: `min_tokens` and `ignore_eos` are sent (vLLM's and runner's extensions); a server that ignores
 them stops at EOS, unless `suppress_eos` adds a logit bias of -100 on the load tokenizer's EOS ids (same vocabulary
 only). The output's ids are the server's own when it returns them (`return_token_ids`, asked for with
@@ -185,7 +185,8 @@ class RemoteServer:
                         text.append(piece or "")
                         reason = finish or reason
             record.output_ids = ids or list(self.tokenizer.encode("".join(text), add_special_tokens=False))
-            count = len(ids) if ids else int(usage.get("completion_tokens", len(times)))
+            count = (len(ids) if ids else int(usage["completion_tokens"]) if "completion_tokens" in usage
+                     else request.max_new_tokens if reason == "length" else len(times))
             record.token_s = times[:count] + times[-1:] * max(0, count - len(times)) if times else []
             if "prompt_tokens" in usage:
                 self.server_prompt_tokens[request.id] = int(usage["prompt_tokens"])
