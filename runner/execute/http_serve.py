@@ -72,7 +72,7 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
             kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
             max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
             max_queue=block.max_queue, sampling=sampling)
-        engine = block.engines[0]
+        engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
         if len(block.cache_kinds or []) > 1 or len(block.engines) > 1:
             log.warning("serving one setting: cache kind %s on engine %s (the first of the run's axes)",
                         kind or "of the model's dtype", engine)
