@@ -33,7 +33,7 @@ from runner.infer.bench.cells import (
 )
 from runner.infer.config.kinds import DTYPES
 from runner.infer.llamacpp.engine import LlamaCppEngine
-from runner.infer.llamacpp.gguf_file import model_gguf
+from runner.infer.llamacpp.gguf_file import gguf_weight_bytes, model_gguf
 from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text, token_windows
 from runner.infer.measure.timing import copy_bandwidth
@@ -63,8 +63,10 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
         log.info("[%s] memory bandwidth (copy): %.1f GB/s", step.key, bandwidth / 1e9)
     draft, draft_tokenizer = load_draft(block.speculative, lm, step, base_dir) if block.speculative else (None, None)
     tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
+    gguf_mib = 0.0
     if "llama.cpp" in block.engines:
         tokenizers["gguf"] = model_gguf(model_source(step.model, base_dir).get("id"), lm.model, lm.tokenizer, base_dir)
+        gguf_mib = gguf_weight_bytes(tokenizers["gguf"]) / MIB
     rows, bar = [], progress(step.key, len(cells), "cell")
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))
     for (dtype, quantization), group in itertools.groupby(cells, key=lambda c: (c["dtype"], c["quantization"])):
@@ -78,7 +80,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
         weight_mib = weight_bytes(model) / MIB
         for cell in group:
             row = run_cell(cell, model, lm.tokenizer, text, block, draft, bandwidth, tokenizers)
-            row["weight_mib"] = weight_mib
+            row["weight_mib"] = gguf_mib if cell["engine"] == "llama.cpp" else weight_mib  # llama.cpp: its GGUF's
             if "ours_kv_mib" in row:
                 row["ours_total_mib"] = weight_mib + row["ours_kv_mib"]
             rows.append(row)

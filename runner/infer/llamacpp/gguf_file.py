@@ -57,6 +57,13 @@ def written_gguf(model, tokenizer) -> Path:
     return target
 
 
+def gguf_weight_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors as stored (its own quantization): what llama.cpp holds as weights."""
+    import gguf
+
+    return sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
+
+
 def unsupported(config) -> str | None:
     """Why this writer cannot write the model (None when it can)."""
     if config.model_type != "llama":

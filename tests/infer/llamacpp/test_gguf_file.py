@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runner.errors import ModelError
-from runner.infer.llamacpp.gguf_file import _permute, model_gguf, unsupported, written_gguf
+from runner.infer.llamacpp.gguf_file import _permute, gguf_weight_bytes, model_gguf, unsupported, written_gguf
 
 
 def test_permute_pairs_each_rotary_half_with_its_partner():
@@ -31,6 +31,7 @@ def test_written_gguf_holds_the_models_weights_and_vocabulary(tiny_lm, tmp_path,
     assert np.array_equal(q, _permute(sd["model.layers.0.self_attn.q_proj.weight"], cfg.num_attention_heads).numpy())
     tokens = reader.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == cfg.vocab_size
+    assert gguf_weight_bytes(path) == sum(int(t.n_elements) * 4 for t in reader.tensors)  # f32: 4 bytes a value
     assert written_gguf(tiny_lm.model, tiny_lm.tokenizer) == path  # cached: the same file, not rewritten
     assert model_gguf(None, tiny_lm.model, tiny_lm.tokenizer) == path
 
