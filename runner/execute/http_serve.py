@@ -14,18 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.errors import ServerError
-from runner.infer.compiled.engine import length_bucket
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.loading.models import load_model_block
-from runner.infer.serve.scheduler import SchedulerConfig
 from runner.infer.server.lifecycle import HttpServer, bind, make_scheduler
 from runner.manifest.compose import load_manifest
 from runner.manifest.paths import model_source
 from runner.manifest.plan import Step, make_plan
 from runner.manifest.serve_block import ServeBlock
+from runner.steps.serve import scheduler_config, slot_columns
 
 log = logging.getLogger(__name__)
-MIB = 2**20
 DEFAULT_MAX_SEQ_LEN = 2048  # a model whose config names no context length
 
 
@@ -67,17 +65,13 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
         max_seq_len = int(getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN)
         sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
         kind = block.cache_kinds[0] if block.cache_kinds else None
-        config = SchedulerConfig(
-            cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
-            kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
-            max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
-            max_queue=block.max_queue, sampling=sampling)
+        config = scheduler_config(block, kind, sampling)
         engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
         if len(block.cache_kinds or []) > 1 or len(block.engines) > 1:
             log.warning("serving one setting: cache kind %s on engine %s (the first of the run's axes)",
                         kind or "of the model's dtype", engine)
         try:
-            scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, _columns(block, max_seq_len))
+            scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, slot_columns(block, max_seq_len))
         except ValueError as exc:  # a kind the scheduler cannot serve
             raise ServerError(f"{step.key}: {exc}") from None
         server = HttpServer(scheduler, lm.tokenizer, target.model_name, sock, max_seq_len)
@@ -87,10 +81,3 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
     server.start()
     return server
 
-
-def _columns(block: ServeBlock, max_seq_len: int) -> int:
-    """The compiled slots' columns: the longest request the run's load may draw (as mode serve sizes them), as a
-    length bucket, capped by the context; a longer HTTP request is refused with 400."""
-    prompt = block.prompt_lengths()
-    need = max_seq_len if prompt is None else block.turns * (prompt.high + block.output_tokens.lengths().high)
-    return length_bucket(min(need, max_seq_len), max_seq_len)

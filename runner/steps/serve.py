@@ -146,18 +146,16 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
     if endpoint is not None:
         return RemoteServer(_endpoint(endpoint), lm.tokenizer, max_in_flight=_max_in_flight(block),
                             seed=sampling.seed)
-    budget = int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None
     if system in OURS.values():
-        config = SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
-                                 kv_budget_bytes=budget, max_tokens_per_step=block.max_tokens_per_step,
-                                 max_running=block.max_batch_size, max_queue=block.max_queue, sampling=sampling)
+        config = scheduler_config(block, kind, sampling)
         if system == OURS["compiled"]:
-            return CompiledSlots(lm.model, config, tokenizer=lm.tokenizer, columns=_columns(block, sampling))
+            return CompiledSlots(lm.model, config, tokenizer=lm.tokenizer,
+                                 columns=slot_columns(block, sampling.max_seq_len))
         return Scheduler(lm.model, config, tokenizer=lm.tokenizer)
     if system == "static":
         return StaticBatcher(lm.model, max_batch_size=block.max_batch_size, max_wait_ms=block.max_wait_ms,
                              sampling=sampling.model_copy(update={"cache_kind": kind}))
-    blocks = block.kv_blocks or (None if budget is not None else DEFAULT_TRANSFORMERS_BLOCKS)
+    blocks = block.kv_blocks or (None if block.kv_budget_mib is not None else DEFAULT_TRANSFORMERS_BLOCKS)
     return TransformersServer(lm.model, max_batch_size=block.max_batch_size, block_size=block.block_size,
                               num_blocks=blocks, kv_budget_mb=block.kv_budget_mib if blocks is None else None,
                               seed=sampling.seed or 0)
@@ -194,14 +192,21 @@ def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -
     return ""
 
 
-def _columns(block: ServeBlock, sampling: GenerateConfig) -> int:
+def scheduler_config(block: ServeBlock, kind: str | None, sampling: GenerateConfig) -> SchedulerConfig:
+    """Our scheduler's limits as a serve block gives them: for `mode: serve` and for `run serve` alike."""
+    return SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
+                           kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
+                           max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
+                           max_queue=block.max_queue, sampling=sampling)
+
+
+def slot_columns(block: ServeBlock, max_seq_len: int) -> int:
     """Columns of the compiled slots' cache: the longest request the load may draw (prompt + output, times the
-    turns a conversation's prompt accumulates; the model's max_seq_len for a prompts file's whole prompts) as a
-    length bucket, capped by max_seq_len; a longer request is an error of its own."""
+    turns a conversation's prompt accumulates; max_seq_len for a prompts file's whole prompts) as a length bucket,
+    capped by max_seq_len; a longer request is an error of its own (`run serve`: a 400)."""
     prompt = block.prompt_lengths()
-    need = (sampling.max_seq_len if prompt is None
-            else block.turns * (prompt.high + block.output_tokens.lengths().high))
-    return length_bucket(min(need, sampling.max_seq_len), sampling.max_seq_len)
+    need = max_seq_len if prompt is None else block.turns * (prompt.high + block.output_tokens.lengths().high)
+    return length_bucket(min(need, max_seq_len), max_seq_len)
 
 
 def _prompts_file(block: ServeBlock, base_dir: Path) -> list[str] | None:
