@@ -33,7 +33,7 @@ from runner.infer.bench.cells import (
 )
 from runner.infer.config.kinds import DTYPES
 from runner.infer.llamacpp.engine import LlamaCppEngine
-from runner.infer.llamacpp.gguf_file import gguf_weight_bytes, model_gguf
+from runner.infer.llamacpp.gguf_file import gguf_weight_bytes
 from runner.infer.loading.models import LoadedModel, load_model_block
 from runner.infer.loading.texts import load_text, token_windows
 from runner.infer.measure.timing import copy_bandwidth
@@ -42,7 +42,7 @@ from runner.manifest.blocks import BenchBlock
 from runner.manifest.paths import model_source, text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.shared import is_number, load_draft, markdown, step_block
+from runner.steps.shared import is_number, load_draft, markdown, step_block, step_gguf
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
@@ -65,7 +65,7 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     tokenizers = {"tokenizer": lm.tokenizer, "draft_tokenizer": draft_tokenizer} if draft_tokenizer else {}
     gguf_mib = 0.0
     if "llama.cpp" in block.engines:
-        tokenizers["gguf"] = model_gguf(model_source(step.model, base_dir).get("id"), lm.model, lm.tokenizer, base_dir)
+        tokenizers["gguf"] = step_gguf(step, lm, base_dir)
         gguf_mib = gguf_weight_bytes(tokenizers["gguf"]) / MIB
     rows, bar = [], progress(step.key, len(cells), "cell")
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))

@@ -132,8 +132,8 @@ def _decode_llamacpp(block: GenerateBlock, config: GenerateConfig, prompts: list
 
 
 class _TextWatch:
-    """A llama.cpp generation's text as its tokens come: streamed (holding back what could still be a stop string)
-    or counted on the bar; true once a stop string has appeared."""
+    """A generation's text as its tokens come (ours streamed, or llama.cpp's): streamed, holding back what could
+    still be a stop string, or counted on the bar; true once a stop string has appeared."""
 
     def __init__(self, tokenizer, stop_strings: list[str], streaming: bool, bar: Progress | None):
         self.tokenizer, self.stop_strings, self.streaming, self.bar = tokenizer, stop_strings, streaming, bar
@@ -212,18 +212,12 @@ def _beam_batch(generator: Generator, tokenizer, prompts: list[str], config: Gen
 def _stream_one(generator: Generator, tokenizer, prompt: str, config: GenerateConfig) -> list[dict]:
     """Print text as it is decided, holding back what could still turn out to be a stop string."""
     enc = tokenizer([prompt], return_tensors="pt")
-    holdback = max((len(s) for s in config.stop_strings), default=1) - 1
-    tokens, shown = [], 0
+    watch = _TextWatch(tokenizer, config.stop_strings, streaming=True, bar=None)
     stream(prompt)
     for token in generator.generate_iter(enc.input_ids, enc.attention_mask):
-        tokens.append(token)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        ready = len(text) - holdback if not text.endswith("\ufffd") else len(text) - holdback - 1
-        if ready > shown:
-            stream(text[shown:ready])
-            shown = ready
-    record = _record(prompt, tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
-    show(record["output"][shown:])
+        watch(token)  # our generator stops at stop strings itself
+    record = _record(prompt, watch.tokens, tokenizer, config, generator.stats, 0, enc.input_ids.shape[1])
+    show(record["output"][watch.shown:])
     log.info("%d tokens, prefill %.0f ms, %.1f tok/s, stop: %s", record["new_tokens"], record["prefill_s"] * 1000,
              record["decode_tokens_per_s"], record["stop_reason"])
     return [record]

@@ -215,15 +215,8 @@ def measure_llamacpp(engine: LlamaCppEngine, ids: torch.Tensor, cell: Cell) -> d
     prompt = ids[0].tolist()
     with PeakMemory(torch.device("cpu")) as peak:
         marks = time_ticks(engine.timed_greedy(prompt, cell.new_tokens), cell.repeats, cell.warmup)
-    timing = TokenTiming.of(marks, 1)
-    return {"ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
-            "ttft_ms_spread": timing.ttft_s.spread * 1e3,
-            "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
-            "itl_ms_spread": timing.itl_s.spread * 1e3,
-            "decode_tokens_per_s": timing.decode_tokens_per_s.median,
-            "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
-            "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
-            "peak_mib": peak.bytes / MIB, "kv_mib": engine.kv_bytes(len(prompt) + cell.new_tokens) / MIB}
+    return {**_timing_figures(TokenTiming.of(marks, 1)), "peak_mib": peak.bytes / MIB,
+            "kv_mib": engine.kv_bytes(len(prompt) + cell.new_tokens) / MIB}
 
 
 def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[[], None]], None], last: dict) -> dict:
@@ -235,20 +228,22 @@ def _measure(model, ids: torch.Tensor, cell: Cell, run_once: Callable[[Callable[
     state = last.get("state")
     kv = state.held_bytes() if state is not None else cache_bytes(last["cache"])
     buffer = {} if state is None else {"kv_buffer_mib": cache_bytes(last["cache"]) / MIB}
-    figures = {
-        "ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
-        "ttft_ms_spread": timing.ttft_s.spread * 1e3,
-        "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
-        "itl_ms_spread": timing.itl_s.spread * 1e3,
-        "decode_tokens_per_s": timing.decode_tokens_per_s.median,
-        "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
-        "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread,
-        "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB, **buffer,
-    }
+    figures = {**_timing_figures(timing), "peak_mib": peak.bytes / MIB, "kv_mib": kv / MIB, **buffer}
     if cell.bandwidth:
         figures["bw_fraction"] = bandwidth_fraction(model, kv, ids.shape[1], cell.new_tokens, timing.itl_s.median,
                                                     cell.bandwidth)
     return figures
+
+
+def _timing_figures(timing: TokenTiming) -> dict:
+    """A cell's latencies and throughputs: medians, p90s and spreads, on any engine."""
+    return {"ttft_ms": timing.ttft_s.median * 1e3, "ttft_ms_p90": timing.ttft_s.p90 * 1e3,
+            "ttft_ms_spread": timing.ttft_s.spread * 1e3,
+            "itl_ms": timing.itl_s.median * 1e3, "itl_ms_p90": timing.itl_s.p90 * 1e3,
+            "itl_ms_spread": timing.itl_s.spread * 1e3,
+            "decode_tokens_per_s": timing.decode_tokens_per_s.median,
+            "decode_tokens_per_s_spread": timing.decode_tokens_per_s.spread,
+            "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread}
 
 
 def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: int, step_s: float,
