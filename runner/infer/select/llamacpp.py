@@ -77,7 +77,9 @@ def measure_llamacpp_candidates(gguf: Path, tokenizer, config: GenerateConfig, t
                                 progress: ProgressFactory = no_progress) -> list[dict]:
     """Budget, quality and speed of every candidate on llama.cpp; a row says why a candidate was dropped."""
     check_lengths(config)
-    f32_per_token = _engine(gguf, REFERENCE, config, 8).kv_bytes(1)
+    probe = config_probe(tokenizer, text, config, torch.device("cpu"))
+    reference_engine = _engine(gguf, REFERENCE, config, probe.ppl_ids.shape[1] + 8)  # budgets every type, then gates
+    f32_per_token = reference_engine.kv_bytes(1)
     rows: list[dict] = []
     for kind in candidates(config):
         if reason := kind_refusal(kind):
@@ -88,9 +90,8 @@ def measure_llamacpp_candidates(gguf: Path, tokenizer, config: GenerateConfig, t
     if not fitting:
         raise InferenceError(f"no candidate llama.cpp stores fits cache_budget_mb={config.cache_budget_mb} at "
                              f"max_seq_len={config.max_seq_len}: {'; '.join(r['verdict'] for r in rows)}")
-    probe = config_probe(tokenizer, text, config, torch.device("cpu"))
     bar = progress("cache quality (llama.cpp)", len(fitting) + 1, "kind")
-    reference = probe_llamacpp(_engine(gguf, REFERENCE, config, probe.ppl_ids.shape[1] + 8), probe)
+    reference = probe_llamacpp(reference_engine, probe)
     bar.update(note=f"reference {GGML_NAMES[REFERENCE]}")
     for row in fitting:
         metrics = compare(reference, probe_llamacpp(_engine(gguf, row["kind"], config,
