@@ -92,7 +92,8 @@ class ModelBlock(Strict):
         "Weight quantization through torchao: none, int8 (weight-only, per row), int8-dynamic (int8 weights and "
         "activations quantized per token), int4 (weight-only, groups of 64 inputs, the embedding "
         "too; int4:g32, int4:g128; int4:g32:e8 keeps the embedding and a tied head in int8; bfloat16 models only). "
-        "cpu or cuda. See docs/weights.md."))
+        "cpu or cuda. gguf: a GGUF model (zoo: or .gguf) keeps its tensors as the file stores them (Q8_0, Q4_0, "
+        "Q4_1, Q5_0, Q4_K, Q6_K), read by runner's block kernels; cpu. See docs/weights.md."))
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +129,12 @@ class ModelBlock(Strict):
         if name != "none" and self.device == "mps":
             raise ValueError(f"quantization {self.quantization} runs on cpu or cuda (torchao), not mps: use "
                              "device: cpu, or quantization: none")
+        if name == "gguf" and (self.id is None or not (self.id.startswith(ZOO_PREFIX) or self.id.endswith(".gguf"))):
+            raise ValueError("quantization gguf keeps a GGUF file's tensors as stored: model.id must be a zoo: name "
+                             "or a .gguf file")
+        if name == "gguf" and self.device not in ("auto", "cpu"):
+            raise ValueError(f"quantization gguf runs on cpu (runner's block kernels), not {self.device}: use "
+                             "device: cpu")
         if name == "int4" and self.dtype != "bfloat16":
             raise ValueError(f"quantization {self.quantization} runs in bfloat16 (torchao's int4 kernels; on CPU "
                              "float32 takes a path hundreds of times slower): set dtype: bfloat16, or use int8")

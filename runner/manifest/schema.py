@@ -121,6 +121,10 @@ class Target(Strict):
             else:
                 quantizations = run.generate.weight_candidates or [] if run.generate is not None else []
                 dtypes, key, fix = [self.model.dtype], ("generate", "weight_candidates"), "set model.dtype: bfloat16"
+            source = self.model.id or ""
+            if "gguf" in quantizations and not (source.startswith(ZOO_PREFIX) or source.endswith(".gguf")):
+                raise RunError(i, run.id, key, "gguf keeps a GGUF file's tensors as stored: model.id must be a zoo: "
+                               "name or a .gguf file, or leave gguf out")
             int4 = [q for q in quantizations if q.startswith("int4")]
             if int4 and "bfloat16" not in dtypes:
                 raise RunError(i, run.id, key, f"{int4[0]} runs in bfloat16 (torchao's int4 kernels; on CPU float32 "

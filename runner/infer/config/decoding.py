@@ -84,6 +84,9 @@ class AutoCacheConfig(BaseModel):
     @field_validator("weight_candidates")
     @classmethod
     def _known_weights(cls, value: list[str] | None) -> list[str] | None:
+        if "gguf" in (value or []):
+            raise ValueError("gguf is a GGUF file's own formats, not a quantization of the unquantized model the "
+                             "candidates are gated against: leave it out (model.quantization: gguf runs the file's)")
         return check_quantizations(value)
 
     @model_validator(mode="after")

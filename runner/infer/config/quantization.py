@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 
 # Weight quantizations (model.quantization, bench quantizations, weight_candidates); int4 takes a group size option.
-QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic", "int4", "gguf")  # gguf: a GGUF file's tensors as stored
 INT4_GROUPS = (32, 64, 128)  # what torchao's int4 CPU kernel (tinygemm layout) takes
 INT4_DEFAULT_GROUP = 64
 

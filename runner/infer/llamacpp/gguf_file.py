@@ -17,9 +17,13 @@ import torch
 
 from runner.errors import ModelError
 from runner.files import cache_folder
+from runner.infer.quant.gguf_tensors import gguf_tensors
 from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry
 
 log = logging.getLogger(__name__)
+
+QUANTIZABLE = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0")  # matrix types write_gguf writes (the gguf package's quantize)
+FILE_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8}  # general.file_type (llama_ftype) of each
 
 
 def model_gguf(source: str | None, model, tokenizer, base_dir: Path | None = None) -> Path:
@@ -36,12 +40,15 @@ def model_gguf(source: str | None, model, tokenizer, base_dir: Path | None = Non
     return written_gguf(model, tokenizer)
 
 
-def written_gguf(model, tokenizer) -> Path:
-    """The torch model as an f32 GGUF in the cache (gguf-f32/<content hash>.gguf), written on first use."""
+def written_gguf(model, tokenizer, weight_type: str = "F32") -> Path:
+    """The torch model as a GGUF in the cache (gguf-f32/<content hash>.gguf), written on first use: f32, or its
+    matrices in `weight_type` (write_gguf)."""
     problem = unsupported(model.config)
     if problem:
         raise ModelError(f"engine: llama.cpp: {problem}")
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    if weight_type != "F32":  # f32 files keep the names they had
+        digest.update(weight_type.encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
@@ -50,7 +57,7 @@ def written_gguf(model, tokenizer) -> Path:
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            write_gguf(model, tokenizer, partial)
+            write_gguf(model, tokenizer, partial, weight_type)
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)
@@ -59,9 +66,7 @@ def written_gguf(model, tokenizer) -> Path:
 
 def gguf_weight_bytes(path: Path) -> int:
     """The bytes of a GGUF's tensors as stored (its own quantization): what llama.cpp holds as weights."""
-    import gguf
-
-    return sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
+    return sum(tensor.n_bytes for tensor in gguf_tensors(path).values())
 
 
 def unsupported(config) -> str | None:
@@ -80,10 +85,15 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model, tokenizer, path: Path) -> None:
-    """A llama model's weights (f32) and its tokenizer's vocabulary as a GGUF file llama.cpp loads."""
+def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32") -> None:
+    """A llama model's weights and its tokenizer's vocabulary as a GGUF file llama.cpp loads: all f32, or the
+    matrices (embedding, head, projections) in `weight_type`, one of QUANTIZABLE (the gguf package quantizes them
+    as llama.cpp's reference code does; the norms stay f32)."""
     import gguf
 
+    if weight_type not in QUANTIZABLE:
+        raise ModelError(f"cannot write GGUF weights as {weight_type}: one of {', '.join(QUANTIZABLE)}")
+    quant_type = gguf.GGMLQuantizationType[weight_type]
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -102,7 +112,7 @@ def write_gguf(model, tokenizer, path: Path) -> None:
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(FILE_TYPES[weight_type])
     _add_vocab(writer, tokenizer, cfg)
     weights = {k: v.detach().to(torch.float32).cpu() for k, v in model.state_dict().items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
@@ -120,7 +130,11 @@ def write_gguf(model, tokenizer, path: Path) -> None:
             tensor = _permute(tensor, heads)
         elif theirs.endswith("attn_k.weight"):
             tensor = _permute(tensor, kv_heads)
-        writer.add_tensor(theirs, tensor.contiguous().numpy())
+        array = tensor.contiguous().numpy()
+        if quant_type != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
+            writer.add_tensor(theirs, gguf.quants.quantize(array, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(theirs, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -26,7 +26,8 @@ from runner.infer.config.architecture import config_problem
 from runner.infer.config.kinds import torch_dtype
 from runner.infer.loading.model_files import check_gguf, read_config_file
 from runner.infer.loading.pinned import cache_root
-from runner.infer.loading.zoo import ZOO_PREFIX, zoo_entry, zoo_model_dir
+from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry, zoo_model_dir
+from runner.infer.quant.gguf_weights import keep_gguf_formats
 from runner.infer.quant.weights import quantize_model, weight_bytes
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def load_model(
         log.warning("trust_remote_code is ON for %s: code shipped with this model will run here",
                     source or "config model")
     try:
+        kept_file = _gguf_path(source, base_dir, target) if quantization == "gguf" else None
         if config is None and source is not None and source.endswith(".json"):
             config = _config_file(source, base_dir)
         if config is not None:
@@ -96,7 +98,10 @@ def load_model(
             method = _quant_method(prequantized)
             raise ModelError(f"model.quantization: {quantization} on {source}, which is already quantized ({method}): "
                              f"remove model.quantization")
-        quantize_model(model, quantization)
+        if kept_file is not None:
+            keep_gguf_formats(model, kept_file)
+        else:
+            quantize_model(model, quantization)
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory loading {source or 'config model'} on {target}: {exc}") from None
     except ImportError as exc:  # transformers asks for the library of a pre-quantized checkpoint (GPTQ, AWQ, ...)
@@ -180,6 +185,20 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
         ) from None
     commit = getattr(model.config, "_commit_hash", None)
     return model, tokenizer, {"source": source, "revision": revision or commit}
+
+
+def _gguf_path(source: str | None, base_dir: Path | None, device: torch.device) -> Path:
+    """The GGUF file whose tensors `model.quantization: gguf` keeps: the zoo's (kept in the cache beside the
+    converted folder) or the .gguf the model was loaded from."""
+    if device.type != "cpu":
+        raise ModelError(f"model.quantization: gguf runs on cpu (runner's block kernels), not {device.type}: "
+                         f"set device: cpu")
+    if source is not None and source.startswith(ZOO_PREFIX):
+        return fetch_gguf(zoo_entry(source))
+    if source is not None and source.endswith(".gguf"):
+        return _local_path(source, base_dir)
+    raise ModelError(f"model.quantization: gguf keeps a GGUF file's tensors as stored: model.id must be a zoo: name "
+                     f"or a .gguf file, not {source or 'a config'}")
 
 
 def _local_path(source: str, base_dir: Path | None) -> Path:

@@ -1,0 +1,113 @@
+"""model.quantization: gguf (quant.gguf_weights over quant.gguf_tensors): a GGUF file's tensors kept as stored, on
+tiny llama models written as GGUF by runner's writer (the gguf package quantizes their matrices), the float
+reference being the same file de-quantized by transformers. The zoo's real files are in the slow tests."""
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from runner.errors import ModelError
+from runner.infer.llamacpp.gguf_file import gguf_weight_bytes, write_gguf
+from runner.infer.loading.models import load_model
+from runner.infer.quant.gguf_tensors import gguf_tensors, tensor_blocks
+from runner.infer.quant.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_formats
+from runner.infer.quant.weights import weight_bytes
+from tests.conftest import LLAMA_32
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]  # what the gguf package writes; K-quants: the slow tests' Qwen file
+
+
+def _written(tmp_path, weight_type: str, tied: bool = True, seed: int = 0):
+    """A tiny llama written as GGUF in `weight_type`, and the model holding that file's de-quantized weights."""
+    lm = load_model(config={**LLAMA_32, "tie_word_embeddings": tied}, device="cpu", seed=seed)
+    path = tmp_path / f"tiny-{weight_type}-{tied}-{seed}.gguf"
+    write_gguf(lm.model, lm.tokenizer, path, weight_type)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=lm.model)["tensors"]
+    lm.model.load_state_dict(tensors, strict=False)  # a tied head has no tensor of its own
+    return lm.model, path
+
+
+def test_the_tensor_table_is_the_gguf_packages(tmp_path):
+    _, path = _written(tmp_path, "Q4_1", tied=False)
+    ours = gguf_tensors(path)
+    theirs = gguf.GGUFReader(path).tensors
+    assert list(ours) == [t.name for t in theirs]
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert (mine.ggml_type, mine.n_bytes, mine.offset) == (int(tensor.tensor_type), int(tensor.n_bytes),
+                                                               int(tensor.data_offset))
+        assert mine.shape == tuple(reversed([int(d) for d in tensor.shape]))
+        assert np.array_equal(tensor_blocks(path, mine).reshape(-1), np.asarray(tensor.data).view(np.uint8).ravel())
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ModelError, match="not a GGUF v2/v3 file"):
+        gguf_tensors(path)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_kept_tensors_are_the_files_bytes_and_give_the_float_models_logits(tmp_path, weight_type, tied):
+    """Every matrix swapped, its measured bytes the file's, and the logits those of the de-quantized model within
+    what 8-bit activations can move them (llama.cpp's arithmetic: each activation block rounded to 1/254 of its
+    largest value): 2 % of the largest logit, and the same top token at every position."""
+    model, path = _written(tmp_path, weight_type, tied)
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 250]])
+    with torch.no_grad():
+        want = model(ids).logits
+        kept = keep_gguf_formats(model, path)
+        got = model(ids).logits
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [] and isinstance(model.get_input_embeddings(), GGUFEmbedding)
+    assert kept == {weight_type: 2 * 7 + 1 + (0 if tied else 1)}  # 7 matrices a layer, the embedding, a head
+    head = model.get_output_embeddings()
+    assert isinstance(head, GGUFLinear) and (head.weight is model.get_input_embeddings().weight) == tied
+    assert weight_bytes(model) == gguf_weight_bytes(path)  # the norms are f32 in both
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_rows_of_q_and_k_follow_the_models_rotary_order(tmp_path):
+    """llama.cpp stores q and k rows permuted (rotary pairs interleaved); the kept rows are in the model's order,
+    checked here on the whole tensor, not only the rows keep_gguf_formats samples."""
+    model, path = _written(tmp_path, "Q8_0")
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    keep_gguf_formats(model, path)
+    blocks = model.model.layers[0].self_attn.q_proj.weight
+    rows = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(torch.from_numpy(rows), q)
+
+
+def test_a_file_the_model_was_not_loaded_from_is_an_error(tmp_path):
+    model, _ = _written(tmp_path, "Q8_0", seed=0)
+    _, other = _written(tmp_path, "Q8_0", seed=1)
+    with pytest.raises(ModelError, match="do not give the model's weights"):
+        keep_gguf_formats(model, other)
+
+
+def test_an_all_float_file_keeps_nothing_and_says_so(tmp_path):
+    model, path = _written(tmp_path, "F32")
+    with pytest.raises(ModelError, match="no tensor in a format runner's kernels read"):
+        keep_gguf_formats(model, path)
+
+
+def test_the_swapped_modules_compute_in_float32_and_answer_in_the_inputs_dtype(tmp_path):
+    model, path = _written(tmp_path, "Q4_0")
+    keep_gguf_formats(model, path)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, 3, layer.in_features, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, layer.out_features)
+    assert torch.allclose(y.float(), layer(x.float()), rtol=2**-7, atol=1e-3 * math.sqrt(layer.in_features))
+
+
+@pytest.mark.parametrize("source", [None, "HuggingFaceTB/SmolLM2-135M"], ids=["config", "hub-id"])
+def test_gguf_needs_a_gguf_source(source):
+    with pytest.raises(ModelError, match="model.id must be a zoo: name or a .gguf file"):
+        load_model(source, config=None if source else LLAMA_32, device="cpu", quantization="gguf")
