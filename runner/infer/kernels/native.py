@@ -1,8 +1,8 @@
 """runner's C++ kernels (a few-row product, attention over a cache in its stored format, the two selections of
 KIVI's outliers), built once per machine with the system's compiler into one library of torch ops, and loaded.
 
-    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices}
-             exist in this process
+    load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices,
+             gguf_rows, gguf_dequantize, gguf_paths} exist in this process
 
 The library goes to <cache folder>/kernels/runner_kernels-<hash>.so (runner.files.cache_dir: $RUNNER_CACHE or
 ~/.cache/runner); the hash covers the sources, the flags, the compiler, this CPU (-march=native: a home directory
@@ -10,8 +10,8 @@ shared by other CPUs gets one build each) and torch's version (the ops are built
 torch.utils.cpp_extension would). A cached library that cannot be loaded is built again, once.
 No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
 level with the reason, and callers keep their torch expressions.
-Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py and
-kvcodes.py do).
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py, gguf_rows.py
+and kvcodes.py do).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / "csrc" / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
-                                         "outlier_ops.cpp", "decode_attention.h"))  # headers hashed, .cpp compiled
+                                                   "outlier_ops.cpp", "gguf_rows.cpp", "gguf_kquants.cpp",
+                                                   "decode_attention.h", "gguf_blocks.h"))  # headers hashed, .cpp compiled
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 

@@ -1,0 +1,141 @@
+// GGUF's quantized block formats as llama.cpp stores them (ggml-common.h), the activation blocks x is quantized to
+// before the integer dot products (q8_0, q8_1, q8_K; ggml-quants.c's quantize_row_q8_*), and what gguf_rows.cpp and
+// gguf_kquants.cpp share: the half → float conversion, the row loop that splits weight rows between threads, and
+// the K-quant entry points. The block layouts are byte arrays (alignment 1): a row of blocks may start anywhere.
+//
+// Activation scales are float32 (llama.cpp stores them as fp16): one rounding fewer, and nothing reads them but
+// these kernels. Everything else (what is summed in integers, what in floats) is llama.cpp's arithmetic.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RUNNER_GGUF_AVX2 1
+#elif defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace runner_gguf {
+
+// ggml_type values (ggml.h) of the formats these kernels read.
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Path : int64_t { BEST = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3 };
+
+constexpr int64_t QK = 32;    // elements of a q4_0 / q4_1 / q5_0 / q8_0 block
+constexpr int64_t QK_K = 256; // elements of a K-quant super-block
+
+struct BlockQ4_0 { uint8_t d[2]; uint8_t qs[16]; };                                   // x = d·(q − 8)
+struct BlockQ4_1 { uint8_t d[2]; uint8_t m[2]; uint8_t qs[16]; };                     // x = d·q + m
+struct BlockQ5_0 { uint8_t d[2]; uint8_t qh[4]; uint8_t qs[16]; };                    // x = d·(q − 16), 5th bit in qh
+struct BlockQ8_0 { uint8_t d[2]; int8_t qs[32]; };                                    // x = d·q
+struct BlockQ4_K { uint8_t d[2]; uint8_t dmin[2]; uint8_t scales[12]; uint8_t qs[128]; };  // 8 × 32, 6-bit sc/m
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint8_t d[2]; };    // 16 × 16, int8 sc
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22 &&
+              sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
+
+// x's blocks: q = round(x / d), d = max|x| / 127 (float32).
+struct XQ8_0 { float d; int8_t qs[32]; };
+struct XQ8_1 { float d; float s; int8_t qs[32]; };              // s = d·Σq (Q4_1's m multiplies it)
+struct XQ8_K { float d; int8_t qs[256]; int16_t bsums[16]; };   // bsums: Σq of each 16 (the K-quants' mins)
+
+inline float half_to_float(const uint8_t* bytes) {
+  uint16_t h;
+  std::memcpy(&h, bytes, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: a normal float
+    float value = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -value : value;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+// n values of x → int8 with d = max|x| / 127 (0 for an all-zero block); returns d.
+inline float quantize_int8(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < n; i++) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * id), -127.0f, 127.0f));
+  return d;
+}
+
+inline void quantize_row(const float* x, int64_t k, XQ8_0* out) {
+  for (int64_t b = 0; b < k / QK; b++) out[b].d = quantize_int8(x + b * QK, QK, out[b].qs);
+}
+inline void quantize_row(const float* x, int64_t k, XQ8_1* out) {
+  for (int64_t b = 0; b < k / QK; b++) {
+    out[b].d = quantize_int8(x + b * QK, QK, out[b].qs);
+    int sum = 0;
+    for (int j = 0; j < QK; j++) sum += out[b].qs[j];
+    out[b].s = out[b].d * static_cast<float>(sum);
+  }
+}
+inline void quantize_row(const float* x, int64_t k, XQ8_K* out) {
+  for (int64_t b = 0; b < k / QK_K; b++) {
+    out[b].d = quantize_int8(x + b * QK_K, QK_K, out[b].qs);
+    for (int g = 0; g < 16; g++) {
+      int sum = 0;
+      for (int j = 0; j < 16; j++) sum += out[b].qs[g * 16 + j];
+      out[b].bsums[g] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
+constexpr int64_t GROUP = 4;  // rows of x dotted with a weight block while it is unpacked (accumulators in registers)
+
+// f(std::integral_constant<int, G>) for G = 1..GROUP.
+template <typename F>
+inline void with_group(int64_t g, F f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// dot(n, m, G) for every weight row n and each group of ≤ GROUP rows of x from m: the threads take contiguous runs
+// of weight rows (each reads its own part of W) and every row of x is served while a weight row is in cache, so W
+// is read from memory once whatever M is.
+template <typename Dot>
+inline void each_row(int64_t N, int64_t M, Dot dot) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t m = 0; m < M; m += GROUP) dot(n, m, std::min(GROUP, M - m));
+  });
+}
+
+// The K-quants (gguf_kquants.cpp): y [M,N] (row stride N) = x · Wᵀ from x's q8_K rows (nb blocks each) and W's rows
+// of nb super-blocks; `path` SCALAR or AVX2 (checked by the caller). dequantize_*: nb blocks → nb·256 floats.
+void rows_q4_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path);
+void rows_q6_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path);
+void dequantize_q4_K(const BlockQ4_K* blocks, int64_t nb, float* out);
+void dequantize_q6_K(const BlockQ6_K* blocks, int64_t nb, float* out);
+
+#ifdef RUNNER_GGUF_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+}  // namespace runner_gguf

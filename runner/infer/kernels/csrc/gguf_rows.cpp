@@ -1,0 +1,345 @@
+// A few rows of float activations through a GGUF-quantized weight kept as stored: y [M,N] = x [M,K] · W [N,K]ᵀ where
+// W is uint8 [N, row_bytes], one row of llama.cpp blocks per output row. Registered as the torch ops
+//   runner::gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0) -> Tensor
+//   runner::gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor
+//   runner::gguf_paths() -> int[]
+// (native.py builds them; gguf_rows.py loads them). Types: Q4_0, Q4_1, Q5_0, Q8_0 here; Q4_K, Q6_K in
+// gguf_kquants.cpp. Paths: 1 portable C++, 2 AVX2 + FMA (this build's best where the CPU has them). There is no
+// AVX-512 path (3) yet: asking for it is an error saying it is not built.
+//
+// Why: a decode step streams every weight once, so its speed is the rate at which the weights are read; read as
+// 4–8-bit blocks they are 4–8× fewer bytes than float32, provided the arithmetic keeps up. It is llama.cpp's: each
+// row of x is quantized once per call (q8_0; q8_1 with its block sum for Q4_1; q8_K for the K-quants), then each
+// block's dot product is summed in integers and scaled by the two blocks' scales, the sums of a row accumulated in
+// floats. Ported from llama.cpp (MIT): the AVX2 loops of ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1,
+// ggml_vec_dot_q5_0_q8_0 and ggml_vec_dot_q8_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
+// mul_sum_i8_pairs_float (ggml/src/ggml-cpu/arch/x86/quants.c); the scalar dot products and dequantize_row_* of
+// ggml/src/ggml-quants.c. Changed: x's scales are float32, and a weight block is unpacked once for up to GROUP rows.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace runner_gguf {
+namespace {
+
+// --- portable: integer block sums, scaled in float (ggml-quants.c's reference dot products) ---
+
+float dot_scalar(const BlockQ4_0* w, const XQ8_0* x, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; b++) {
+    int sumi = 0;
+    for (int j = 0; j < 16; j++)
+      sumi += ((w[b].qs[j] & 0x0f) - 8) * x[b].qs[j] + ((w[b].qs[j] >> 4) - 8) * x[b].qs[j + 16];
+    sum += static_cast<float>(sumi) * (half_to_float(w[b].d) * x[b].d);
+  }
+  return sum;
+}
+
+float dot_scalar(const BlockQ4_1* w, const XQ8_1* x, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; b++) {
+    int sumi = 0;
+    for (int j = 0; j < 16; j++) sumi += (w[b].qs[j] & 0x0f) * x[b].qs[j] + (w[b].qs[j] >> 4) * x[b].qs[j + 16];
+    sum += static_cast<float>(sumi) * (half_to_float(w[b].d) * x[b].d) + half_to_float(w[b].m) * x[b].s;
+  }
+  return sum;
+}
+
+inline uint32_t high_bits(const BlockQ5_0& w) {
+  uint32_t qh;
+  std::memcpy(&qh, w.qh, 4);
+  return qh;
+}
+
+// Element i of a Q5_0 block, −16..15: its nibble and bit i of qh.
+inline int q5(int nibble, uint32_t qh, int i) { return (nibble | static_cast<int>(((qh >> i) & 1) << 4)) - 16; }
+
+float dot_scalar(const BlockQ5_0* w, const XQ8_0* x, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; b++) {
+    const uint32_t qh = high_bits(w[b]);
+    int sumi = 0;
+    for (int j = 0; j < 16; j++) {
+      sumi += q5(w[b].qs[j] & 0x0f, qh, j) * x[b].qs[j] + q5(w[b].qs[j] >> 4, qh, j + 16) * x[b].qs[j + 16];
+    }
+    sum += static_cast<float>(sumi) * (half_to_float(w[b].d) * x[b].d);
+  }
+  return sum;
+}
+
+float dot_scalar(const BlockQ8_0* w, const XQ8_0* x, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t b = 0; b < nb; b++) {
+    int sumi = 0;
+    for (int j = 0; j < QK; j++) sumi += w[b].qs[j] * x[b].qs[j];
+    sum += static_cast<float>(sumi) * (half_to_float(w[b].d) * x[b].d);
+  }
+  return sum;
+}
+
+#ifdef RUNNER_GGUF_AVX2
+// --- AVX2 (quants.c) ---
+
+// 16 bytes of nibbles → 32 bytes: the low nibbles (elements 0..15), then the high ones (16..31).
+inline __m256i bytes_from_nibbles_32(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+// 32 bits → 32 bytes, 0xFF where the bit is set.
+inline __m256i bytes_from_bits_32(const uint8_t* bits) {
+  uint32_t x32;
+  std::memcpy(&x32, bits, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuffle);
+  const __m256i all_but_own_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, all_but_own_bit), _mm256_set1_epi64x(-1));
+}
+
+// Σ of 32 products of unsigned × signed bytes, as 8 floats (pairs in int16: no overflow for |w| ≤ 128, |x| ≤ 127).
+inline __m256 mul_sum_us8_pairs_float(__m256i unsigned_w, __m256i signed_x) {
+  const __m256i pairs = _mm256_maddubs_epi16(unsigned_w, signed_x);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs));
+}
+
+// The signed weights' bytes as maddubs takes them: |w|, and x given w's sign (once per weight block).
+struct SignedBlock {
+  __m256i magnitude, sign;
+  explicit SignedBlock(__m256i w) : magnitude(_mm256_sign_epi8(w, w)), sign(w) {}
+  __m256 dot(const int8_t* x) const {
+    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return mul_sum_us8_pairs_float(magnitude, _mm256_sign_epi8(xs, sign));
+  }
+};
+
+inline __m256i unpack_avx2(const BlockQ4_0& w) {
+  return _mm256_sub_epi8(bytes_from_nibbles_32(w.qs), _mm256_set1_epi8(8));
+}
+inline __m256i unpack_avx2(const BlockQ5_0& w) {  // q | 0xF0 where the 5th bit is clear: q − 16 as int8
+  const __m256i high = _mm256_andnot_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(static_cast<char>(0xf0)));
+  return _mm256_or_si256(bytes_from_nibbles_32(w.qs), high);
+}
+inline __m256i unpack_avx2(const BlockQ8_0& w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs)); }
+
+// G rows of x (stride nb blocks) against one weight row of signed blocks → y[g·y_stride].
+template <int G, typename W>
+void dot_avx2(const W* w, const XQ8_0* x, int64_t nb, float* y, int64_t y_stride) {
+  __m256 acc[G];
+  for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const float dw = half_to_float(w[b].d);
+    const SignedBlock block(unpack_avx2(w[b]));
+    for (int g = 0; g < G; g++) {
+      const XQ8_0& xb = x[g * nb + b];
+      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), block.dot(xb.qs), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]);
+}
+
+// Q4_1: unsigned nibbles (maddubs takes them as they are) and m · x's block sum.
+template <int G>
+void dot_avx2(const BlockQ4_1* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
+  __m256 acc[G];
+  float mins[G] = {};
+  for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const float dw = half_to_float(w[b].d), mw = half_to_float(w[b].m);
+    const __m256i qw = bytes_from_nibbles_32(w[b].qs);
+    for (int g = 0; g < G; g++) {
+      const XQ8_1& xb = x[g * nb + b];
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      mins[g] += mw * xb.s;
+      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), mul_sum_us8_pairs_float(qw, qx), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]) + mins[g];
+}
+#endif
+
+// y [M,N] = x's quantized rows (XB blocks, nb a row) · the weight rows (WB blocks, nb a row).
+template <typename WB, typename XB>
+void rows_typed(const uint8_t* w, int64_t N, const XB* x, int64_t M, int64_t nb, float* y, Path path) {
+  const auto row = [w, nb](int64_t n) { return reinterpret_cast<const WB*>(w) + n * nb; };
+#ifdef RUNNER_GGUF_AVX2
+  if (path == AVX2) {
+    return each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
+      with_group(g, [&](auto group) { dot_avx2<decltype(group)::value>(row(n), x + m * nb, nb, y + m * N + n, N); });
+    });
+  }
+#endif
+  each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
+    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_scalar(row(n), x + i * nb, nb);
+  });
+}
+
+// --- dequantization: exactly gguf.quants.dequantize (products and sums rounded as numpy rounds them, unfused) ---
+
+#define RUNNER_UNFUSED __attribute__((optimize("fp-contract=off")))
+
+RUNNER_UNFUSED void dequantize_blocks(const BlockQ4_0* w, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; b++, out += QK) {
+    const float d = half_to_float(w[b].d);
+    for (int j = 0; j < 16; j++) {
+      out[j] = d * static_cast<float>((w[b].qs[j] & 0x0f) - 8);
+      out[j + 16] = d * static_cast<float>((w[b].qs[j] >> 4) - 8);
+    }
+  }
+}
+
+RUNNER_UNFUSED void dequantize_blocks(const BlockQ4_1* w, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; b++, out += QK) {
+    const float d = half_to_float(w[b].d), m = half_to_float(w[b].m);
+    for (int j = 0; j < 16; j++) {
+      out[j] = d * static_cast<float>(w[b].qs[j] & 0x0f) + m;
+      out[j + 16] = d * static_cast<float>(w[b].qs[j] >> 4) + m;
+    }
+  }
+}
+
+RUNNER_UNFUSED void dequantize_blocks(const BlockQ5_0* w, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; b++, out += QK) {
+    const float d = half_to_float(w[b].d);
+    const uint32_t qh = high_bits(w[b]);
+    for (int j = 0; j < 16; j++) {
+      out[j] = d * static_cast<float>(q5(w[b].qs[j] & 0x0f, qh, j));
+      out[j + 16] = d * static_cast<float>(q5(w[b].qs[j] >> 4, qh, j + 16));
+    }
+  }
+}
+
+RUNNER_UNFUSED void dequantize_blocks(const BlockQ8_0* w, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; b++, out += QK) {
+    const float d = half_to_float(w[b].d);
+    for (int j = 0; j < QK; j++) out[j] = static_cast<float>(w[b].qs[j]) * d;
+  }
+}
+
+// --- the ops ---
+
+struct Format { int64_t elements, bytes; const char* name; };
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {QK, sizeof(BlockQ4_0), "Q4_0"};
+    case Q4_1: return {QK, sizeof(BlockQ4_1), "Q4_1"};
+    case Q5_0: return {QK, sizeof(BlockQ5_0), "Q5_0"};
+    case Q8_0: return {QK, sizeof(BlockQ8_0), "Q8_0"};
+    case Q4_K: return {QK_K, sizeof(BlockQ4_K), "Q4_K"};
+    case Q6_K: return {QK_K, sizeof(BlockQ6_K), "Q6_K"};
+    default: TORCH_CHECK(false, "gguf_rows: ggml type ", type, " is not one these kernels read (Q4_0=2, Q4_1=3, "
+                         "Q5_0=6, Q8_0=8, Q4_K=12, Q6_K=14)");
+  }
+  return {};
+}
+
+std::vector<int64_t> gguf_paths() {
+#ifdef RUNNER_GGUF_AVX2
+  return {SCALAR, AVX2};
+#else
+  return {SCALAR};
+#endif
+}
+
+Path chosen_path(int64_t path) {
+  const std::vector<int64_t> built = gguf_paths();
+  if (path == BEST) return static_cast<Path>(built.back());
+  TORCH_CHECK(path == SCALAR || path == AVX2 || path == AVX512, "gguf_rows: path ", path,
+              " is none of 0 (best), 1 (scalar), 2 (avx2), 3 (avx512)");
+  TORCH_CHECK(std::find(built.begin(), built.end(), path) != built.end(), "gguf_rows: path ", path,
+              path == AVX2 ? " (avx2)" : " (avx512)", " is not built on this CPU (gguf_paths() lists those that are)");
+  return static_cast<Path>(path);
+}
+
+// blocks uint8 [R, row_bytes] of `type` → the elements K of a row (checked against row_bytes).
+int64_t row_elements(const at::Tensor& blocks, const Format& format, int64_t k_expected = -1) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_rows: blocks must be contiguous uint8 [rows, row_bytes], got ", blocks.scalar_type(), " ",
+              blocks.sizes());
+  const int64_t row_bytes = blocks.size(1);
+  if (k_expected >= 0) {
+    TORCH_CHECK(k_expected % format.elements == 0, "gguf_rows: K = ", k_expected, " is not a multiple of ",
+                format.name, "'s block of ", format.elements);
+    TORCH_CHECK(row_bytes == k_expected / format.elements * format.bytes, "gguf_rows: row_bytes ", row_bytes,
+                " does not match K = ", k_expected, " in ", format.name, " (", k_expected / format.elements * format.bytes,
+                " bytes)");
+    return k_expected;
+  }
+  TORCH_CHECK(row_bytes % format.bytes == 0, "gguf_rows: row_bytes ", row_bytes, " is not a whole number of ",
+              format.name, " blocks of ", format.bytes, " bytes");
+  return row_bytes / format.bytes * format.elements;
+}
+
+template <typename XB>
+std::vector<XB> quantized_rows(const at::Tensor& x, int64_t M, int64_t K, int64_t elements) {
+  std::vector<XB> out(M * (K / elements));
+  const float* data = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; m++) quantize_row(data + m * K, K, out.data() + m * (K / elements));
+  return out;
+}
+
+at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t path_in) {
+  const Format format = format_of(type);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
+              "gguf_rows: x must be float32 [M,K] with M ≥ 1, got ", x_in.scalar_type(), " ", x_in.sizes());
+  const Path path = chosen_path(path_in);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = row_elements(blocks, format, x.size(1)), N = blocks.size(0);
+  const int64_t nb = K / format.elements;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  switch (type) {
+    case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
+    case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
+    case Q5_0: rows_typed<BlockQ5_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
+    case Q8_0: rows_typed<BlockQ8_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
+    case Q4_K: rows_q4_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
+    default: rows_q6_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
+  }
+  return y;
+}
+
+template <typename WB>
+void dequantize_rows(const at::Tensor& blocks, int64_t nb, int64_t per_row, float* out,
+                     void (*rows)(const WB*, int64_t, float*)) {
+  const auto* w = reinterpret_cast<const WB*>(blocks.data_ptr<uint8_t>());
+  at::parallel_for(0, blocks.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) rows(w + r * nb, nb, out + r * per_row);
+  });
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type) {
+  const Format format = format_of(type);
+  const int64_t K = row_elements(blocks, format), nb = K / format.elements;
+  at::Tensor out = at::empty({blocks.size(0), K}, blocks.options().dtype(at::kFloat));
+  float* data = out.data_ptr<float>();
+  switch (type) {
+    case Q4_0: dequantize_rows<BlockQ4_0>(blocks, nb, K, data, &dequantize_blocks); break;
+    case Q4_1: dequantize_rows<BlockQ4_1>(blocks, nb, K, data, &dequantize_blocks); break;
+    case Q5_0: dequantize_rows<BlockQ5_0>(blocks, nb, K, data, &dequantize_blocks); break;
+    case Q8_0: dequantize_rows<BlockQ8_0>(blocks, nb, K, data, &dequantize_blocks); break;
+    case Q4_K: dequantize_rows<BlockQ4_K>(blocks, nb, K, data, &dequantize_q4_K); break;
+    default: dequantize_rows<BlockQ6_K>(blocks, nb, K, data, &dequantize_q6_K); break;
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace runner_gguf
+
+TORCH_LIBRARY_FRAGMENT(runner, m) {
+  m.def("gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("gguf_paths() -> int[]", &runner_gguf::gguf_paths);
+}
+
+TORCH_LIBRARY_IMPL(runner, CPU, m) {
+  m.impl("gguf_rows", &runner_gguf::gguf_rows);
+  m.impl("gguf_dequantize", &runner_gguf::gguf_dequantize);
+}

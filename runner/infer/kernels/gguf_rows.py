@@ -1,0 +1,72 @@
+"""Few-row products on GGUF-quantized weights kept as stored: gguf_rows.cpp and gguf_kquants.cpp, registered as the
+torch ops
+
+    runner::gguf_rows(x float32 [M,K], blocks uint8 [N, row_bytes], ggml_type, path=0) → float32 [M,N] = x · Wᵀ
+    runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
+    runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA; no AVX-512 path yet)
+
+and the block formats' table (`GGML_TYPES`, `BLOCK_ELEMS`, `BLOCK_BYTES`, `row_bytes`).
+
+Why: a decode step streams every weight once, so its speed is the rate at which weights are read; a GGUF model's
+4–8-bit blocks are 4–8× fewer bytes than float32, and llama.cpp decodes from them directly. These kernels do its
+arithmetic (x quantized once per call to q8_0 / q8_1 / q8_K, integer block dot products scaled by the block scales;
+activation scales float32), so a model loaded from GGUF decodes from its stored bytes. benchmarks/gguf_rows.py
+compares them with runner::linear_rows on the dequantized float32 weights.
+Built by runner.infer.kernels.native (once per machine); no compiler or a failed build → `load()` is False.
+Owns: loading the ops, their fake (tracing) implementations and the format table. Knows nothing of models or files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.infer.kernels import native
+
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml.h's enum ggml_type
+BLOCK_ELEMS = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 14: 256}  # elements of a block, by ggml type
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 14: 210}  # its bytes (ggml-common.h's block_* structs)
+PATH_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
+_STATE: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Load runner's kernels (native.load) and register the ops' fakes for tracing (once)."""
+    if "loaded" not in _STATE:
+        _STATE["loaded"] = native.load()
+        if _STATE["loaded"]:
+            torch.library.register_fake("runner::gguf_rows")(_rows_fake)
+            torch.library.register_fake("runner::gguf_dequantize")(_dequantize_fake)
+    return _STATE["loaded"]
+
+
+def _rows_fake(x, blocks, ggml_type, path=0):  # [M,N] float32
+    return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+
+
+def _dequantize_fake(blocks, ggml_type):  # [R,K] float32
+    elements = blocks.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_ELEMS[ggml_type]
+    return blocks.new_empty(blocks.shape[0], elements, dtype=torch.float32)
+
+
+def paths() -> dict[int, str]:
+    """The paths this build has, by number, with their names ({1: "scalar", 2: "avx2"} on an AVX2 CPU); {} when
+    the kernels are not loaded."""
+    if not load():
+        return {}
+    return {path: PATH_NAMES[path] for path in torch.ops.runner.gguf_paths()}
+
+
+def type_number(ggml_type: int | str) -> int:
+    """A ggml type by name ("Q4_K") or number (12) → its number; ValueError for one these kernels do not read."""
+    number = GGML_TYPES.get(ggml_type, -1) if isinstance(ggml_type, str) else int(ggml_type)
+    if number not in BLOCK_ELEMS:
+        raise ValueError(f"ggml type {ggml_type!r} is not one gguf_rows reads ({', '.join(GGML_TYPES)})")
+    return number
+
+
+def row_bytes(ggml_type: int | str, k: int) -> int:
+    """Bytes of a row of `k` elements in `ggml_type`; ValueError when k is not a whole number of blocks."""
+    number = type_number(ggml_type)
+    if k % BLOCK_ELEMS[number]:
+        raise ValueError(f"{k} elements are not a whole number of blocks of {BLOCK_ELEMS[number]}")
+    return k // BLOCK_ELEMS[number] * BLOCK_BYTES[number]
