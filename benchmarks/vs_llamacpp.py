@@ -15,9 +15,12 @@ GGUF as it is (SmolLM2: Q4_1). The table says tokens/s per side; it is not a com
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
 import subprocess
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,12 +28,15 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.config.llamacpp import GGML_NAMES, LlamaCppOptions, flash_attention  # noqa: E402
+from runner.infer.kernels.native import vector_flags  # noqa: E402
 from runner.infer.llamacpp.engine import LlamaCppEngine  # noqa: E402
-from runner.infer.llamacpp.gguf_file import model_gguf  # noqa: E402
-from runner.infer.llamacpp.install import llama_bench  # noqa: E402
+from runner.infer.llamacpp.gguf_file import model_gguf, written_gguf  # noqa: E402
+from runner.infer.llamacpp.install import llama_tool  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
-from runner.infer.measure.timing import TokenTiming, time_interleaved  # noqa: E402
+from runner.infer.measure.timing import TokenTiming, device_name, read_bandwidth, time_interleaved  # noqa: E402
+from runner.infer.quant.gguf_tensors import gguf_tensors  # noqa: E402
+from runner.infer.quant.weights import tensor_bytes, weight_bytes  # noqa: E402
 from runner.infer.select.speed import compile_pairs, compiled_run, greedy_run  # noqa: E402
 
 
@@ -39,6 +45,9 @@ def main() -> None:
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--kinds", nargs="+", default=["fp16", "q8_0", "q4_0"])
     parser.add_argument("--engines", nargs="+", default=["eager", "compiled", "llama.cpp"])
+    parser.add_argument("--weights", nargs="+", choices=WEIGHTS, help="compare weight precisions instead (below)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -47,6 +56,13 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
+    if args.weights:
+        weights_table(args)
+    else:
+        kv_table(args)
+
+
+def kv_table(args) -> None:
     lm = load_model(args.model, dtype="float32", device="cpu")
     gguf = model_gguf(args.model, lm.model, lm.tokenizer)
     prompt = token_windows(lm.tokenizer, load_text("pydoc"), args.prompt_len, 1)
@@ -85,7 +101,7 @@ def main() -> None:
                     ratio = timing[a].decode_tokens_per_s.median / timing[b].decode_tokens_per_s.median
                     print(f"  {kind}: {a.split()[0]} / {b.split()[0]} = {ratio:.2f}")
     if engines:
-        bench = llama_bench()
+        bench = llama_tool()
         print(f"\nllama-bench ({bench}), tg{args.new_tokens}, -t {args.threads}:\n"
               f"| KV | fa | llama-bench t/s | ± | runner llama.cpp tok/s | runner / llama-bench |\n"
               f"|---|---|---:|---:|---:|---:|")
@@ -99,6 +115,99 @@ def main() -> None:
             ours = timing[f"llama.cpp {kind}"].decode_tokens_per_s.median
             print(f"| {kind} | {fa} | {row['avg_ts']:.1f} | {row['stddev_ts']:.1f} | {ours:.1f} | "
                   f"{ours / row['avg_ts']:.3f} |")
+
+
+
+# --- weights: our compiled engine on a GGUF's own bits against llama.cpp's tools on the same file -------------------
+
+WEIGHTS = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "file")  # file: the model's own GGUF as it is (zoo: Q4_1, Q4_K_M)
+KV = "fp16"  # both sides' K/V in f16 (llama.cpp's default)
+
+
+def weights_table(args) -> None:
+    """Per weight precision: our compiled engine (batch 1 and 4, K/V fp16) timed with the one harness, and llama-bench
+    (batch 1) / llama-batched-bench (-npl 4) on the very GGUF our weights were kept from, in alternating rounds;
+    tokens/s medians, spreads, ratios, and the fraction of the read bandwidth (measured here, between rounds) that
+    each side's weight bytes per step reach at batch 1."""
+    base = load_model(args.model, dtype="float32", device="cpu")
+    prompt = torch.tensor(token_windows(base.tokenizer, load_text("pydoc"), args.prompt_len, 1))
+    steps, rows, bandwidth = args.new_tokens - 1, [], []
+    print(f"model={args.model} threads={args.threads} prompt={args.prompt_len} new_tokens={args.new_tokens} "
+          f"rounds={args.rounds}×{args.repeats} K/V={KV}\ncpu: {device_name(torch.device('cpu'))}; "
+          f"flags: {' '.join(vector_flags())}")
+    for weights in args.weights:
+        model, path = _weights_model(base, args.model, weights)
+        runs = {b: compiled_run(model, prompt.repeat(b, 1), steps, KV, args.prompt_len + steps) for b in args.batches}
+        compile_s = sum(compile_pairs({str(b): (model, KV)}, prompt.repeat(b, 1), steps,
+                                      args.prompt_len + steps)[str(b)] for b in args.batches)
+        ours: dict[int, list] = {b: [] for b in args.batches}
+        theirs: dict[int, list] = {b: [] for b in args.batches}
+        for _ in range(args.rounds):
+            marks = time_interleaved({str(b): runs[b] for b in args.batches}, args.repeats)
+            for b in args.batches:
+                ours[b] += [b * (len(m) - 1) / (m[-1] - m[0]) for m in marks[str(b)]]  # decode tokens/s a repeat
+                theirs[b] += _llama_rates(path, b, args)
+            bandwidth.append(read_bandwidth(torch.device("cpu")))
+        read = {"ours": _step_bytes(model), "llama.cpp": _file_step_bytes(path)}
+        rows.append((weights, path.name, compile_s, ours, theirs, read))
+        del model
+    bw = statistics.median(bandwidth)
+    print(f"read bandwidth: median {bw / 1e9:.1f} GB/s, spread {(max(bandwidth) - min(bandwidth)) / 1e9:.1f} "
+          f"({len(bandwidth)} measurements between rounds)\n")
+    print("| weights | GGUF | batch | ours tok/s | ± | llama.cpp tok/s | ± | ours / llama.cpp | weight MB/step "
+          "ours / theirs | bandwidth fraction ours / theirs | compile s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for weights, name, compile_s, ours, theirs, read in rows:
+        for b in args.batches:
+            a, t = statistics.median(ours[b]), statistics.median(theirs[b])
+            fractions = (f"{read['ours'] * a / bw:.2f} / {read['llama.cpp'] * t / bw:.2f}" if b == 1 else "")
+            print(f"| {weights} | {name} | {b} | {a:.1f} | {max(ours[b]) - min(ours[b]):.1f} | {t:.1f} | "
+                  f"{max(theirs[b]) - min(theirs[b]):.1f} | {a / t:.2f} | {read['ours'] / 1e6:.0f} / "
+                  f"{read['llama.cpp'] / 1e6:.0f} | {fractions} | {compile_s:.0f} |")
+
+
+def _weights_model(base, source: str, weights: str):
+    """(our model, the GGUF llama.cpp runs) for a precision: float32 / bfloat16 copies of the model beside an f32 /
+    bf16 GGUF of it; the quantized ones loaded from that GGUF with model.quantization: gguf."""
+    if weights == "file":
+        return load_model(source, device="cpu", quantization="gguf").model, model_gguf(source, None, None)
+    path = written_gguf(base.model, base.tokenizer, weights.upper())
+    if weights in ("f32", "bf16"):
+        return copy.deepcopy(base.model).to(torch.float32 if weights == "f32" else torch.bfloat16), path
+    return load_model(str(path), device="cpu", quantization="gguf").model, path
+
+
+def _llama_rates(path: Path, batch: int, args) -> list[float]:
+    """Decode tokens/s (all sequences) of llama.cpp's own tools on `path`, one value per repeat."""
+    common = ["-m", str(path), "-t", str(args.threads), "-ctk", "f16", "-ctv", "f16"]
+    if batch == 1:
+        out = subprocess.run([str(llama_tool()), *common, "-p", "0", "-n", str(args.new_tokens), "-r",
+                              str(args.repeats), "-o", "json"], capture_output=True, text=True, check=True)
+        (row,) = json.loads(out.stdout)
+        return [float(v) for v in row["samples_ts"]]
+    rates = []
+    for _ in range(args.repeats):
+        out = subprocess.run([str(llama_tool("llama-batched-bench")), *common, "-npp", str(args.prompt_len), "-ntg",
+                              str(args.new_tokens), "-npl", str(batch), "-c",
+                              str(batch * (args.prompt_len + args.new_tokens) + 16), "--output-format", "jsonl"],
+                             capture_output=True, text=True, check=True)
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        rates.append(float(rows[-1]["speed_tg"]))
+    return rates
+
+
+def _step_bytes(model) -> int:
+    """Weight bytes a decode step reads: all of them but an untied input embedding (a step reads its row)."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = weight_bytes(model)
+    return total if head is embedding else total - tensor_bytes(embedding)
+
+
+def _file_step_bytes(path: Path) -> int:
+    """The same for the GGUF llama.cpp reads: its tensors but token_embd when the file has its own output."""
+    tensors = gguf_tensors(path)
+    total = sum(t.n_bytes for t in tensors.values())
+    return total - tensors["token_embd.weight"].n_bytes if "output.weight" in tensors else total
 
 
 if __name__ == "__main__":

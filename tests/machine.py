@@ -3,21 +3,10 @@ here, and kernel tests say which of their paths this CPU does not have."""
 
 from __future__ import annotations
 
-import functools
 import platform
 from pathlib import Path
 
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (avx2, fma, f16c, avx512f, avx512_bf16, amx_tile, ...); empty
-    where there is no such file. runner's kernels are built with -march=native, so these are the paths they have."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-    return frozenset(line.partition(":")[2].split())
+from runner.infer.kernels.native import cpu_flags  # noqa: F401 -- the tests' view of the CPU is the kernels'
 
 
 def cpu_model() -> str:

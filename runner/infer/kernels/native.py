@@ -10,12 +10,14 @@ shared by other CPUs gets one build each) and torch's version (the ops are built
 torch.utils.cpp_extension would). A cached library that cannot be loaded is built again, once.
 No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
 level with the reason, and callers keep their torch expressions.
-Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py, gguf_rows.py
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py,
+gguf_rows.py
 and kvcodes.py do).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,9 +35,9 @@ from runner.files import cache_dir, cache_folder, cache_write
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
-                                                   "outlier_ops.cpp", "gguf_rows.cpp", "gguf_kquants.cpp",
-                                                   "decode_attention.h", "gguf_blocks.h"))  # headers hashed, .cpp compiled
+SOURCES = tuple(HERE / "csrc" / name for name in (  # headers are hashed, .cpp files compiled
+    "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
+    "gguf_kquants.cpp", "decode_attention.h", "gguf_blocks.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 
@@ -43,6 +45,23 @@ _STATE: dict[str, bool] = {}
 def kernel_dir() -> Path:
     """Where built libraries are kept: the cache folder's kernels/ (read at each call: $RUNNER_CACHE may change)."""
     return cache_dir() / "kernels"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (avx2, fma, f16c, avx512f, avx512_bf16, amx_tile, ...); empty
+    where there is no such file. The kernels are built with -march=native, so these are the paths they have."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def vector_flags() -> list[str]:
+    """The flags that choose a kernel path (what a benchmark figure or a CI log says it ran on)."""
+    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c", "sse4_2", "neon"))
 
 
 def _machine() -> str:

@@ -17,8 +17,8 @@ import torch
 
 from runner.errors import ModelError
 from runner.files import cache_folder
-from runner.infer.quant.gguf_tensors import gguf_tensors
 from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry
+from runner.infer.quant.gguf_tensors import gguf_tensors
 
 log = logging.getLogger(__name__)
 

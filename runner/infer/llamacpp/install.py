@@ -119,10 +119,11 @@ def _has_server() -> bool:
     return True
 
 
-def llama_bench() -> Path:
-    """llama-bench built from the sdist's vendored llama.cpp (cmake --target llama-bench), cached per CPU."""
-    target = cache_folder("llama-bench") / f"{VERSION}-{cpu_key()}"
-    binary = target / "llama-bench"
+def llama_tool(name: str = "llama-bench") -> Path:
+    """One of llama.cpp's tools (llama-bench, llama-batched-bench, llama-perplexity) built from the sdist's vendored
+    source (cmake --target NAME), cached per CPU in <cache>/NAME/<version>-<cpu key>/."""
+    target = cache_folder(name) / f"{VERSION}-{cpu_key()}"
+    binary = target / name
     if binary.is_file():
         return binary
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
@@ -130,15 +131,14 @@ def llama_bench() -> Path:
             tar.extractall(tmp, filter="data")
         source = Path(tmp) / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
         build = Path(tmp) / "build"
-        log.info("building llama-bench from llama.cpp vendored in %s (once; minutes)", SDIST)
+        log.info("building %s from llama.cpp vendored in %s (once; minutes)", name, SDIST)
         _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
               "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"], "cmake")
-        _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
-             "cmake --build")
+        _run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 1)], "cmake --build")
         out = Path(tmp) / "out"
         out.mkdir()
-        shutil.copy2(build / "bin" / "llama-bench", out / "llama-bench")
-        publish_folder(out, target, "llama-bench")
+        shutil.copy2(build / "bin" / name, out / name)
+        publish_folder(out, target, name)
     return binary
 
 

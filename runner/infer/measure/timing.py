@@ -230,6 +230,20 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     return 2 * src.numel() * 4 / statistics.median(m[-1] for m in marks)
 
 
+def read_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of reading a large on-device buffer once (a sum over it, with torch's threads), median of
+    `repeats` after a warm-up: what a decode step that streams its weights can at best reach, measured as the step
+    reads (copy_bandwidth also writes)."""
+    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+
+    def read(tick: Tick) -> None:
+        src.sum()
+        tick()
+
+    marks = time_ticks(read, repeats, warmup=1, **on_device(device))
+    return src.numel() * 4 / statistics.median(m[-1] for m in marks)
+
+
 def device_name(device: torch.device) -> str:
     """What a timing was taken on: the GPU's name, or the CPU's model name."""
     if device.type == "cuda":
