@@ -10,8 +10,8 @@ shared by other CPUs gets one build each) and torch's version (the ops are built
 torch.utils.cpp_extension would). A cached library that cannot be loaded is built again, once.
 No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
 level with the reason, and callers keep their torch expressions.
-Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py, gguf_rows.py
-and kvcodes.py do).
+Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py,
+gguf_rows.py and kvcodes.py do).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from runner.files import cache_dir, cache_folder, cache_write
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in ("linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp",
-                                                   "outlier_ops.cpp", "gguf_rows.cpp", "gguf_kquants.cpp",
-                                                   "decode_attention.h", "gguf_blocks.h"))  # headers hashed, .cpp compiled
+SOURCES = tuple(HERE / "csrc" / name for name in (  # headers hashed, .cpp compiled
+    "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
+    "gguf_kquants.cpp", "decode_attention.h", "gguf_blocks.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 
