@@ -11,8 +11,7 @@ torch.utils.cpp_extension would). A cached library that cannot be loaded is buil
 No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
 level with the reason, and callers keep their torch expressions.
 Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py,
-gguf_rows.py
-and kvcodes.py do).
+gguf_rows.py and kvcodes.py do).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from runner.files import cache_dir, cache_folder, cache_write
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in (  # headers are hashed, .cpp files compiled
+SOURCES = tuple(HERE / "csrc" / name for name in (  # headers hashed, .cpp compiled
     "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
     "gguf_kquants.cpp", "decode_attention.h", "gguf_blocks.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")

@@ -142,7 +142,8 @@ def test_paths_agree_within_float32_rounding(name):
         pytest.skip(f"one path only in this build ({built})")
     generator = np.random.default_rng(gguf_rows.GGML_TYPES[name] + 200)
     n, k = _shapes(name)[-1]
-    blocks, x = random_blocks(name, n, k, generator), torch.from_numpy(generator.standard_normal((5, k)).astype(np.float32))
+    blocks = random_blocks(name, n, k, generator)
+    x = torch.from_numpy(generator.standard_normal((5, k)).astype(np.float32))
     number = gguf_rows.GGML_TYPES[name]
     results = [torch.ops.runner.gguf_rows(x, torch.from_numpy(blocks), number, path) for path in built]
     block = gguf_rows.BLOCK_ELEMS[number]  # |quantized x| ≤ |x| + d/2, d = its block's max|x|/127

@@ -14,7 +14,8 @@
 // floats. Ported from llama.cpp (MIT): the AVX2 loops of ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1,
 // ggml_vec_dot_q5_0_q8_0 and ggml_vec_dot_q8_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
 // mul_sum_i8_pairs_float (ggml/src/ggml-cpu/arch/x86/quants.c); the scalar dot products and dequantize_row_* of
-// ggml/src/ggml-quants.c. Changed: x's scales are float32, and a weight block is unpacked once for up to GROUP rows.
+// ggml/src/ggml-quants.c. Changed: x's scales are float32, a weight block is unpacked once for up to GROUP rows, and
+// Q4_0 is done as Q4_1 with m = −8·d against q8_1 (Σ(q − 8)·x = Σq·x − 8·Σx: the same integers, fewer instructions).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -28,7 +29,7 @@ namespace {
 
 // --- portable: integer block sums, scaled in float (ggml-quants.c's reference dot products) ---
 
-float dot_scalar(const BlockQ4_0* w, const XQ8_0* x, int64_t nb) {
+float dot_scalar(const BlockQ4_0* w, const XQ8_1* x, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; b++) {
     int sumi = 0;
@@ -117,9 +118,6 @@ struct SignedBlock {
   }
 };
 
-inline __m256i unpack_avx2(const BlockQ4_0& w) {
-  return _mm256_sub_epi8(bytes_from_nibbles_32(w.qs), _mm256_set1_epi8(8));
-}
 inline __m256i unpack_avx2(const BlockQ5_0& w) {  // q | 0xF0 where the 5th bit is clear: q − 16 as int8
   const __m256i high = _mm256_andnot_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(static_cast<char>(0xf0)));
   return _mm256_or_si256(bytes_from_nibbles_32(w.qs), high);
@@ -142,14 +140,18 @@ void dot_avx2(const W* w, const XQ8_0* x, int64_t nb, float* y, int64_t y_stride
   for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]);
 }
 
-// Q4_1: unsigned nibbles (maddubs takes them as they are) and m · x's block sum.
-template <int G>
-void dot_avx2(const BlockQ4_1* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
+// Q4_1 and Q4_0: unsigned nibbles (maddubs takes them as they are) and m · x's block sum, m = −8·d for Q4_0
+// (llama.cpp subtracts 8 from the nibbles and takes signs instead: three more instructions a block).
+inline float offset_of(const BlockQ4_1& w, float) { return half_to_float(w.m); }
+inline float offset_of(const BlockQ4_0&, float d) { return -8.0f * d; }
+
+template <int G, typename W>
+void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
   __m256 acc[G];
   float mins[G] = {};
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
-    const float dw = half_to_float(w[b].d), mw = half_to_float(w[b].m);
+    const float dw = half_to_float(w[b].d), mw = offset_of(w[b], dw);
     const __m256i qw = bytes_from_nibbles_32(w[b].qs);
     for (int g = 0; g < G; g++) {
       const XQ8_1& xb = x[g * nb + b];
@@ -295,7 +297,7 @@ at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t t
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   switch (type) {
-    case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
+    case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q5_0: rows_typed<BlockQ5_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q8_0: rows_typed<BlockQ8_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
