@@ -38,16 +38,16 @@ TYPE_NAMES = {number: name for name, number in gguf_rows.GGML_TYPES.items()}  # 
 CHECKED_ROWS = 4  # rows per tensor compared exactly with the de-quantized weight (first, last, two between)
 
 
-def _product(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def _product(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, kernels: bool) -> torch.Tensor:
     """x [M,K] float32 · W [N,K]ᵀ with W as blocks uint8 [N, row bytes] → [M,N] float32."""
-    if gguf_rows.load():
+    if kernels:
         return torch.ops.runner.gguf_rows(x, blocks, ggml_type)
     return x @ _dequantized(blocks, ggml_type).t()
 
 
-def _rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def _rows(blocks: torch.Tensor, ggml_type: int, kernels: bool) -> torch.Tensor:
     """Rows of blocks uint8 [R, row bytes] → float32 [R,K]."""
-    if gguf_rows.load():
+    if kernels:
         return torch.ops.runner.gguf_dequantize(blocks, ggml_type)
     return _dequantized(blocks, ggml_type)
 
@@ -69,10 +69,11 @@ class GGUFLinear(torch.nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, weight.shape[0]
+        self.kernels = gguf_rows.load()  # loaded here, never while a compiled step is traced (a graph break)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [...,K] → [...,N]
         rows = x.reshape(-1, self.in_features).to(torch.float32)  # [M,K]
-        y = _product(rows, self.weight, self.ggml_type)  # [M,N]
+        y = _product(rows, self.weight, self.ggml_type, self.kernels)  # [M,N]
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -90,10 +91,11 @@ class GGUFEmbedding(torch.nn.Module):
         super().__init__()
         self.weight, self.ggml_type, self.embedding_dim, self.dtype = weight, ggml_type, embedding_dim, dtype
         self.num_embeddings = weight.shape[0]
+        self.kernels = gguf_rows.load()
         self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
-        rows = _rows(self.weight[ids.reshape(-1)], self.ggml_type).to(self.dtype)  # [B·T,D]
+        rows = _rows(self.weight[ids.reshape(-1)], self.ggml_type, self.kernels).to(self.dtype)  # [B·T,D]
         rows = rows.reshape(*ids.shape, self.embedding_dim)
         return rows if self.embed_scale is None else rows * self.embed_scale
 
