@@ -28,6 +28,7 @@ cpu:
 	@grep -m1 '^model name' /proc/cpuinfo 2>/dev/null || uname -m
 	@echo "vector extensions: $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(sse4_2|avx|avx2|fma|f16c|avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*)$$' | tr '\n' ' ')"
 	@$(BIN)/python -c "import torch; print('aten CPU capability:', torch.backends.cpu.get_cpu_capability())" 2>/dev/null || true
+	@$(BIN)/python -c "from runner.infer.kernels import gguf_rows; print('runner GGUF kernel paths:', ', '.join(gguf_rows.paths().values()) or 'none (no compiler: see the warning)')" 2>/dev/null || true
 
 # Sweeps on real clusters on this machine (Ray, SLURM, submitit local, an MLflow server, the UI in chromium):
 # docs/clusters.md. Needs root; 6-11 minutes on 2 cores once installed (bounded at 30).

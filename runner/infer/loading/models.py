@@ -94,7 +94,8 @@ def load_model(
             _check_vocab(model, tokenizer, source)
         model = model.to(device=target, dtype=torch_dtype(dtype)).eval()
         prequantized = getattr(model.config, "quantization_config", None)
-        if prequantized is not None and quantization != "none":
+        # a .gguf loads de-quantized (quant_method gguf); quantization gguf keeps its blocks again
+        if prequantized is not None and quantization not in ("none", "gguf"):
             method = _quant_method(prequantized)
             raise ModelError(f"model.quantization: {quantization} on {source}, which is already quantized ({method}): "
                              f"remove model.quantization")
