@@ -127,14 +127,17 @@ KV = "fp16"  # both sides' K/V in f16 (llama.cpp's default)
 def weights_table(args) -> None:
     """Per weight precision: our compiled engine (batch 1 and 4, K/V fp16) timed with the one harness, and llama-bench
     (batch 1) / llama-batched-bench (-npl 4) on the very GGUF our weights were kept from, in alternating rounds;
-    tokens/s medians, spreads, ratios, and the fraction of the read bandwidth (measured here, between rounds) that
-    each side's weight bytes per step reach at batch 1."""
+    tokens/s medians, spreads, ratios, and the fraction of the read bandwidth (measured here, before and between
+    rounds) that each side's weight bytes per step reach at batch 1. A row is printed as soon as it is measured."""
     base = load_model(args.model, dtype="float32", device="cpu")
     prompt = torch.tensor(token_windows(base.tokenizer, load_text("pydoc"), args.prompt_len, 1))
-    steps, rows, bandwidth = args.new_tokens - 1, [], []
+    steps, bandwidth = args.new_tokens - 1, [read_bandwidth(torch.device("cpu"))]
     print(f"model={args.model} threads={args.threads} prompt={args.prompt_len} new_tokens={args.new_tokens} "
           f"rounds={args.rounds}×{args.repeats} K/V={KV}\ncpu: {device_name(torch.device('cpu'))}; "
-          f"flags: {' '.join(vector_flags())}")
+          f"flags: {' '.join(vector_flags())}\n")
+    print("| weights | GGUF | batch | ours tok/s | ± | llama.cpp tok/s | ± | ours / llama.cpp | weight MB/step "
+          "ours / theirs | bandwidth fraction ours / theirs | compile s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|", flush=True)
     for weights in args.weights:
         model, path = _weights_model(base, args.model, weights)
         runs = {b: compiled_run(model, prompt.repeat(b, 1), steps, KV, args.prompt_len + steps) for b in args.batches}
@@ -148,22 +151,16 @@ def weights_table(args) -> None:
                 ours[b] += [b * (len(m) - 1) / (m[-1] - m[0]) for m in marks[str(b)]]  # decode tokens/s a repeat
                 theirs[b] += _llama_rates(path, b, args)
             bandwidth.append(read_bandwidth(torch.device("cpu")))
-        read = {"ours": _step_bytes(model), "llama.cpp": _file_step_bytes(path)}
-        rows.append((weights, path.name, compile_s, ours, theirs, read))
-        del model
-    bw = statistics.median(bandwidth)
-    print(f"read bandwidth: median {bw / 1e9:.1f} GB/s, spread {(max(bandwidth) - min(bandwidth)) / 1e9:.1f} "
-          f"({len(bandwidth)} measurements between rounds)\n")
-    print("| weights | GGUF | batch | ours tok/s | ± | llama.cpp tok/s | ± | ours / llama.cpp | weight MB/step "
-          "ours / theirs | bandwidth fraction ours / theirs | compile s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
-    for weights, name, compile_s, ours, theirs, read in rows:
+        read, bw = (_step_bytes(model), _file_step_bytes(path)), statistics.median(bandwidth)
         for b in args.batches:
             a, t = statistics.median(ours[b]), statistics.median(theirs[b])
-            fractions = (f"{read['ours'] * a / bw:.2f} / {read['llama.cpp'] * t / bw:.2f}" if b == 1 else "")
-            print(f"| {weights} | {name} | {b} | {a:.1f} | {max(ours[b]) - min(ours[b]):.1f} | {t:.1f} | "
-                  f"{max(theirs[b]) - min(theirs[b]):.1f} | {a / t:.2f} | {read['ours'] / 1e6:.0f} / "
-                  f"{read['llama.cpp'] / 1e6:.0f} | {fractions} | {compile_s:.0f} |")
+            fractions = f"{read[0] * a / bw:.2f} / {read[1] * t / bw:.2f}" if b == 1 else ""
+            print(f"| {weights} | {path.name} | {b} | {a:.1f} | {max(ours[b]) - min(ours[b]):.1f} | {t:.1f} | "
+                  f"{max(theirs[b]) - min(theirs[b]):.1f} | {a / t:.2f} | {read[0] / 1e6:.0f} / {read[1] / 1e6:.0f} | "
+                  f"{fractions} | {compile_s:.0f} |", flush=True)
+        del model
+    print(f"\nread bandwidth: median {statistics.median(bandwidth) / 1e9:.1f} GB/s, spread "
+          f"{(max(bandwidth) - min(bandwidth)) / 1e9:.1f} ({len(bandwidth)} measurements, before and between rounds)")
 
 
 def _weights_model(base, source: str, weights: str):

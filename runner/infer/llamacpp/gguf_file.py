@@ -22,8 +22,8 @@ from runner.infer.quant.gguf_tensors import gguf_tensors
 
 log = logging.getLogger(__name__)
 
-QUANTIZABLE = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0")  # matrix types write_gguf writes (the gguf package's quantize)
-FILE_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8}  # general.file_type (llama_ftype) of each
+QUANTIZABLE = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")  # matrix types write_gguf writes (gguf's quantize)
+FILE_TYPES = {"F32": 0, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8}  # general.file_type (llama_ftype)
 
 
 def model_gguf(source: str | None, model, tokenizer, base_dir: Path | None = None) -> Path:

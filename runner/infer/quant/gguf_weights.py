@@ -107,7 +107,7 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
     tensor's type (see the module docstring); {type name: tensors kept}. ModelError when the file is not the one the
     model was loaded from."""
     tensors = gguf_tensors(path)
-    hf_to_gguf = {hf: name for name, hf in _name_map(model).items()}
+    hf_to_gguf = _gguf_names(model)
     processor = _processor(model)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
@@ -149,8 +149,8 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
     return dict(kept)
 
 
-def _name_map(model) -> dict[str, str]:
-    """GGUF tensor name → the model's parameter name, by the gguf package's table for the architecture (what
+def _gguf_names(model) -> dict[str, str]:
+    """The model's parameter name → its GGUF tensor name, by the gguf package's table for the architecture (what
     transformers' get_gguf_hf_weights_map reads, without its walk over every submodule: 8 s on SmolLM2)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
@@ -159,13 +159,13 @@ def _name_map(model) -> dict[str, str]:
     if arch is None:
         raise ModelError(f"model.quantization: gguf: the gguf package has no tensor names for {model_type}")
     table = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    found = {}
+    names = {}
     for name in model.state_dict():
         stem, dot, suffix = name.rpartition(".")
         gguf_name = table.get_name(stem)
         if gguf_name is not None:
-            found[f"{gguf_name}{dot}{suffix}"] = name
-    return found
+            names[name] = f"{gguf_name}{dot}{suffix}"
+    return names
 
 
 def _gguf_architecture(model) -> str:

@@ -44,6 +44,17 @@ def test_the_tensor_table_is_the_gguf_packages(tmp_path):
         assert np.array_equal(tensor_blocks(path, mine).reshape(-1), np.asarray(tensor.data).view(np.uint8).ravel())
 
 
+@pytest.mark.parametrize("weight_type", ["BF16", *TYPES])
+def test_the_writer_stores_matrices_in_the_type_asked_and_norms_in_f32(tmp_path, weight_type):
+    lm = load_model(config=LLAMA_32, device="cpu", seed=0)
+    write_gguf(lm.model, lm.tokenizer, tmp_path / "m.gguf", weight_type)
+    types = {t.name: t.type_name for t in gguf_tensors(tmp_path / "m.gguf").values()}
+    assert types["blk.0.ffn_up.weight"] == types["token_embd.weight"] == weight_type
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    with pytest.raises(ModelError, match="cannot write GGUF weights as Q4_K"):
+        write_gguf(lm.model, lm.tokenizer, tmp_path / "k.gguf", "Q4_K")
+
+
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGML" + bytes(40))
