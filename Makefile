@@ -26,7 +26,7 @@ lint: setup
 # The CPU the tests run on: its model and the vector extensions runner's kernels and aten choose paths by.
 cpu:
 	@grep -m1 '^model name' /proc/cpuinfo 2>/dev/null || uname -m
-	@echo "vector extensions: $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(sse4_2|avx|avx2|fma|f16c|avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*)$$' | tr '\n' ' ')"
+	@$(BIN)/python -c "from runner.infer.kernels.native import vector_flags; print('vector extensions:', ' '.join(vector_flags()))"
 	@$(BIN)/python -c "import torch; print('aten CPU capability:', torch.backends.cpu.get_cpu_capability())" 2>/dev/null || true
 	@$(BIN)/python -c "from runner.infer.kernels import gguf_rows; print('runner GGUF kernel paths:', ', '.join(gguf_rows.paths().values()) or 'none (no compiler: see the warning)')" 2>/dev/null || true
 

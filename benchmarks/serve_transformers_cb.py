@@ -28,6 +28,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from runner.infer.config.decoding import GenerateConfig  # noqa: E402
 from runner.infer.config.kinds import DTYPES  # noqa: E402
 from runner.infer.generation.generator import Generator  # noqa: E402
+from runner.infer.kernels.native import vector_flags  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text  # noqa: E402
 from runner.infer.measure.timing import time_interleaved, time_once  # noqa: E402
@@ -36,18 +37,10 @@ from runner.infer.serve.metrics import summarize  # noqa: E402
 from runner.infer.serve.requests import RequestRecord  # noqa: E402
 from runner.infer.serve.transformers_cb import serve_with_transformers, transformers_cb_reason  # noqa: E402
 
-VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-                "amx_bf16", "amx_int8", "neon", "asimd", "sve")
-
 
 def cpu_flags() -> str:
-    """The vector extensions this CPU reports (Linux /proc/cpuinfo), which decide the CPU's kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
-    except OSError:
-        flags = []
-    return " ".join(f for f in VECTOR_FLAGS if f in flags) or "unknown"
+    """The vector extensions this CPU reports, which decide the CPU's kernels."""
+    return " ".join(vector_flags()) or "unknown"
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from runner.infer.bench.cells import step_weight_bytes  # noqa: E402
 from runner.infer.config.llamacpp import GGML_NAMES, LlamaCppOptions, flash_attention  # noqa: E402
 from runner.infer.kernels.native import vector_flags  # noqa: E402
 from runner.infer.llamacpp.engine import LlamaCppEngine  # noqa: E402
@@ -36,7 +37,6 @@ from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
 from runner.infer.measure.timing import TokenTiming, device_name, read_bandwidth, time_interleaved  # noqa: E402
 from runner.infer.quant.gguf_tensors import gguf_tensors  # noqa: E402
-from runner.infer.quant.weights import tensor_bytes, weight_bytes  # noqa: E402
 from runner.infer.select.speed import compile_pairs, compiled_run, greedy_run  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def weights_table(args) -> None:
                 ours[b] += [b * (len(m) - 1) / (m[-1] - m[0]) for m in marks[str(b)]]  # decode tokens/s a repeat
                 theirs[b] += _llama_rates(path, b, args)
             bandwidth.append(read_bandwidth(torch.device("cpu")))
-        read, bw = (_step_bytes(model), _file_step_bytes(path)), statistics.median(bandwidth)
+        read, bw = (step_weight_bytes(model), _file_step_bytes(path)), statistics.median(bandwidth)
         for b in args.batches:
             a, t = statistics.median(ours[b]), statistics.median(theirs[b])
             fractions = f"{read[0] * a / bw:.2f} / {read[1] * t / bw:.2f}" if b == 1 else ""
@@ -191,13 +191,6 @@ def _llama_rates(path: Path, batch: int, args) -> list[float]:
         rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         rates.append(float(rows[-1]["speed_tg"]))
     return rates
-
-
-def _step_bytes(model) -> int:
-    """Weight bytes a decode step reads: all of them but an untied input embedding (a step reads its row)."""
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    total = weight_bytes(model)
-    return total if head is embedding else total - tensor_bytes(embedding)
 
 
 def _file_step_bytes(path: Path) -> int:

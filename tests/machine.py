@@ -6,7 +6,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from runner.infer.kernels.native import cpu_flags  # noqa: F401 -- the tests' view of the CPU is the kernels'
+from runner.infer.kernels.native import cpu_flags  # the tests see the CPU as the kernels do
 
 
 def cpu_model() -> str:

@@ -246,19 +246,23 @@ def _timing_figures(timing: TokenTiming) -> dict:
             "tokens_per_s": timing.tokens_per_s.median, "tokens_per_s_spread": timing.tokens_per_s.spread}
 
 
-def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: int, step_s: float,
-                       bandwidth: float) -> float:
-    """Achieved fraction of the memory-bandwidth bound while decoding: every step reads all the weights and the
-    cache as it stands at mid-decode (measured bytes at the end, scaled by length). An untied input embedding
-    table is not counted: a step reads only its batch's rows of it."""
-    if not step_s or step_s <= 0 or math.isnan(step_s):
-        return math.nan
-    weights = weight_bytes(model)  # measured: quantized weights count their codes and scales
+def step_weight_bytes(model) -> int:
+    """Weight bytes a decode step reads, measured (quantized weights count their codes and scales): all of them but
+    an untied input embedding table, of which a step reads only its batch's rows."""
+    weights = weight_bytes(model)
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     plain = head is not None and not is_quantized(head.weight) and not is_quantized(embedding)
     tied = head is not None and (head.weight is embedding or plain and head.weight.data_ptr() == embedding.data_ptr())
-    if not tied:
-        weights -= tensor_bytes(embedding)
+    return weights if tied else weights - tensor_bytes(embedding)
+
+
+def bandwidth_fraction(model, kv_bytes_end: int, prompt_len: int, new_tokens: int, step_s: float,
+                       bandwidth: float) -> float:
+    """Achieved fraction of the memory-bandwidth bound while decoding: every step reads its weights
+    (step_weight_bytes) and the cache as it stands at mid-decode (measured bytes at the end, scaled by length)."""
+    if not step_s or step_s <= 0 or math.isnan(step_s):
+        return math.nan
+    weights = step_weight_bytes(model)
     kv_mid = kv_bytes_end * (prompt_len + new_tokens / 2) / (prompt_len + new_tokens)
     return (weights + kv_mid) / step_s / bandwidth
 

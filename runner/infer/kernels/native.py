@@ -60,7 +60,8 @@ def cpu_flags() -> frozenset[str]:
 
 def vector_flags() -> list[str]:
     """The flags that choose a kernel path (what a benchmark figure or a CI log says it ran on)."""
-    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c", "sse4_2", "neon"))
+    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))
+                  or f in ("sse4_2", "fma", "f16c", "neon", "asimd", "sve"))
 
 
 def _machine() -> str:

@@ -17,27 +17,25 @@ import torch
 
 from runner.errors import ModelError
 from runner.files import cache_folder
-from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry
+from runner.infer.loading.models import source_gguf
 from runner.infer.quant.gguf_tensors import gguf_tensors
 
 log = logging.getLogger(__name__)
 
-QUANTIZABLE = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")  # matrix types write_gguf writes (gguf's quantize)
-FILE_TYPES = {"F32": 0, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8}  # general.file_type (llama_ftype)
+# matrix types write_gguf writes (the gguf package quantizes them), each with its general.file_type (llama_ftype)
+FILE_TYPES = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8}
+QUANTIZABLE = tuple(FILE_TYPES)
 
 
 def model_gguf(source: str | None, model, tokenizer, base_dir: Path | None = None) -> Path:
     """The GGUF llama.cpp loads for a model block's `source` (zoo:NAME, a .gguf path) or, otherwise, for the
     loaded torch `model` (written once as f32)."""
-    if source is not None and source.startswith(ZOO_PREFIX):
-        return fetch_gguf(zoo_entry(source))
-    if source is not None and source.endswith(".gguf"):
-        path = Path(source).expanduser()
-        path = path if path.is_absolute() or base_dir is None else base_dir / path
-        if not path.is_file():
-            raise ModelError(f"engine: llama.cpp: no GGUF file at {path}")
-        return path
-    return written_gguf(model, tokenizer)
+    path = source_gguf(source, base_dir)
+    if path is None:
+        return written_gguf(model, tokenizer)
+    if not path.is_file():
+        raise ModelError(f"engine: llama.cpp: no GGUF file at {path}")
+    return path
 
 
 def written_gguf(model, tokenizer, weight_type: str = "F32") -> Path:

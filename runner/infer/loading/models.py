@@ -188,16 +188,24 @@ def _from_source(source: str, revision, trust_remote_code: bool, base_dir: Path 
     return model, tokenizer, {"source": source, "revision": revision or commit}
 
 
-def _gguf_path(source: str | None, base_dir: Path | None, device: torch.device) -> Path:
-    """The GGUF file whose tensors `model.quantization: gguf` keeps: the zoo's (kept in the cache beside the
-    converted folder) or the .gguf the model was loaded from."""
-    if device.type != "cpu":
-        raise ModelError(f"model.quantization: gguf runs on cpu (runner's block kernels), not {device.type}: "
-                         f"set device: cpu")
+def source_gguf(source: str | None, base_dir: Path | None = None) -> Path | None:
+    """The GGUF file a model block's `source` names: the zoo's (fetched and verified into the cache) or a local
+    .gguf (relative to `base_dir`, not checked to exist); None for any other source."""
     if source is not None and source.startswith(ZOO_PREFIX):
         return fetch_gguf(zoo_entry(source))
     if source is not None and source.endswith(".gguf"):
         return _local_path(source, base_dir)
+    return None
+
+
+def _gguf_path(source: str | None, base_dir: Path | None, device: torch.device) -> Path:
+    """The GGUF file whose tensors `model.quantization: gguf` keeps (source_gguf), on cpu only."""
+    if device.type != "cpu":
+        raise ModelError(f"model.quantization: gguf runs on cpu (runner's block kernels), not {device.type}: "
+                         f"set device: cpu")
+    path = source_gguf(source, base_dir)
+    if path is not None:
+        return path
     raise ModelError(f"model.quantization: gguf keeps a GGUF file's tensors as stored: model.id must be a zoo: name "
                      f"or a .gguf file, not {source or 'a config'}")
 

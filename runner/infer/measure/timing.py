@@ -221,13 +221,7 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     the memory bandwidth a decode step can at best use."""
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-
-    def copy(tick: Tick) -> None:
-        dst.copy_(src)
-        tick()
-
-    marks = time_ticks(copy, repeats, warmup=1, **on_device(device))
-    return 2 * src.numel() * 4 / statistics.median(m[-1] for m in marks)
+    return _bytes_per_s(lambda: dst.copy_(src), 2 * src.numel() * 4, device, repeats)
 
 
 def read_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
@@ -235,13 +229,17 @@ def read_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     `repeats` after a warm-up: what a decode step that streams its weights can at best reach, measured as the step
     reads (copy_bandwidth also writes)."""
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    return _bytes_per_s(src.sum, src.numel() * 4, device, repeats)
 
-    def read(tick: Tick) -> None:
-        src.sum()
+
+def _bytes_per_s(run: Callable[[], object], moved: int, device: torch.device, repeats: int) -> float:
+    """`moved` bytes over the median time of `run`, timed by the harness after a warm-up."""
+    def once(tick: Tick) -> None:
+        run()
         tick()
 
-    marks = time_ticks(read, repeats, warmup=1, **on_device(device))
-    return src.numel() * 4 / statistics.median(m[-1] for m in marks)
+    marks = time_ticks(once, repeats, warmup=1, **on_device(device))
+    return moved / statistics.median(m[-1] for m in marks)
 
 
 def device_name(device: torch.device) -> str:
