@@ -68,6 +68,12 @@ def main() -> None:
             x = torch.randn(rows, k)
             variants = {name: _cycle(copies, n, lambda w, name=name: torch.ops.runner.gguf_rows(
                 x, w, gguf_rows.GGML_TYPES[name]), weights[name]) for name in types}
+            for name in [name for name in types if gguf_rows.interleavable(gguf_rows.GGML_TYPES[name], n)]:
+                number = gguf_rows.GGML_TYPES[name]
+                interleaved = torch.ops.runner.gguf_interleave(weights[name], number)
+                variants[f"{name} x8"] = _cycle(copies, n, lambda w, number=number: torch.ops.runner.gguf_rows(
+                    x, w, number, 0, True), interleaved)
+                bytes_read[f"{name} x8"] = bytes_read[name]
             variants["linear_rows f32"] = _cycle(copies, n, lambda w: torch.ops.runner.linear_rows(x, w.t(), None),
                                                  floats)
             variants["aten mm f32"] = _cycle(copies, n, lambda w: torch.nn.functional.linear(x, w), floats)
@@ -83,12 +89,14 @@ def main() -> None:
         del weights, floats
     for rows in args.rows:
         if "Q4_1" in args.types and "Q8_0" in args.types:
-            step = LAYERS * sum(count * seconds[(*shape, rows, "Q4_1")] for shape, count in PER_LAYER.items())
-            step += seconds[(49152, 576, rows, "Q8_0")]
+            layers = {layout: LAYERS * sum(count * seconds[(*shape, rows, layout)] for shape, count in PER_LAYER.items())
+                      for layout in ("Q4_1", "Q4_1 x8")}
+            step, step_x8 = (layers[layout] + seconds[(49152, 576, rows, "Q8_0")] for layout in ("Q4_1", "Q4_1 x8"))
             f32 = LAYERS * sum(count * seconds[(*shape, rows, "linear_rows f32")] for shape, count in PER_LAYER.items())
             f32 += seconds[(49152, 576, rows, "linear_rows f32")]
             print(f"\nSmolLM2-135M step's products, M={rows}: Q4_1 layers + Q8_0 head {step * 1e3:.2f} ms "
-                  f"({1 / step:.0f} steps/s); float32 linear_rows {f32 * 1e3:.2f} ms ({1 / f32:.0f} steps/s)")
+                  f"({1 / step:.0f} steps/s), interleaved {step_x8 * 1e3:.2f} ms ({1 / step_x8:.0f} steps/s); "
+                  f"float32 linear_rows {f32 * 1e3:.2f} ms ({1 / f32:.0f} steps/s)")
 
 
 def _cycle(copies: int, n: int, product, weights: torch.Tensor):

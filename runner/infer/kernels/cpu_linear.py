@@ -23,7 +23,7 @@ import logging
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from runner.infer.kernels import native
+from runner.infer.kernels import gguf_rows, native
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,12 @@ def _takes(x, wt) -> bool:
 
 
 class OwnProducts(CustomGraphPass):
-    """Inductor's post-grad pass: few-row mm/addmm on row-major weights → runner::linear_rows. `replaced` counts
-    the products it rewrote in the graphs it saw (what the tests read)."""
+    """Inductor's post-grad pass: few-row mm/addmm on row-major weights → runner::linear_rows, then GGUF products
+    that share an x → one runner::gguf_rows_group (gguf_rows.group_products). `replaced` and `grouped` count what
+    it rewrote in the graphs it saw (what the tests read)."""
 
     replaced = 0
+    grouped = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         aten = torch.ops.aten
@@ -87,6 +89,8 @@ class OwnProducts(CustomGraphPass):
             node.replace_all_uses_with(product)
             graph.erase_node(node)
             OwnProducts.replaced += 1
+        if gguf_rows.load():
+            OwnProducts.grouped += gguf_rows.group_products(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, *map(str, native.SOURCES)))
+        return get_hash_for_files((__file__, gguf_rows.__file__, *map(str, native.SOURCES)))

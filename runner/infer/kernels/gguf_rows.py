@@ -1,7 +1,12 @@
 """Few-row products on GGUF-quantized weights kept as stored: gguf_rows.cpp and gguf_kquants.cpp, registered as the
 torch ops
 
-    runner::gguf_rows(x float32 [M,K], blocks uint8 [N, row_bytes], ggml_type, path=0) → float32 [M,N] = x · Wᵀ
+    runner::gguf_rows(x float32 [M,K], blocks uint8 [N, row_bytes], ggml_type, path=0, interleaved=False)
+        → float32 [M,N] = x · Wᵀ
+    runner::gguf_interleave(blocks, ggml_type) → the same bytes with each span of 8 rows interleaved (Q4_0 and Q4_1,
+        N a multiple of 8), which gguf_rows(..., interleaved=True) reads ~3× faster on AVX2: 8 rows a vector
+    runner::gguf_rows_group(x, [blocks…], ggml_type, path=0) → [gguf_rows(x, blocks_i, …, interleaved=True)…]
+        (x quantized once; `group_products` rewrites a compiled step's calls that share an x into it)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
     runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA; no AVX-512 path yet)
 
@@ -18,6 +23,8 @@ Owns: loading the ops, their fake (tracing) implementations and the format table
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -37,16 +44,80 @@ def load() -> bool:
         if _STATE["loaded"]:
             torch.library.register_fake("runner::gguf_rows")(_rows_fake)
             torch.library.register_fake("runner::gguf_dequantize")(_dequantize_fake)
+            torch.library.register_fake("runner::gguf_interleave")(_interleave_fake)
+            torch.library.register_fake("runner::gguf_rows_group")(_group_fake)
     return _STATE["loaded"]
 
 
-def _rows_fake(x, blocks, ggml_type, path=0):  # [M,N] float32
+def _rows_fake(x, blocks, ggml_type, path=0, interleaved=False):  # [M,N] float32
     return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+
+
+def _interleave_fake(blocks, ggml_type):  # the same shape, bytes reordered
+    return torch.empty_like(blocks)
+
+
+def _group_fake(x, blocks, ggml_type, path=0):  # [M,N_i] float32 each
+    return [x.new_empty(x.shape[0], b.shape[0], dtype=torch.float32) for b in blocks]
+
+
+def group_products(graph: torch.fx.Graph) -> int:
+    """Inductor post-grad rewrite: the gguf_rows calls on interleaved weights of one type that read the same x (an
+    attention's q, k and v; an MLP's gate and up) → one gguf_rows_group, which quantizes x once and shares all their
+    rows between the threads in one parallel region (~0.7 ms of a SmolLM2 step). Returns the groups made."""
+    rows_op = torch.ops.runner.gguf_rows.default
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not rows_op:
+            continue
+        x, blocks, ggml_type, path, interleaved = _rows_args(node)
+        if interleaved and isinstance(x, torch.fx.Node) and "val" in x.meta:
+            groups.setdefault((_viewed(x), tuple(x.meta["val"].shape), ggml_type, path), []).append(node)
+    made = 0
+    for (_, _, ggml_type, path), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        with graph.inserting_before(nodes[0]):
+            group = graph.call_function(torch.ops.runner.gguf_rows_group.default,
+                                        (_rows_args(nodes[0])[0], [_rows_args(n)[1] for n in nodes], ggml_type, path))
+        group.meta["val"] = [node.meta["val"] for node in nodes]
+        for i, node in enumerate(nodes):
+            with graph.inserting_before(node):
+                part = graph.call_function(operator.getitem, (group, i))
+            part.meta.update(node.meta)
+            node.replace_all_uses_with(part)
+            graph.erase_node(node)
+        made += 1
+    return made
+
+
+def _rows_args(node: torch.fx.Node) -> tuple:
+    """A gguf_rows node's (x, blocks, ggml_type, path, interleaved), defaults filled in."""
+    names = ("x", "blocks", "ggml_type", "path", "interleaved")
+    values = dict(zip(names, node.args)) | dict(node.kwargs)
+    return tuple(values.get(name, {"path": 0, "interleaved": False}.get(name)) for name in names)
+
+
+def _viewed(node: torch.fx.Node) -> torch.fx.Node:
+    """The node a chain of views reads (each Linear reshapes the same hidden state on its own)."""
+    views = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+    while node.op == "call_function" and node.target in views and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _dequantize_fake(blocks, ggml_type):  # [R,K] float32
     elements = blocks.shape[1] // BLOCK_BYTES[ggml_type] * BLOCK_ELEMS[ggml_type]
     return blocks.new_empty(blocks.shape[0], elements, dtype=torch.float32)
+
+
+INTERLEAVED_TYPES = (2, 3)  # Q4_0, Q4_1: the types gguf_interleave reorders
+INTERLEAVED_ROWS = 8
+
+
+def interleavable(ggml_type: int, rows: int) -> bool:
+    """Whether gguf_interleave takes a tensor of this type and row count."""
+    return ggml_type in INTERLEAVED_TYPES and rows % INTERLEAVED_ROWS == 0
 
 
 def paths() -> dict[int, str]:

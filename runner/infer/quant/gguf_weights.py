@@ -38,10 +38,11 @@ TYPE_NAMES = {number: name for name, number in gguf_rows.GGML_TYPES.items()}  # 
 CHECKED_ROWS = 4  # rows per tensor compared exactly with the de-quantized weight (first, last, two between)
 
 
-def _product(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, kernels: bool) -> torch.Tensor:
-    """x [M,K] float32 · W [N,K]ᵀ with W as blocks uint8 [N, row bytes] → [M,N] float32."""
+def _product(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, kernels: bool, interleaved: bool) -> torch.Tensor:
+    """x [M,K] float32 · W [N,K]ᵀ with W as blocks uint8 [N, row bytes] → [M,N] float32 (interleaved: in the
+    kernels' 8-row spans, gguf_rows.interleavable)."""
     if kernels:
-        return torch.ops.runner.gguf_rows(x, blocks, ggml_type)
+        return torch.ops.runner.gguf_rows(x, blocks, ggml_type, 0, interleaved)
     return x @ _dequantized(blocks, ggml_type).t()
 
 
@@ -62,25 +63,31 @@ def _dequantized(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 class GGUFLinear(torch.nn.Module):
     """y = x·Wᵀ (+ bias) with W a GGUF tensor as stored: `weight` uint8 [N, row bytes] of one ggml type (a frozen
-    Parameter, so the model's parameters and measured bytes hold it). Computes in float32; y in x's dtype."""
+    Parameter, so the model's parameters and measured bytes hold it). Computes in float32; y in x's dtype.
+    `interleave`: where the kernels read the type 8 rows at a time (Q4_0, Q4_1), reorder the bytes so (the same
+    bytes; not for a weight the embedding also reads by row)."""
 
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, in_features: int,
-                 bias: torch.nn.Parameter | None = None):
+                 bias: torch.nn.Parameter | None = None, interleave: bool = False):
         super().__init__()
+        self.kernels = gguf_rows.load()  # loaded here, never while a compiled step is traced (a graph break)
+        self.interleaved = interleave and self.kernels and gguf_rows.interleavable(ggml_type, weight.shape[0])
+        if self.interleaved:
+            weight = torch.nn.Parameter(torch.ops.runner.gguf_interleave(weight.detach(), ggml_type),
+                                        requires_grad=False)
         self.weight, self.bias = weight, bias
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, weight.shape[0]
-        self.kernels = gguf_rows.load()  # loaded here, never while a compiled step is traced (a graph break)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [...,K] → [...,N]
         rows = x.reshape(-1, self.in_features).to(torch.float32)  # [M,K]
-        y = _product(rows, self.weight, self.ggml_type, self.kernels)  # [M,N]
+        y = _product(rows, self.weight, self.ggml_type, self.kernels, self.interleaved)  # [M,N]
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={TYPE_NAMES[self.ggml_type]}, bias={self.bias is not None}")
+                f"type={TYPE_NAMES[self.ggml_type]}, bias={self.bias is not None}, interleaved={self.interleaved}")
 
 
 class GGUFEmbedding(torch.nn.Module):
@@ -138,7 +145,8 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
                                                      getattr(module, "embed_scale", None)))
         else:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, GGUFLinear(weight, ggml_type, module.in_features, module.bias))
+            setattr(model.get_submodule(parent), child, GGUFLinear(weight, ggml_type, module.in_features, module.bias,
+                                                                   interleave=source != embedding_name))
     if left:
         log.warning("%s: tensors of types the kernels do not read stay float: %s", path.name,
                     ", ".join(f"{n}×{t}" for t, n in sorted(left.items())))

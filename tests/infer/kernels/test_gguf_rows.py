@@ -69,9 +69,13 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, block: int | None) -> torch.Te
     return quantization + 1e-5 * (x.double().abs() @ w.double().abs().t() + quantization)
 
 
-def check_product(x: torch.Tensor, blocks: np.ndarray, name: str, path: int) -> torch.Tensor:
+def check_product(x: torch.Tensor, blocks: np.ndarray, name: str, path: int, interleaved: bool = False) -> torch.Tensor:
+    """gguf_rows on the plain blocks (or on them interleaved) against float64 on gguf's dequantization."""
     number = gguf_rows.GGML_TYPES[name]
-    got = torch.ops.runner.gguf_rows(x, torch.from_numpy(blocks), number, path)
+    stored = torch.from_numpy(blocks)
+    if interleaved:
+        stored = torch.ops.runner.gguf_interleave(stored, number)
+    got = torch.ops.runner.gguf_rows(x, stored, number, path, interleaved)
     w = dequantized(blocks, name)
     want = x.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (x.shape[0], w.shape[0])

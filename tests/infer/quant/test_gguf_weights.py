@@ -11,6 +11,7 @@ import torch
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from runner.errors import ModelError
+from runner.infer.kernels import gguf_rows
 from runner.infer.llamacpp.gguf_file import gguf_weight_bytes, write_gguf
 from runner.infer.loading.models import load_model
 from runner.infer.quant.gguf_tensors import gguf_tensors, tensor_blocks
@@ -79,6 +80,11 @@ def test_kept_tensors_are_the_files_bytes_and_give_the_float_models_logits(tmp_p
     assert kept == {weight_type: 2 * 7 + 1 + (0 if tied else 1)}  # 7 matrices a layer, the embedding, a head
     head = model.get_output_embeddings()
     assert isinstance(head, GGUFLinear) and (head.weight is model.get_input_embeddings().weight) == tied
+    for module in model.modules():  # the kernels' 8-row layout where they have one, never for the embedding's rows
+        if isinstance(module, GGUFLinear):
+            shared = module.weight is model.get_input_embeddings().weight
+            assert module.interleaved == (not shared and gguf_rows.interleavable(module.ggml_type, module.out_features))
+    assert any(m.interleaved for m in model.modules() if isinstance(m, GGUFLinear)) == (weight_type in ("Q4_0", "Q4_1"))
     assert weight_bytes(model) == gguf_weight_bytes(path)  # the norms are f32 in both
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))

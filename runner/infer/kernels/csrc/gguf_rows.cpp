@@ -1,7 +1,9 @@
 // A few rows of float activations through a GGUF-quantized weight kept as stored: y [M,N] = x [M,K] · W [N,K]ᵀ where
 // W is uint8 [N, row_bytes], one row of llama.cpp blocks per output row. Registered as the torch ops
-//   runner::gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0) -> Tensor
+//   runner::gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0, bool interleaved=False) -> Tensor
 //   runner::gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor
+//   runner::gguf_interleave(Tensor blocks, int ggml_type) -> Tensor  (Q4_0 / Q4_1 in 8-row spans: gguf_interleaved.cpp)
+//   runner::gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0) -> Tensor[]  (interleaved, one x)
 //   runner::gguf_paths() -> int[]
 // (native.py builds them; gguf_rows.py loads them). Types: Q4_0, Q4_1, Q5_0, Q8_0 here; Q4_K, Q6_K in
 // gguf_kquants.cpp. Paths: 1 portable C++, 2 AVX2 + FMA (this build's best where the CPU has them). There is no
@@ -19,6 +21,7 @@
 // Q4_0 is done as Q4_1 with m = −8·d against q8_1 (Σ(q − 8)·x = Σq·x − 8·Σx: the same integers, fewer instructions).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -326,7 +329,15 @@ std::vector<XB> quantized_rows(const at::Tensor& x, int64_t M, int64_t K, int64_
   return out;
 }
 
-at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t path_in) {
+// Q4_0 and Q4_1 are the types gguf_interleaved.cpp reads with 8 rows interleaved.
+void check_interleavable(const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1, "gguf_rows: only Q4_0 (2) and Q4_1 (3) are read interleaved, not ", type);
+  TORCH_CHECK(blocks.size(0) % 8 == 0, "gguf_rows: interleaving takes rows in spans of 8, and ", blocks.size(0),
+              " rows are not a whole number of them");
+}
+
+at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t path_in,
+                     bool interleaved) {
   const Format format = format_of(type);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
               "gguf_rows: x must be float32 [M,K] with M ≥ 1, got ", x_in.scalar_type(), " ", x_in.sizes());
@@ -337,6 +348,11 @@ at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t t
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
+  if (interleaved) {
+    check_interleavable(blocks, type);
+    rows_interleaved({{w, N, out}}, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path);
+    return y;
+  }
   switch (type) {
     case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
@@ -346,6 +362,35 @@ at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t t
     default: rows_q6_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
   }
   return y;
+}
+
+// gguf_rows(x, blocks[i], type, path, interleaved=True) for each i: x quantized once, one parallel region.
+std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x_in, at::TensorList blocks, int64_t type, int64_t path_in) {
+  const Format format = format_of(type);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
+              "gguf_rows_group: x must be float32 [M,K] with M ≥ 1, got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(!blocks.empty(), "gguf_rows_group: no weights");
+  const Path path = chosen_path(path_in);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> ys;
+  std::vector<Interleaved> weights;
+  for (const at::Tensor& w : blocks) {
+    row_elements(w, format, K);
+    check_interleavable(w, type);
+    ys.push_back(at::empty({M, w.size(0)}, x.options()));
+    weights.push_back({w.data_ptr<uint8_t>(), w.size(0), ys.back().data_ptr<float>()});
+  }
+  rows_interleaved(weights, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, K / QK, path);
+  return ys;
+}
+
+at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t type) {
+  row_elements(blocks, format_of(type));
+  check_interleavable(blocks, type);
+  at::Tensor out = at::empty_like(blocks);
+  interleave_rows(blocks.data_ptr<uint8_t>(), type, blocks.size(0), blocks.size(1), out.data_ptr<uint8_t>());
+  return out;
 }
 
 template <typename WB>
@@ -377,7 +422,9 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type) {
 }  // namespace runner_gguf
 
 TORCH_LIBRARY_FRAGMENT(runner, m) {
-  m.def("gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0) -> Tensor");
+  m.def("gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0, bool interleaved=False) -> Tensor");
+  m.def("gguf_interleave(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0) -> Tensor[]");
   m.def("gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor");
   m.def("gguf_paths() -> int[]", &runner_gguf::gguf_paths);
 }
@@ -385,4 +432,6 @@ TORCH_LIBRARY_FRAGMENT(runner, m) {
 TORCH_LIBRARY_IMPL(runner, CPU, m) {
   m.impl("gguf_rows", &runner_gguf::gguf_rows);
   m.impl("gguf_dequantize", &runner_gguf::gguf_dequantize);
+  m.impl("gguf_interleave", &runner_gguf::gguf_interleave);
+  m.impl("gguf_rows_group", &runner_gguf::gguf_rows_group);
 }

@@ -1,0 +1,152 @@
+// Q4_0 and Q4_1 weights with 8 rows interleaved (gguf_blocks.h's layout note), for runner::gguf_rows(...,
+// interleaved=True) and runner::gguf_interleave (gguf_rows.cpp registers both).
+//
+// Why: a row-at-a-time dot product spends ~20 instructions on each 20-byte block (two fp16 scales converted one at
+// a time, the nibbles unpacked, a horizontal sum per row), so on AVX2 it is compute-bound at about half the rate the
+// memory delivers. With 8 rows' blocks side by side, one 256-bit register holds 4 consecutive weights of each of 8
+// rows: x's 4 bytes are broadcast, maddubs + madd give each row's partial sum in its own lane, the 8 rows' scales
+// convert in one instruction, and 8 results are stored at once (no horizontal sum): ~6 instructions a block.
+// llama.cpp repacks Q4_0 the same way on AVX2 (ggml-cpu/repack.cpp, block_q4_0x8); this layout is ours (the scales
+// first, then the nibbles of 4-byte groups), and Q4_1 too. Same bytes as the file's: only their order differs, within
+// each span of 8 rows.
+#include "gguf_blocks.h"
+
+namespace runner_gguf {
+namespace {
+
+// The interleaved block of 8 rows: d[8] fp16, (Q4_1) m[8] fp16, then for t = 0..3 the 4 bytes qs[4t..4t+3] of
+// each row 0..7 (low nibbles: elements 4t..4t+3; high: 16+4t..16+4t+3).
+constexpr int64_t ROWS = 8;
+template <bool HasMin> constexpr int64_t scale_bytes = HasMin ? 32 : 16;
+template <bool HasMin> constexpr int64_t group_block_bytes = scale_bytes<HasMin> + ROWS * 16;
+
+template <bool HasMin>
+void interleave_span(const uint8_t* plain, int64_t nb, uint8_t* out) {
+  const int64_t block_bytes = group_block_bytes<HasMin> / ROWS;  // 18 or 20
+  for (int64_t b = 0; b < nb; b++, out += group_block_bytes<HasMin>) {
+    for (int64_t r = 0; r < ROWS; r++) {
+      const uint8_t* block = plain + (r * nb + b) * block_bytes;
+      std::memcpy(out + 2 * r, block, 2);                                  // d
+      if constexpr (HasMin) std::memcpy(out + 16 + 2 * r, block + 2, 2);  // m
+      const uint8_t* qs = block + (HasMin ? 4 : 2);
+      for (int64_t t = 0; t < 4; t++) std::memcpy(out + scale_bytes<HasMin> + t * 32 + r * 4, qs + 4 * t, 4);
+    }
+  }
+}
+
+// Row r's offset (Q4_1's m; −8·d for Q4_0, whose q − 8 is done as q with that offset against x's block sum).
+template <bool HasMin>
+inline float offset_of(const uint8_t* block, int64_t r, float d) {
+  return HasMin ? half_to_float(block + 16 + 2 * r) : -8.0f * d;
+}
+
+// G rows of x (stride nb) against the 8 weight rows of one span → y[g·y_stride + r].
+template <bool HasMin>
+void dot_span_scalar(const uint8_t* span, const XQ8_1* x, int64_t G, int64_t nb, float* y, int64_t y_stride) {
+  for (int64_t g = 0; g < G; g++) {
+    float sums[ROWS] = {};
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* block = span + b * group_block_bytes<HasMin>;
+      const XQ8_1& xb = x[g * nb + b];
+      for (int64_t r = 0; r < ROWS; r++) {
+        int sumi = 0;
+        for (int64_t t = 0; t < 4; t++) {
+          const uint8_t* q = block + scale_bytes<HasMin> + t * 32 + r * 4;
+          for (int64_t j = 0; j < 4; j++) sumi += (q[j] & 0x0f) * xb.qs[4 * t + j] + (q[j] >> 4) * xb.qs[16 + 4 * t + j];
+        }
+        const float d = half_to_float(block + 2 * r);
+        sums[r] += static_cast<float>(sumi) * (d * xb.d) + offset_of<HasMin>(block, r, d) * xb.s;
+      }
+    }
+    for (int64_t r = 0; r < ROWS; r++) y[g * y_stride + r] = sums[r];
+  }
+}
+
+#ifdef RUNNER_GGUF_AVX2
+template <int G, bool HasMin>
+void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[G];
+  for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* block = span + b * group_block_bytes<HasMin>;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));  // [8 rows]
+    const __m256 offset = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    __m256i low[4], high[4];  // lane r: 4 weights of row r, elements 4t.. (low) and 16+4t.. (high)
+    for (int t = 0; t < 4; t++) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + scale_bytes<HasMin> + 32 * t));
+      low[t] = _mm256_and_si256(packed, low_nibbles);
+      high[t] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+    }
+    for (int g = 0; g < G; g++) {
+      const XQ8_1& xb = x[g * nb + b];
+      int32_t xq[8];
+      std::memcpy(xq, xb.qs, 32);
+      // |Σ of 8 maddubs| ≤ 8·2·15·127 = 30480: the int16 lanes do not overflow
+      __m256i sum16 = _mm256_maddubs_epi16(low[0], _mm256_set1_epi32(xq[0]));
+      for (int t = 1; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(low[t], _mm256_set1_epi32(xq[t])));
+      for (int t = 0; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(high[t], _mm256_set1_epi32(xq[4 + t])));
+      const __m256 sumi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));  // [8 rows]
+      acc[g] = _mm256_fmadd_ps(sumi, _mm256_mul_ps(d, _mm256_set1_ps(xb.d)), acc[g]);
+      acc[g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb.s), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; g++) _mm256_storeu_ps(y + g * y_stride, acc[g]);
+}
+#endif
+
+// y[m·y_stride + r] for the M rows of x against the 8 rows of one span, G rows of x at a time.
+template <bool HasMin>
+void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, float* y, int64_t y_stride, Path path) {
+  for (int64_t m = 0; m < M; m += GROUP) {
+    const int64_t g = std::min(GROUP, M - m);
+#ifdef RUNNER_GGUF_AVX2
+    if (path == AVX2) {
+      with_group(g, [&](auto group) {
+        dot_span_avx2<decltype(group)::value, HasMin>(span, x + m * nb, nb, y + m * y_stride, y_stride);
+      });
+      continue;
+    }
+#endif
+    dot_span_scalar<HasMin>(span, x + m * nb, g, nb, y + m * y_stride, y_stride);
+  }
+}
+
+// Several weights against the same x, their spans shared out between the threads as one run (one parallel region).
+template <bool HasMin>
+void rows_spans(const std::vector<Interleaved>& weights, const XQ8_1* x, int64_t M, int64_t nb, Path path) {
+  const int64_t span_bytes = nb * group_block_bytes<HasMin>;
+  std::vector<int64_t> first_span{0};  // weights[i]'s spans are first_span[i] .. first_span[i + 1]
+  for (const Interleaved& w : weights) first_span.push_back(first_span.back() + w.N / ROWS);
+  at::parallel_for(0, first_span.back(), 2, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(first_span.begin(), first_span.end(), begin) - first_span.begin() - 1;
+    for (int64_t s = begin; s < end; s++) {
+      while (s >= first_span[i + 1]) i++;
+      const Interleaved& w = weights[i];
+      const int64_t local = s - first_span[i];
+      rows_of_span<HasMin>(w.blocks + local * span_bytes, x, M, nb, w.y + local * ROWS, w.N, path);
+    }
+  });
+}
+
+}  // namespace
+
+void rows_interleaved(const std::vector<Interleaved>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
+                      Path path) {
+  if (type == Q4_1) return rows_spans<true>(weights, x, M, nb, path);
+  rows_spans<false>(weights, x, M, nb, path);
+}
+
+void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out) {
+  const int64_t nb = row_bytes / (type == Q4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+  at::parallel_for(0, N / ROWS, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; s++) {
+      const int64_t at_byte = s * ROWS * row_bytes;
+      if (type == Q4_1) interleave_span<true>(plain + at_byte, nb, out + at_byte);
+      else interleave_span<false>(plain + at_byte, nb, out + at_byte);
+    }
+  });
+}
+
+}  // namespace runner_gguf
