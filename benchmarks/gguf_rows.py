@@ -89,9 +89,9 @@ def main() -> None:
         del weights, floats
     for rows in args.rows:
         if "Q4_1" in args.types and "Q8_0" in args.types:
-            layers = {layout: LAYERS * sum(count * seconds[(*shape, rows, layout)] for shape, count in PER_LAYER.items())
-                      for layout in ("Q4_1", "Q4_1 x8")}
-            step, step_x8 = (layers[layout] + seconds[(49152, 576, rows, "Q8_0")] for layout in ("Q4_1", "Q4_1 x8"))
+            head = seconds[(49152, 576, rows, "Q8_0")]
+            step, step_x8 = (head + LAYERS * sum(count * seconds[(*shape, rows, layout)] for shape, count
+                                                 in PER_LAYER.items()) for layout in ("Q4_1", "Q4_1 x8"))
             f32 = LAYERS * sum(count * seconds[(*shape, rows, "linear_rows f32")] for shape, count in PER_LAYER.items())
             f32 += seconds[(49152, 576, rows, "linear_rows f32")]
             print(f"\nSmolLM2-135M step's products, M={rows}: Q4_1 layers + Q8_0 head {step * 1e3:.2f} ms "
