@@ -1,7 +1,7 @@
 // GGUF's quantized block formats as llama.cpp stores them (ggml-common.h), the activation blocks x is quantized to
-// before the integer dot products (q8_0, q8_1, q8_K; ggml-quants.c's quantize_row_q8_*), and what gguf_rows.cpp and
-// gguf_kquants.cpp share: the half → float conversion, the row loop that splits weight rows between threads, and
-// the K-quant entry points. The block layouts are byte arrays (alignment 1): a row of blocks may start anywhere.
+// before the integer dot products (q8_0, q8_1, q8_K; ggml-quants.c's quantize_row_q8_*), and what gguf_rows.cpp,
+// gguf_kquants.cpp and gguf_interleaved.cpp share: the half → float conversion, the row loop that splits weight rows
+// between threads, and the K-quant and interleaved entry points. The block layouts are byte arrays (alignment 1): a row of blocks may start anywhere.
 //
 // Activation scales are float32 (llama.cpp stores them as fp16): one rounding fewer, and nothing reads them but
 // these kernels. Everything else (what is summed in integers, what in floats) is llama.cpp's arithmetic.
