@@ -62,18 +62,18 @@ def main() -> None:
         copies = max(1, -(-args.streamed_mb * 2**20 // smallest))
         weights = {name: random_blocks(gguf_rows.GGML_TYPES[name], copies * n, k, generator) for name in types}
         floats = torch.randn(copies * n, k)
-        bytes_read = {**{name: w.numel() // copies for name, w in weights.items()}, "linear_rows f32": n * k * 4,
-                      "aten mm f32": n * k * 4}
+        interleaved = {name: torch.ops.runner.gguf_interleave(weights[name], gguf_rows.GGML_TYPES[name])
+                       for name in types if gguf_rows.interleavable(gguf_rows.GGML_TYPES[name], n)}
+        bytes_read = {name: w.numel() // copies for name, w in weights.items()}
+        bytes_read |= {f"{name} x8": bytes_read[name] for name in interleaved}  # the same bytes, reordered
+        bytes_read |= {"linear_rows f32": n * k * 4, "aten mm f32": n * k * 4}
         for rows in args.rows:
             x = torch.randn(rows, k)
             variants = {name: _cycle(copies, n, lambda w, name=name: torch.ops.runner.gguf_rows(
                 x, w, gguf_rows.GGML_TYPES[name]), weights[name]) for name in types}
-            for name in [name for name in types if gguf_rows.interleavable(gguf_rows.GGML_TYPES[name], n)]:
-                number = gguf_rows.GGML_TYPES[name]
-                interleaved = torch.ops.runner.gguf_interleave(weights[name], number)
-                variants[f"{name} x8"] = _cycle(copies, n, lambda w, number=number: torch.ops.runner.gguf_rows(
-                    x, w, number, 0, True), interleaved)
-                bytes_read[f"{name} x8"] = bytes_read[name]
+            for name, blocks in interleaved.items():
+                variants[f"{name} x8"] = _cycle(copies, n, lambda w, name=name: torch.ops.runner.gguf_rows(
+                    x, w, gguf_rows.GGML_TYPES[name], 0, True), blocks)
             variants["linear_rows f32"] = _cycle(copies, n, lambda w: torch.ops.runner.linear_rows(x, w.t(), None),
                                                  floats)
             variants["aten mm f32"] = _cycle(copies, n, lambda w: torch.nn.functional.linear(x, w), floats)
@@ -86,7 +86,7 @@ def main() -> None:
                 each = statistics.median(m[-1] for m in runs) / copies
                 seconds[(n, k, rows, name)] = each
                 print(f"{name:>16} {each * 1e6:>8.1f} {bytes_read[name] / each / 1e9:>6.1f} {base / each:>18.2f}")
-        del weights, floats
+        del weights, interleaved, floats
     for rows in args.rows:
         if "Q4_1" in args.types and "Q8_0" in args.types:
             head = seconds[(49152, 576, rows, "Q8_0")]

@@ -112,7 +112,7 @@ def _dequantize_fake(blocks, ggml_type):  # [R,K] float32
     return blocks.new_empty(blocks.shape[0], elements, dtype=torch.float32)
 
 
-INTERLEAVED_TYPES = (2, 3)  # Q4_0, Q4_1: the types gguf_interleave reorders
+INTERLEAVED_TYPES = (GGML_TYPES["Q4_0"], GGML_TYPES["Q4_1"])  # the types gguf_interleave reorders
 INTERLEAVED_ROWS = 8
 
 

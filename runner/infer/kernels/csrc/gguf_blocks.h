@@ -1,7 +1,8 @@
 // GGUF's quantized block formats as llama.cpp stores them (ggml-common.h), the activation blocks x is quantized to
 // before the integer dot products (q8_0, q8_1, q8_K; ggml-quants.c's quantize_row_q8_*), and what gguf_rows.cpp,
 // gguf_kquants.cpp and gguf_interleaved.cpp share: the half → float conversion, the row loop that splits weight rows
-// between threads, and the K-quant and interleaved entry points. The block layouts are byte arrays (alignment 1): a row of blocks may start anywhere.
+// between threads, and the K-quant and interleaved entry points. The block layouts are byte arrays (alignment 1): a
+// row of blocks may start anywhere.
 //
 // Activation scales are float32 (llama.cpp stores them as fp16): one rounding fewer, and nothing reads them but
 // these kernels. Everything else (what is summed in integers, what in floats) is llama.cpp's arithmetic.
@@ -72,7 +73,7 @@ inline float half_to_float(const uint8_t* bytes) {
 // n values of x → int8 with d = max|x| / 127 (0 for an all-zero block); returns d. With AVX2 (n a multiple of 32),
 // the same arithmetic 8 at a time: bit-equal to the loop below.
 inline float quantize_int8(const float* x, int64_t n, int8_t* q) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef RUNNER_GGUF_AVX2
   if (n % 32 == 0) {
     __m256 amax8 = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + i)));

@@ -336,23 +336,40 @@ void check_interleavable(const at::Tensor& blocks, int64_t type) {
               " rows are not a whole number of them");
 }
 
+// x float32 [M,K] with M ≥ 1 (`op` names the caller in the error), contiguous.
+at::Tensor checked_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) >= 1, op,
+              ": x must be float32 [M,K] with M ≥ 1, got ", x.scalar_type(), " ", x.sizes());
+  return x.contiguous();
+}
+
+// x [M,K] (checked) against interleaved weights of one type: x quantized once, one parallel region → y [M,N_i] each.
+std::vector<at::Tensor> interleaved_products(const at::Tensor& x, at::TensorList blocks, int64_t type, Path path) {
+  const Format format = format_of(type);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> ys;
+  std::vector<Interleaved> weights;
+  for (const at::Tensor& w : blocks) {
+    row_elements(w, format, K);
+    check_interleavable(w, type);
+    ys.push_back(at::empty({M, w.size(0)}, x.options()));
+    weights.push_back({w.data_ptr<uint8_t>(), w.size(0), ys.back().data_ptr<float>()});
+  }
+  rows_interleaved(weights, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, K / QK, path);
+  return ys;
+}
+
 at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t path_in,
                      bool interleaved) {
   const Format format = format_of(type);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
-              "gguf_rows: x must be float32 [M,K] with M ≥ 1, got ", x_in.scalar_type(), " ", x_in.sizes());
+  const at::Tensor x = checked_x(x_in, "gguf_rows");
   const Path path = chosen_path(path_in);
-  const at::Tensor x = x_in.contiguous();
+  if (interleaved) return interleaved_products(x, {blocks}, type, path)[0];
   const int64_t M = x.size(0), K = row_elements(blocks, format, x.size(1)), N = blocks.size(0);
   const int64_t nb = K / format.elements;
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  if (interleaved) {
-    check_interleavable(blocks, type);
-    rows_interleaved({{w, N, out}}, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path);
-    return y;
-  }
   switch (type) {
     case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
@@ -366,23 +383,8 @@ at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t t
 
 // gguf_rows(x, blocks[i], type, path, interleaved=True) for each i: x quantized once, one parallel region.
 std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x_in, at::TensorList blocks, int64_t type, int64_t path_in) {
-  const Format format = format_of(type);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(0) >= 1,
-              "gguf_rows_group: x must be float32 [M,K] with M ≥ 1, got ", x_in.scalar_type(), " ", x_in.sizes());
   TORCH_CHECK(!blocks.empty(), "gguf_rows_group: no weights");
-  const Path path = chosen_path(path_in);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<at::Tensor> ys;
-  std::vector<Interleaved> weights;
-  for (const at::Tensor& w : blocks) {
-    row_elements(w, format, K);
-    check_interleavable(w, type);
-    ys.push_back(at::empty({M, w.size(0)}, x.options()));
-    weights.push_back({w.data_ptr<uint8_t>(), w.size(0), ys.back().data_ptr<float>()});
-  }
-  rows_interleaved(weights, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, K / QK, path);
-  return ys;
+  return interleaved_products(checked_x(x_in, "gguf_rows_group"), blocks, type, chosen_path(path_in));
 }
 
 at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t type) {
