@@ -44,7 +44,7 @@ def real_prompts(n: int) -> list[str]:
     from pydoc_data.topics import topics
 
     texts = [t.split("\n\n")[1] for t in topics.values() if t.count("\n\n") > 2]
-    return [" ".join(texts[i * 7].split()[:24 + 4 * i]) for i in range(n)]
+    return [" ".join(texts[i * 7 % len(texts)].split()[:24 + 4 * i]) for i in range(n)]  # cycles past the manual's end
 
 
 class TickStreamer(BaseStreamer):
