@@ -15,8 +15,8 @@ and the block formats' table (`GGML_TYPES`, `BLOCK_ELEMS`, `BLOCK_BYTES`, `row_b
 Why: a decode step streams every weight once, so its speed is the rate at which weights are read; a GGUF model's
 4–8-bit blocks are 4–8× fewer bytes than float32, and llama.cpp decodes from them directly. These kernels do its
 arithmetic (x quantized once per call to q8_0 / q8_1 / q8_K, integer block dot products scaled by the block scales;
-activation scales float32), so a model loaded from GGUF decodes from its stored bytes. Q8_0 alone multiplies the
-float x (as its de-quantized model does: the same greedy tokens, where 8-bit activations flipped near ties).
+activation scales float32), so a model loaded from GGUF decodes from its stored bytes. Q8_0 alone quantizes x to
+16 bits (the de-quantized model's greedy tokens, where 8-bit activations flipped near ties).
 benchmarks/gguf_rows.py compares them with runner::linear_rows on the dequantized float32 weights.
 Built by runner.infer.kernels.native (once per machine); no compiler or a failed build → `load()` is False.
 Owns: loading the ops, their fake (tracing) implementations and the format table. Knows nothing of models or files.

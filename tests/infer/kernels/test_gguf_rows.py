@@ -53,17 +53,15 @@ def dequantized(blocks: np.ndarray, name: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name]).copy())
 
 
-FLOAT_X = {"Q8_0"}  # multiplied by the float x, not its 8-bit blocks (the de-quantized model's greedy tokens)
+X_LEVELS = {"Q8_0": 32767}  # x quantized to 16 bits (the de-quantized model's greedy tokens); the others: 127
 
 
-def error_bound(x: torch.Tensor, w: torch.Tensor, block: int | None) -> torch.Tensor:
-    """|y − x·wᵀ| allowed: each x is quantized per block of `block` to q·d with d = max|x|/127 (float32), so its error
-    is at most d/2 and a block adds at most (d/2)·Σ|w| over it; the sums are float32 (1e-5 of Σ|x·w|, over the
-    quantized x as well). block None: x is not quantized, float32 sums only."""
-    if block is None:
-        return 1e-5 * (x.double().abs() @ w.double().abs().t())
+def error_bound(x: torch.Tensor, w: torch.Tensor, block: int, levels: int = 127) -> torch.Tensor:
+    """|y − x·wᵀ| allowed: each x is quantized per block of `block` to q·d with d = max|x|/levels (float32), so its
+    error is at most d/2 and a block adds at most (d/2)·Σ|w| over it; the sums are float32 (1e-5 of Σ|x·w|, over the
+    quantized x as well)."""
     m, k = x.shape
-    d = x.double().abs().reshape(m, k // block, block).amax(-1) / 127
+    d = x.double().abs().reshape(m, k // block, block).amax(-1) / levels
     w_block = w.double().abs().reshape(w.shape[0], k // block, block).sum(-1)
     quantization = (d / 2) @ w_block.t()
     return quantization + 1e-5 * (x.double().abs() @ w.double().abs().t() + quantization)
@@ -79,8 +77,8 @@ def check_product(x: torch.Tensor, blocks: np.ndarray, name: str, path: int, int
     w = dequantized(blocks, name)
     want = x.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (x.shape[0], w.shape[0])
-    block = None if name in FLOAT_X else gguf_rows.BLOCK_ELEMS[number]
-    excess = (got.double() - want).abs() - error_bound(x, w, block)
+    bound = error_bound(x, w, gguf_rows.BLOCK_ELEMS[number], X_LEVELS.get(name, 127))
+    excess = (got.double() - want).abs() - bound
     assert (excess <= 0).all(), f"{name} path {path}: exceeds the bound by up to {excess.max().item():.3g}"
     return got
 

@@ -188,7 +188,7 @@ def test_smollm2_kept_at_4_bits_predicts_as_its_dequantized_model(smollm2_kept):
 
 @pytest.mark.slow
 def test_smollm2_written_in_q8_0_gives_its_dequantized_models_greedy_tokens(tmp_path):
-    """Q8_0 weights with 8-bit activations: the same greedy tokens as the de-quantized float32 model, 48 new tokens
+    """Q8_0 weights with 16-bit activations: the same greedy tokens as the de-quantized float32 model, 48 new tokens
     from each of four prompts of the evaluation text."""
     import copy
 

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "prefetch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RUNNER_GGUF_AVX2 1
@@ -24,6 +26,8 @@
 #endif
 
 namespace runner_gguf {
+
+using runner_prefetch::prefetch_ahead;
 
 // ggml_type values (ggml.h) of the formats these kernels read.
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -45,6 +49,7 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
 struct XQ8_0 { float d; int8_t qs[32]; };
 struct XQ8_1 { float d; float s; int8_t qs[32]; };              // s = d·Σq (Q4_1's m multiplies it)
 struct XQ8_K { float d; int8_t qs[256]; int16_t bsums[16]; };   // bsums: Σq of each 16 (the K-quants' mins)
+struct XQ16_0 { float d; int16_t qs[32]; };                       // Q8_0's x: 16 bits, d = max|x| / 32767
 
 inline float half_to_float(const uint8_t* bytes) {
   uint16_t h;
@@ -104,6 +109,17 @@ inline float quantize_int8(const float* x, int64_t n, int8_t* q) {
 
 inline void quantize_row(const float* x, int64_t k, XQ8_0* out) {
   for (int64_t b = 0; b < k / QK; b++) out[b].d = quantize_int8(x + b * QK, QK, out[b].qs);
+}
+// Q8_0's x at 16 bits a value: 256 times finer than llama.cpp's 8 (see gguf_rows.cpp's Q8_0 products).
+inline void quantize_row(const float* x, int64_t k, XQ16_0* out) {
+  for (int64_t b = 0; b < k / QK; b++, x += QK) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    out[b].d = d;
+    for (int j = 0; j < QK; j++)
+      out[b].qs[j] = static_cast<int16_t>(std::clamp(std::nearbyint(x[j] * id), -32767.0f, 32767.0f));
+  }
 }
 inline void quantize_row(const float* x, int64_t k, XQ8_1* out) {
   for (int64_t b = 0; b < k / QK; b++) {

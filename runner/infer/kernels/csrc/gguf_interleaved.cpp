@@ -70,6 +70,7 @@ void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, in
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* block = span + b * group_block_bytes<HasMin>;
+    prefetch_ahead(block, group_block_bytes<HasMin>);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));  // [8 rows]
     const __m256 offset = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
                                  : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));

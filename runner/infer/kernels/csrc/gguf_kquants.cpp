@@ -79,6 +79,7 @@ void dot_avx2(const BlockQ4_K* w, const XQ8_K* x, int64_t nb, float* y, int64_t 
   __m128 acc_m[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps(), acc_m[g] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_ahead(w + b, sizeof(*w));
     const float d = half_to_float(w[b].d), dmin = half_to_float(w[b].dmin);
     uint8_t sm[16];
     scales_and_mins(w[b].scales, sm);
@@ -122,6 +123,7 @@ void dot_avx2(const BlockQ6_K* w, const XQ8_K* x, int64_t nb, float* y, int64_t 
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_ahead(w + b, sizeof(*w));
     const float d = half_to_float(w[b].d);
     const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].scales));
     __m256i q[8], scale[8];  // element groups of 32 in order; each with its two scales (16 elements each) as int16

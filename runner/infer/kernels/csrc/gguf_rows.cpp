@@ -12,8 +12,7 @@
 // Why: a decode step streams every weight once, so its speed is the rate at which the weights are read; read as
 // 4–8-bit blocks they are 4–8× fewer bytes than float32, provided the arithmetic keeps up. It is llama.cpp's: each
 // row of x is quantized once per call (q8_0 for Q5_0; q8_1 with its block sum for Q4_0 and Q4_1; q8_K for the
-// K-quants; Q8_0 alone multiplies the float x, below), then each
-// block's dot product is summed in integers and scaled by the two blocks' scales, the sums of a row accumulated in
+// K-quants; Q8_0's x at 16 bits, below), then each block's dot product is summed in integers and scaled by the two blocks' scales, the sums of a row accumulated in
 // floats. Ported from llama.cpp (MIT): the AVX2 loops of ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1
 // and ggml_vec_dot_q5_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
 // mul_sum_i8_pairs_float (ggml/src/ggml-cpu/arch/x86/quants.c); the scalar dot products and dequantize_row_* of
@@ -123,6 +122,7 @@ void dot_avx2(const W* w, const XQ8_0* x, int64_t nb, float* y, int64_t y_stride
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_ahead(w + b, sizeof(W));
     const float dw = half_to_float(w[b].d);
     const SignedBlock block(unpack_avx2(w[b]));
     for (int g = 0; g < G; g++) {
@@ -144,6 +144,7 @@ void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride
   float mins[G] = {};
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_ahead(w + b, sizeof(W));
     const float dw = half_to_float(w[b].d), mw = offset_of(w[b], dw);
     const __m256i qw = bytes_from_nibbles_32(w[b].qs);
     for (int g = 0; g < G; g++) {
@@ -173,54 +174,57 @@ void rows_typed(const uint8_t* w, int64_t N, const XB* x, int64_t M, int64_t nb,
   });
 }
 
-// --- Q8_0 against float x: the de-quantized model's arithmetic (d·q is exact in float32), not llama.cpp's ---
+// --- Q8_0 against x at 16 bits: not llama.cpp's 8-bit x ---
 // Why: 8-bit activations move a Q8_0 model's logits by ~0.1 on SmolLM2, enough to flip near-tied greedy tokens;
-// multiplying the float x by the int8 codes keeps the de-quantized model's products up to float32 summation order.
+// 16-bit x (per block of 32, d = max|x|/32767) moves them 256 times less, and the integer products cost a third of
+// float ones (one vpmaddwd per 16 weights instead of converting every code to a float), so the step reads Q8_0 at
+// the memory's rate instead of being bound by conversions. A block's products sum exactly in int32; in AVX2 each
+// lane's sum of 4 (|Σ| ≤ 4·127·32767 < 2^24) is exact in float32 too.
 
-float dot_float_scalar(const BlockQ8_0* w, const float* x, int64_t nb) {
+float dot_q16_scalar(const BlockQ8_0* w, const XQ16_0* x, int64_t nb) {
   float sum = 0.0f;
-  for (int64_t b = 0; b < nb; b++, x += QK) {
-    float block = 0.0f;
-    for (int j = 0; j < QK; j++) block += static_cast<float>(w[b].qs[j]) * x[j];
-    sum += half_to_float(w[b].d) * block;
+  for (int64_t b = 0; b < nb; b++) {
+    int32_t block = 0;
+    for (int j = 0; j < QK; j++) block += static_cast<int32_t>(w[b].qs[j]) * x[b].qs[j];
+    sum += half_to_float(w[b].d) * x[b].d * static_cast<float>(block);
   }
   return sum;
 }
 
 #ifdef RUNNER_GGUF_AVX2
-// G rows of x (stride K) against one Q8_0 weight row: each block's 32 codes converted to floats once for G rows.
+// G rows of x against one Q8_0 weight row: each block's 32 codes widened to int16 once for G rows.
 template <int G>
-void dot_float_avx2(const BlockQ8_0* w, const float* x, int64_t K, int64_t nb, float* y, int64_t y_stride) {
+void dot_q16_avx2(const BlockQ8_0* w, const XQ16_0* x, int64_t nb, float* y, int64_t y_stride) {
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
-    __m256 q[4];
-    for (int i = 0; i < 4; i++)
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[b].qs + 8 * i))));
-    const __m256 d = _mm256_set1_ps(half_to_float(w[b].d));
+    prefetch_ahead(w + b, sizeof(BlockQ8_0));
+    const __m256i q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].qs)));
+    const __m256i q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].qs + 16)));
+    const float d = half_to_float(w[b].d);
     for (int g = 0; g < G; g++) {
-      const float* xb = x + g * K + b * QK;
-      __m256 sum = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-      for (int i = 1; i < 4; i++) sum = _mm256_fmadd_ps(q[i], _mm256_loadu_ps(xb + 8 * i), sum);
-      acc[g] = _mm256_fmadd_ps(d, sum, acc[g]);
+      const XQ16_0& xb = x[g * nb + b];
+      const __m256i sums = _mm256_add_epi32(
+          _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs))),
+          _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs + 16))));
+      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), _mm256_cvtepi32_ps(sums), acc[g]);
     }
   }
   for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]);
 }
 #endif
 
-void rows_q8_0_float(const uint8_t* w, int64_t N, const float* x, int64_t M, int64_t K, float* y, Path path) {
-  const int64_t nb = K / QK;
+void rows_q8_0(const uint8_t* w, int64_t N, const XQ16_0* x, int64_t M, int64_t nb, float* y, Path path) {
   const auto row = [w, nb](int64_t n) { return reinterpret_cast<const BlockQ8_0*>(w) + n * nb; };
 #ifdef RUNNER_GGUF_AVX2
   if (path == AVX2) {
     return each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-      with_group(g, [&](auto group) { dot_float_avx2<decltype(group)::value>(row(n), x + m * K, K, nb, y + m * N + n, N); });
+      with_group(g, [&](auto group) { dot_q16_avx2<decltype(group)::value>(row(n), x + m * nb, nb, y + m * N + n, N); });
     });
   }
 #endif
   each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_float_scalar(row(n), x + i * K, nb);
+    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_q16_scalar(row(n), x + i * nb, nb);
   });
 }
 
@@ -374,7 +378,7 @@ at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t t
     case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q5_0: rows_typed<BlockQ5_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
-    case Q8_0: rows_q8_0_float(w, N, x.data_ptr<float>(), M, K, out, path); break;
+    case Q8_0: rows_q8_0(w, N, quantized_rows<XQ16_0>(x, M, K, QK).data(), M, nb, out, path); break;
     case Q4_K: rows_q4_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
     default: rows_q6_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
   }

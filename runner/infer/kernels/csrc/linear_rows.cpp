@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "prefetch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RUNNER_AVX2 1
@@ -79,7 +81,10 @@ inline void block(const T* w, const float* x, const T* bias, T* y, int64_t K, in
     for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < whole; k += STEP) {
     __m256 a[R], b[R];
-    for (int r = 0; r < R; r++) load16(w + r * K + k, a[r], b[r]);
+    for (int r = 0; r < R; r++) {
+      runner_prefetch::prefetch_ahead(w + r * K + k, STEP * sizeof(T));
+      load16(w + r * K + k, a[r], b[r]);
+    }
     for (int m = 0; m < M; m++) {
       const __m256 xa = _mm256_loadu_ps(x + m * K + k), xb = _mm256_loadu_ps(x + m * K + k + 8);
       for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(b[r], xb, _mm256_fmadd_ps(a[r], xa, acc[m][r]));
