@@ -21,6 +21,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RUNNER_GGUF_AVX2 1
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define RUNNER_GGUF_VNNI 1  // the AVX2 path's byte products in one instruction (vpdpbusd) where the CPU has it
+#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -178,6 +181,17 @@ struct Interleaved { const uint8_t* blocks; int64_t N; float* y; };
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out);
 void rows_interleaved(const std::vector<Interleaved>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path);
+
+#ifdef RUNNER_GGUF_VNNI
+// acc + the sums of 4 products of unsigned bytes u8 and signed bytes s8 in each int32 lane (exact).
+inline __m256i dot_bytes(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+#endif
 
 #ifdef RUNNER_GGUF_AVX2
 inline float hsum(__m256 v) {

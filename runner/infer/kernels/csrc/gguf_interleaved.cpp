@@ -65,7 +65,8 @@ void dot_span_scalar(const uint8_t* span, const XQ8_1* x, int64_t G, int64_t nb,
 #ifdef RUNNER_GGUF_AVX2
 template <int G, bool HasMin>
 void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
@@ -84,11 +85,21 @@ void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, in
       const XQ8_1& xb = x[g * nb + b];
       int32_t xq[8];
       std::memcpy(xq, xb.qs, 32);
+#ifdef RUNNER_GGUF_VNNI
+      // vpdpbusd: 4 byte products summed into each row's int32 lane; two chains, the same integers as below
+      __m256i sum_low = _mm256_setzero_si256(), sum_high = _mm256_setzero_si256();
+      for (int t = 0; t < 4; t++) {
+        sum_low = dot_bytes(sum_low, low[t], _mm256_set1_epi32(xq[t]));
+        sum_high = dot_bytes(sum_high, high[t], _mm256_set1_epi32(xq[4 + t]));
+      }
+      const __m256 sumi = _mm256_cvtepi32_ps(_mm256_add_epi32(sum_low, sum_high));  // [8 rows]
+#else
       // |Σ of 8 maddubs| ≤ 8·2·15·127 = 30480: the int16 lanes do not overflow
       __m256i sum16 = _mm256_maddubs_epi16(low[0], _mm256_set1_epi32(xq[0]));
       for (int t = 1; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(low[t], _mm256_set1_epi32(xq[t])));
       for (int t = 0; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(high[t], _mm256_set1_epi32(xq[4 + t])));
       const __m256 sumi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));  // [8 rows]
+#endif
       acc[g] = _mm256_fmadd_ps(sumi, _mm256_mul_ps(d, _mm256_set1_ps(xb.d)), acc[g]);
       acc[g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb.s), acc[g]);
     }

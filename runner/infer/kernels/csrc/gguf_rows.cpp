@@ -97,8 +97,12 @@ inline __m256i bytes_from_bits_32(const uint8_t* bits) {
 
 // Σ of 32 products of unsigned × signed bytes, as 8 floats (pairs in int16: no overflow for |w| ≤ 128, |x| ≤ 127).
 inline __m256 mul_sum_us8_pairs_float(__m256i unsigned_w, __m256i signed_x) {
+#ifdef RUNNER_GGUF_VNNI
+  return _mm256_cvtepi32_ps(dot_bytes(_mm256_setzero_si256(), unsigned_w, signed_x));
+#else
   const __m256i pairs = _mm256_maddubs_epi16(unsigned_w, signed_x);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs));
+#endif
 }
 
 // The signed weights' bytes as maddubs takes them: |w|, and x given w's sign (once per weight block).
