@@ -64,18 +64,13 @@ def _dequantized(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 class GGUFLinear(torch.nn.Module):
     """y = x·Wᵀ (+ bias) with W a GGUF tensor as stored: `weight` uint8 [N, row bytes] of one ggml type (a frozen
     Parameter, so the model's parameters and measured bytes hold it). Computes in float32; y in x's dtype.
-    `interleave`: where the kernels read the type 8 rows at a time (Q4_0, Q4_1), reorder the bytes so (the same
-    bytes; not for a weight the embedding also reads by row)."""
+    `interleaved`: the weight's bytes are in the kernels' 8-row spans (`interleaved_blocks`)."""
 
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, in_features: int,
-                 bias: torch.nn.Parameter | None = None, interleave: bool = False):
+                 bias: torch.nn.Parameter | None = None, interleaved: bool = False):
         super().__init__()
         self.kernels = gguf_rows.load()  # loaded here, never while a compiled step is traced (a graph break)
-        self.interleaved = interleave and self.kernels and gguf_rows.interleavable(ggml_type, weight.shape[0])
-        if self.interleaved:
-            weight = torch.nn.Parameter(torch.ops.runner.gguf_interleave(weight.detach(), ggml_type),
-                                        requires_grad=False)
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.interleaved = weight, bias, interleaved
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [...,K] → [...,N]
@@ -91,20 +86,47 @@ class GGUFLinear(torch.nn.Module):
 
 
 class GGUFEmbedding(torch.nn.Module):
-    """An input embedding read from a GGUF tensor as stored: gather the ids' rows of blocks, de-quantize them."""
+    """An input embedding read from a GGUF tensor as stored: gather the ids' rows of blocks, de-quantize them.
+    `interleaved`: the blocks are in the kernels' 8-row spans (a tied head reads them so): an id's row is gathered
+    from its span through `span_positions`."""
 
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, embedding_dim: int, dtype: torch.dtype,
-                 embed_scale: torch.Tensor | float | None = None):
+                 embed_scale: torch.Tensor | float | None = None, interleaved: bool = False):
         super().__init__()
         self.weight, self.ggml_type, self.embedding_dim, self.dtype = weight, ggml_type, embedding_dim, dtype
         self.num_embeddings = weight.shape[0]
         self.kernels = gguf_rows.load()
         self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
+        self.interleaved = interleaved
+        if interleaved:
+            self.register_buffer("positions", span_positions(ggml_type, weight.shape[1]), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
-        rows = _rows(self.weight[ids.reshape(-1)], self.ggml_type, self.kernels).to(self.dtype)  # [B·T,D]
+        flat = ids.reshape(-1)  # [R]
+        if self.interleaved:
+            spans = self.weight.view(-1, SPAN_ROWS * self.weight.shape[1])[flat // SPAN_ROWS]  # [R, 8·row bytes]
+            blocks = spans.gather(1, self.positions[flat % SPAN_ROWS])  # [R, row bytes], as the file stores them
+        else:
+            blocks = self.weight[flat]
+        rows = _rows(blocks, self.ggml_type, self.kernels).to(self.dtype)  # [R,D]
         rows = rows.reshape(*ids.shape, self.embedding_dim)
         return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+SPAN_ROWS = 8  # rows a span of the kernels' interleaved layout holds
+
+
+def span_positions(ggml_type: int, row_bytes: int) -> torch.Tensor:
+    """[8, row bytes] long: where byte j of a span's plain row r lands once interleaved. Read from the op itself
+    (it only moves bytes within a span): the bytes' own indices, low and high byte apart, are interleaved and
+    say where each one went."""
+    index = torch.arange(SPAN_ROWS * row_bytes)
+    moved = [torch.ops.runner.gguf_interleave(((index >> shift) & 0xFF).to(torch.uint8).reshape(SPAN_ROWS, -1),
+                                              ggml_type).reshape(-1).long() for shift in (0, 8)]
+    source = moved[0] | (moved[1] << 8)  # interleaved byte p is plain byte source[p]
+    positions = torch.empty_like(source)
+    positions[source] = index
+    return positions.reshape(SPAN_ROWS, row_bytes)
 
 
 # --- the swap -------------------------------------------------------------------------------------------------------
@@ -136,17 +158,20 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
             continue
         weight = shared.get(tensor.name)
         if weight is None:
-            blocks = _hf_rows(tensor_blocks(path, tensor), tensor.name, processor)
-            _check(blocks, ggml_type, module.weight, f"{path.name}: {tensor.name} → {name}")
-            weight = shared[tensor.name] = torch.nn.Parameter(torch.from_numpy(blocks), requires_grad=False)
+            blocks = torch.from_numpy(_hf_rows(tensor_blocks(path, tensor), tensor.name, processor))
+            _check(blocks.numpy(), ggml_type, module.weight, f"{path.name}: {tensor.name} → {name}")
+            if interleaved(ggml_type, blocks.shape[0]):  # the kernels read it 8 rows at a time: the same bytes
+                blocks = torch.ops.runner.gguf_interleave(blocks, ggml_type)
+            weight = shared[tensor.name] = torch.nn.Parameter(blocks, requires_grad=False)
             kept[type_name] += 1
         if module is embedding:
             model.set_input_embeddings(GGUFEmbedding(weight, ggml_type, module.weight.shape[1], module.weight.dtype,
-                                                     getattr(module, "embed_scale", None)))
+                                                     getattr(module, "embed_scale", None),
+                                                     interleaved(ggml_type, weight.shape[0])))
         else:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, GGUFLinear(weight, ggml_type, module.in_features, module.bias,
-                                                                   interleave=source != embedding_name))
+                                                                   interleaved(ggml_type, weight.shape[0])))
     if left:
         log.warning("%s: tensors of types the kernels do not read stay float: %s", path.name,
                     ", ".join(f"{n}×{t}" for t, n in sorted(left.items())))
@@ -155,6 +180,12 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
                          f"({', '.join(TYPE_NAMES.values())}); use quantization: none")
     log.info("%s kept as stored: %s", path.name, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))
     return dict(kept)
+
+
+def interleaved(ggml_type: int, rows: int) -> bool:
+    """Whether a kept tensor is stored in the kernels' 8-row spans: where they read its type so (Q4_0, Q4_1), for a
+    Linear, an embedding and a tied head alike."""
+    return gguf_rows.load() and gguf_rows.interleavable(ggml_type, rows)
 
 
 def _gguf_names(model) -> dict[str, str]:

@@ -80,10 +80,9 @@ def test_kept_tensors_are_the_files_bytes_and_give_the_float_models_logits(tmp_p
     assert kept == {weight_type: 2 * 7 + 1 + (0 if tied else 1)}  # 7 matrices a layer, the embedding, a head
     head = model.get_output_embeddings()
     assert isinstance(head, GGUFLinear) and (head.weight is model.get_input_embeddings().weight) == tied
-    for module in model.modules():  # the kernels' 8-row layout where they have one, never for the embedding's rows
-        if isinstance(module, GGUFLinear):
-            shared = module.weight is model.get_input_embeddings().weight
-            assert module.interleaved == (not shared and gguf_rows.interleavable(module.ggml_type, module.out_features))
+    for module in model.modules():  # the kernels' 8-row layout wherever they have one, a tied head's blocks too
+        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+            assert module.interleaved == gguf_rows.interleavable(module.ggml_type, module.weight.shape[0])
     assert any(m.interleaved for m in model.modules() if isinstance(m, GGUFLinear)) == (weight_type in ("Q4_0", "Q4_1"))
     assert weight_bytes(model) == gguf_weight_bytes(path)  # the norms are f32 in both
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
@@ -147,6 +146,22 @@ def test_the_compiled_engine_gives_the_eager_greedy_tokens_on_kept_blocks(tmp_pa
     assert torch.equal(tokens["compiled"], tokens["eager"])
     assert compiled.engine_for(model).stats.recompiles == 0
     assert torch._dynamo.utils.counters["graph_break"] == breaks
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1"])
+def test_an_interleaved_embedding_gives_the_rows_of_the_plain_one(weight_type):
+    """An embedding whose blocks a tied head reads 8 rows at a time gathers each id's row from its span: the same
+    floats as the embedding over the file's plain rows, for ids in every position of a span."""
+    number = gguf_rows.GGML_TYPES[weight_type]
+    weights = np.random.default_rng(3).standard_normal((24, 64)).astype(np.float32)
+    plain = torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType[weight_type]))
+    spans = torch.ops.runner.gguf_interleave(plain, number)
+    assert not torch.equal(spans, plain)
+    ids = torch.tensor([[0, 7, 8, 13], [23, 16, 5, 5]])
+    want = GGUFEmbedding(torch.nn.Parameter(plain, requires_grad=False), number, 64, torch.float32)(ids)
+    got = GGUFEmbedding(torch.nn.Parameter(spans, requires_grad=False), number, 64, torch.float32,
+                        interleaved=True)(ids)
+    assert torch.equal(got, want) and torch.equal(want[0, 0], torch.ops.runner.gguf_dequantize(plain[:1], number)[0])
 
 
 # --- the zoo's files (slow: downloads once) -------------------------------------------------------------------------

@@ -122,7 +122,10 @@ inline void block_dp(const c10::BFloat16* w, const c10::BFloat16* x, const c10::
     for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < whole; k += 32) {
     __m512bh ws[R];
-    for (int r = 0; r < R; r++) ws[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+    for (int r = 0; r < R; r++) {
+      runner_prefetch::prefetch_ahead(w + r * K + k, 64);
+      ws[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+    }
     for (int m = 0; m < M; m++) {
       const __m512bh xs = (__m512bh)_mm512_loadu_si512(x + m * K + k);
       for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], ws[r], xs);
