@@ -90,6 +90,8 @@ class GGUFEmbedding(torch.nn.Module):
     `interleaved`: the blocks are in the kernels' 8-row spans (a tied head reads them so): an id's row is gathered
     from its span through `span_positions`."""
 
+    positions: torch.Tensor | None  # [8, row bytes] where interleaved
+
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, embedding_dim: int, dtype: torch.dtype,
                  embed_scale: torch.Tensor | float | None = None, interleaved: bool = False):
         super().__init__()
@@ -98,12 +100,12 @@ class GGUFEmbedding(torch.nn.Module):
         self.kernels = gguf_rows.load()
         self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
         self.interleaved = interleaved
-        if interleaved:
-            self.register_buffer("positions", span_positions(ggml_type, weight.shape[1]), persistent=False)
+        self.register_buffer("positions", span_positions(ggml_type, weight.shape[1]) if interleaved else None,
+                             persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
         flat = ids.reshape(-1)  # [R]
-        if self.interleaved:
+        if self.positions is not None:
             spans = self.weight.view(-1, SPAN_ROWS * self.weight.shape[1])[flat // SPAN_ROWS]  # [R, 8·row bytes]
             blocks = spans.gather(1, self.positions[flat % SPAN_ROWS])  # [R, row bytes], as the file stores them
         else:
