@@ -64,7 +64,7 @@ def _dequantized(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 class GGUFLinear(torch.nn.Module):
     """y = x·Wᵀ (+ bias) with W a GGUF tensor as stored: `weight` uint8 [N, row bytes] of one ggml type (a frozen
     Parameter, so the model's parameters and measured bytes hold it). Computes in float32; y in x's dtype.
-    `interleaved`: the weight's bytes are in the kernels' 8-row spans (`interleaved_blocks`)."""
+    `interleaved`: the weight's bytes are in the kernels' 8-row spans (see `interleaved`)."""
 
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, in_features: int,
                  bias: torch.nn.Parameter | None = None, interleaved: bool = False):
