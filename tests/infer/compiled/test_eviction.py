@@ -67,9 +67,12 @@ def test_the_static_cache_holds_the_eager_layers_kept_tokens_in_its_first_column
             for name in ours.TENSORS:
                 stored, expected = getattr(ours, name)[:3, :, :k], getattr(theirs, name)
                 assert torch.equal(stored, expected), name
-        else:
-            for name in ("keys", "values"):
-                assert torch.equal(getattr(ours, name)[:3, :, :k], getattr(theirs, name).to(ours.storage)), name
+        else:  # within one step of the storage dtype: the two paths' float32 projections (GEMMs of other shapes)
+            for name in ("keys", "values"):  # round apart in the last bit on some CPUs (AVX-512); a wrong token is far
+                stored, expected = getattr(ours, name)[:3, :, :k], getattr(theirs, name).to(ours.storage)
+                step = torch.finfo(ours.storage).eps
+                torch.testing.assert_close(stored, expected, rtol=step, atol=step * torch.finfo(ours.storage).tiny,
+                                           msg=name)
     rows = enc.attention_mask.sum(-1)
     assert torch.equal(gen.state.mask.sum(-1), torch.minimum(rows, torch.tensor(k)))  # each row's real tokens
 
