@@ -106,8 +106,9 @@ class GGUFEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
         flat = ids.reshape(-1)  # [R]
         if self.positions is not None:
-            spans = self.weight.view(-1, SPAN_ROWS * self.weight.shape[1])[flat // SPAN_ROWS]  # [R, 8·row bytes]
-            blocks = spans.gather(1, self.positions[flat % SPAN_ROWS])  # [R, row bytes], as the file stores them
+            span = gguf_rows.INTERLEAVED_ROWS
+            spans = self.weight.view(-1, span * self.weight.shape[1])[flat // span]  # [R, 8·row bytes]
+            blocks = spans.gather(1, self.positions[flat % span])  # [R, row bytes], as the file stores them
         else:
             blocks = self.weight[flat]
         rows = _rows(blocks, self.ggml_type, self.kernels).to(self.dtype)  # [R,D]
@@ -115,20 +116,18 @@ class GGUFEmbedding(torch.nn.Module):
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 
-SPAN_ROWS = 8  # rows a span of the kernels' interleaved layout holds
-
-
 def span_positions(ggml_type: int, row_bytes: int) -> torch.Tensor:
     """[8, row bytes] long: where byte j of a span's plain row r lands once interleaved. Read from the op itself
     (it only moves bytes within a span): the bytes' own indices, low and high byte apart, are interleaved and
     say where each one went."""
-    index = torch.arange(SPAN_ROWS * row_bytes)
-    moved = [torch.ops.runner.gguf_interleave(((index >> shift) & 0xFF).to(torch.uint8).reshape(SPAN_ROWS, -1),
+    span = gguf_rows.INTERLEAVED_ROWS
+    index = torch.arange(span * row_bytes)
+    moved = [torch.ops.runner.gguf_interleave(((index >> shift) & 0xFF).to(torch.uint8).reshape(span, -1),
                                               ggml_type).reshape(-1).long() for shift in (0, 8)]
     source = moved[0] | (moved[1] << 8)  # interleaved byte p is plain byte source[p]
     positions = torch.empty_like(source)
     positions[source] = index
-    return positions.reshape(SPAN_ROWS, row_bytes)
+    return positions.reshape(span, row_bytes)
 
 
 # --- the swap -------------------------------------------------------------------------------------------------------
@@ -159,21 +158,21 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
             left[type_name] += 1
             continue
         weight = shared.get(tensor.name)
+        in_spans = interleaved(ggml_type, module.weight.shape[0])  # its rows: the file's (_check), the shared one's
         if weight is None:
             blocks = torch.from_numpy(_hf_rows(tensor_blocks(path, tensor), tensor.name, processor))
             _check(blocks.numpy(), ggml_type, module.weight, f"{path.name}: {tensor.name} → {name}")
-            if interleaved(ggml_type, blocks.shape[0]):  # the kernels read it 8 rows at a time: the same bytes
+            if in_spans:  # the kernels read it 8 rows at a time: the same bytes
                 blocks = torch.ops.runner.gguf_interleave(blocks, ggml_type)
             weight = shared[tensor.name] = torch.nn.Parameter(blocks, requires_grad=False)
             kept[type_name] += 1
         if module is embedding:
             model.set_input_embeddings(GGUFEmbedding(weight, ggml_type, module.weight.shape[1], module.weight.dtype,
-                                                     getattr(module, "embed_scale", None),
-                                                     interleaved(ggml_type, weight.shape[0])))
+                                                     getattr(module, "embed_scale", None), in_spans))
         else:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, GGUFLinear(weight, ggml_type, module.in_features, module.bias,
-                                                                   interleaved(ggml_type, weight.shape[0])))
+                                                                   in_spans))
     if left:
         log.warning("%s: tensors of types the kernels do not read stay float: %s", path.name,
                     ", ".join(f"{n}×{t}" for t, n in sorted(left.items())))
