@@ -78,10 +78,11 @@ def step_costs(model, batch: int, steps: int, repeats: int, prompt_len: int, kin
 
     def plain(tick):
         ids = torch.randint(3, vocab - 3, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(model.device)
         state = DecodeState(make_cache(kind, model))
         with torch.inference_mode():
             logits, _ = state.prefill(model, ids, torch.ones_like(ids))
-            live = torch.ones(batch, dtype=torch.long)
+            live = torch.ones(batch, dtype=torch.long, device=model.device)
             tick()
             for _ in range(steps):
                 logits = state.feed(model, logits.argmax(-1), live)
