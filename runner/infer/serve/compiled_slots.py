@@ -5,10 +5,12 @@ a slot. All rows decode at one shared column pointer c: the one compiled step (k
 every row's new token at column c, each row with its own position (its tokens so far) and its own [S] mask, so its
 attention and RoPE are those of a solo decode. A running request holds columns [c − held, c) of its row,
 right-aligned to c.
-    join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled alone, batch 1, through
-             a static cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored
-             format; they are copied into its row ending at column c. A row whose prefix does not fit left of c
-             moves every row right first (rebase).
+    join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled through a static
+             cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored format;
+             they are copied into its row ending at column c. Prompts admitted in the same step are prefilled
+             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on a GPU one forward of 8
+             prompts costs about what one does. A row whose prefix does not fit left of c moves every row right
+             first (rebase).
     rebase   when c reaches S, or a joining prompt is longer than c, or c ≥ 2·W + SLACK (W = the longest row: on
              CPU attention reads columns [0, c], so holes cost time): the columns [c − W, c) move (in place, the
              cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
@@ -22,9 +24,9 @@ most recently admitted, the same finish rules and sampling. Per request, greedy 
 up to float reductions over masked columns (near ties only): a row's stored K/V are a solo decode's (per-token kinds
 quantize each column alone, so where a column lies changes nothing).
 What it does not do: KIVI (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the step it
-is admitted in, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt), compiled prefill,
-prefix caching, requests longer than S (refused at submission), several length buckets (a longer S is another
-server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
+is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
+compiled prefill, prefix caching, requests longer than S (refused at submission), several length buckets (a longer
+S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import logging
 
 import torch
 
-from runner.infer.cache.static.cache import make_static_cache
+from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.kinds import compiled_serve_reason
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
 SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
+PREFILL_ROWS = 8  # most prompts prefilled in one forward; each power of two up to it has its own static cache
 
 
 class CompiledSlots(Scheduler):
@@ -70,7 +73,7 @@ class CompiledSlots(Scheduler):
         self._recompiles_at = after[2]
         self.key, self.cache = state.key, state.cache  # key: (kind, B, S)
         self.slots, self.columns = self.cache.batch, self.cache.length
-        self.prefill_cache = make_static_cache(config.cache_kind, model, 1, self.columns)
+        self.prefill_caches: dict[int, StaticKVCache] = {}  # rows → a static cache prompts are prefilled into
         with torch.inference_mode():  # an inference tensor, as the step was compiled for (else guards fail)
             self.mask = torch.zeros(self.slots, self.columns, dtype=torch.long, device=self.device)  # [B,S]
         self.pointer = 0  # c: the column every row writes next
@@ -116,19 +119,25 @@ class CompiledSlots(Scheduler):
 
     def _prefill(self, budget: int) -> None:
         """Whole prefills of the admitted rows, in admission order, while `budget` prompt tokens last (at least
-        one): each placed in its row; a first admission emits its first token."""
+        one), together in one forward (a power of two of them, at most PREFILL_ROWS; the rest wait for the next
+        step): each placed in its row; a first admission emits its first token."""
+        group: list[tuple[Live, list[int]]] = []
         for live in [x for x in self.running if x.request.id not in self.placed]:
-            if budget <= 0:
+            if budget <= 0 or len(group) == PREFILL_ROWS:
                 break
-            start = self.clock()
-            tokens = live.sequence[:live.target]
-            logits = self._place(live, tokens)  # [V]
-            budget -= len(tokens)
-            sample = not live.record.output_ids
-            token = self._choose([live], logits[None])[0] if sample else None  # syncs
-            self.forward_s += self.clock() - start
-            if token is not None:
-                self._emit(live, token, self.clock())
+            group.append((live, live.sequence[:live.target]))
+            budget -= len(group[-1][1])
+        if not group:
+            return
+        group = group[:1 << (len(group).bit_length() - 1)]  # a power of two: one cache per group size
+        start = self.clock()
+        logits = self._place(group)  # [k,V]
+        first = [i for i, (live, _) in enumerate(group) if not live.record.output_ids]
+        tokens = self._choose([group[i][0] for i in first], logits[first]) if first else []  # syncs
+        self.forward_s += self.clock() - start
+        now = self.clock()
+        for i, token in zip(first, tokens):
+            self._emit(group[i][0], token, now)
 
     def _decode(self, rows: list[Live]) -> None:
         """One compiled step: every placed row feeds its last output token at column c; free rows feed a masked pad
@@ -158,25 +167,33 @@ class CompiledSlots(Scheduler):
 
     # --- the static cache -----------------------------------------------------------------------------------------
 
-    def _place(self, live: Live, tokens: list[int]) -> torch.Tensor:
-        """Prefill `tokens` alone (batch 1, the kind's static layout, eager static forward) and copy their K/V into
-        the request's row, ending at column c → [V] logits of the last token."""
-        n = len(tokens)
+    def _place(self, group: list[tuple[Live, list[int]]]) -> torch.Tensor:
+        """Prefill each request's tokens (k of them left-padded to the longest, n; the kind's static layout, eager
+        static forward) and copy their K/V into the requests' rows, ending at column c → [k,V] logits of each
+        one's last token."""
+        k, n = len(group), max(len(tokens) for _, tokens in group)
         if n > self.pointer:
             self._rebase(max([n, *(x.held for x in self.running if x.request.id in self.placed)]))
-        key = (self.key[0], 1, self.columns)
-        state = StaticDecodeState(self.engine, key, self.prefill_cache, 1, step_lengths=())  # nothing compiled
-        ids = torch.tensor([tokens], device=self.device)  # [1,n]
-        logits, _ = state.prefill(self.model, ids, torch.ones_like(ids))  # [1,V]
-        row, c = self.slot_of[live.request.id], self.pointer
-        for into, source in zip(self.cache.static_layers, self.prefill_cache.static_layers):
-            for whole, part in zip(into.tensors(), source.tensors()):  # [B,H,S,...] ← [1,H,S,...]
-                whole[row, :, c - n:c] = part[0, :, :n]
-        self.mask[row] = 0
-        self.mask[row, c - n:c] = 1
-        live.held = n
-        self.placed.add(live.request.id)
-        return logits[0]
+        if k not in self.prefill_caches:
+            self.prefill_caches[k] = make_static_cache(self.config.cache_kind, self.model, k, self.columns)
+        cache = self.prefill_caches[k]
+        state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
+        ids = torch.zeros(k, n, dtype=torch.long)  # [k,n] left-padded
+        mask = torch.zeros_like(ids)
+        for i, (_, tokens) in enumerate(group):
+            ids[i, n - len(tokens):], mask[i, n - len(tokens):] = torch.tensor(tokens), 1
+        logits, _ = state.prefill(self.model, ids.to(self.device), mask.to(self.device))  # [k,V]; nothing compiled
+        c = self.pointer
+        for i, (live, tokens) in enumerate(group):
+            row, m = self.slot_of[live.request.id], len(tokens)
+            for into, source in zip(self.cache.static_layers, cache.static_layers):
+                for whole, part in zip(into.tensors(), source.tensors()):  # [B,H,S,...] ← [k,H,S,...]
+                    whole[row, :, c - m:c] = part[i, :, n - m:n]
+            self.mask[row] = 0
+            self.mask[row, c - m:c] = 1
+            live.held = m
+            self.placed.add(live.request.id)
+        return logits
 
     def _rebase(self, width: int) -> None:
         """Move the columns every placed row holds, [c − W, c) with W the longest row, to [width − W, width): the

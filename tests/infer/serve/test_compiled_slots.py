@@ -75,12 +75,13 @@ def test_greedy_equals_solo_decode_with_interleaved_arrivals_rebases_and_preempt
     assert all(r.finish in ("eos", "length") for r in records)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_the_compiled_generators_solo_decode_all_at_once(tiny_lm, static_engine, kind):
     requests = [Request(r.id, 0.0, r.prompt_ids, r.max_new_tokens) for r in _load(5, seed=3)]
     solo = [_solo(tiny_lm.model, r, kind, engine="compiled") for r in requests]
-    _, records = _run(tiny_lm.model, requests, static_engine, cache_kind=kind, max_running=8)
+    server, records = _run(tiny_lm.model, requests, static_engine, cache_kind=kind, max_running=8)
     assert [r.output_ids for r in records] == solo
+    assert sorted(server.prefill_caches) == [1, 4]  # four left-padded prompts in one forward, then the fifth
 
 
 def test_a_request_longer_than_a_row_is_an_error_and_kivi_is_refused_with_its_reason(tiny_lm, static_engine):
