@@ -37,15 +37,16 @@ def static_mask(mask2d: torch.Tensor, columns: torch.Tensor, eager_attention: bo
 
 
 def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
-                end: torch.Tensor, mask2d: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
+                end: torch.Tensor, mask2d: torch.Tensor, weights: dict | None = None, keep: int = 0) -> torch.Tensor:
     """[B,T] ids at [B,T] positions into `columns` [T] of the cache (those from `end`, 0-d, on are padding),
-    [B,S] real columns → [B,T,V] logits, with the model's own parameters or `weights` in their place. The function
-    the engine compiles (one graph per shape); other lengths run it eagerly."""
+    [B,S] real columns → [B,T,V] logits (of the last `keep` columns when keep > 0: an eager prefill needs only its
+    last, and the head is a fifth of a small model's work), with the model's own parameters or `weights` in their
+    place. The function the engine compiles (one graph per shape); other lengths run it eagerly."""
     cache.columns, cache.end = columns, end
     eager = model.config._attn_implementation == "eager"
     attention = static_mask(mask2d, columns, eager, model.dtype)
     inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                  use_cache=True, logits_to_keep=ids.shape[1], **{STATIC_CACHE: cache})
+                  use_cache=True, logits_to_keep=keep or ids.shape[1], **{STATIC_CACHE: cache})
     out = model(**inputs) if weights is None else torch.func.functional_call(model, weights, (), inputs)
     return out.logits
 
@@ -97,10 +98,10 @@ class StaticDecodeState:
         return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
 
     def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
-                 compiled: bool = True, real: int | None = None) -> torch.Tensor:
-        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits; compiled when T is a step
-        length, else the same static forward run eagerly. Only the first `real` columns (default all) count: the
-        rest are padding, masked, and the next write goes over them."""
+                 compiled: bool = True, real: int | None = None, last: bool = False) -> torch.Tensor:
+        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits (`last`: [b,1,V] when run
+        eagerly); compiled when T is a step length, else the same static forward run eagerly. Only the first `real`
+        columns (default all) count: the rest are padding, masked, and the next write goes over them."""
         t = ids.shape[1]
         real = t if real is None else real
         if self.column + t > self.cache.length:
@@ -115,7 +116,8 @@ class StaticDecodeState:
         else:
             set_writes(self.cache, model, t, True)
             with reduced_attention(model):
-                logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None)
+                logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None,
+                                     keep=1 if last else 0)
         self.column += real
         self.length += real
         return logits[:self.rows]
@@ -144,7 +146,8 @@ class StaticDecodeState:
             if self.cache.eviction is not None and ids[:, part].shape[1] > 1:
                 logits = self._evicting_forward(model, ids[:, part], positions[:, part], new_mask[:, part])
             else:
-                logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False)
+                logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False,
+                                       last=True)
         return logits[:, -1], None
 
     def _evicting_forward(self, model, ids: torch.Tensor, positions: torch.Tensor,
