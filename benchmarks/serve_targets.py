@@ -5,7 +5,8 @@
 
 Every load is runner.infer.serve's (build_load: exact-token prompts cut from the pydoc text, exact output lengths,
 seeded), every server is fed by `drive` on a `load_clock()` as `mode: serve` does, with the step's defaults
-(max batch 16, static max_wait_ms 20, block size 16, chunked prefill 256 tokens a step). Each system serves a small
+(max batch 16, static max_wait_ms 20, block size 16; chunked prefill --tokens-per-step, default 256, for ours
+and transformers alike). Each system serves a small
 warm-up load of its own first (excluded). Latencies are from each request's scheduled arrival (metrics.summarize).
 SLO: p90 TPOT ≤ 3× a solo decode's TPOT and p90 TTFT ≤ 3× a solo decode's TTFT of the longest prompt (both
 measured here first, medians of 3 after a warm-up); a point meets it only with nothing refused or failed.
@@ -69,8 +70,10 @@ SIZES = {  # full / --quick
 class Bench:
     """One model, its tokenizer and text, and the step's server settings."""
 
-    def __init__(self, lm, size: dict, max_batch: int, block_size: int, engine: str = "eager"):
+    def __init__(self, lm, size: dict, max_batch: int, block_size: int, engine: str = "eager",
+                 tokens_per_step: int = 256):
         self.lm, self.model, self.size, self.engine = lm, lm.model, size, engine
+        self.tokens_per_step = tokens_per_step  # ours: max_tokens_per_step; transformers': max_batch_tokens
         self.text = load_text("pydoc").text
         self.max_batch, self.block_size = max_batch, block_size
         self.columns = length_bucket(max(size["prompt"][1] + size["output"][1], sum(size["burst"][1:])),
@@ -87,16 +90,18 @@ class Bench:
 
     def server(self, system: str, kind: str | None = None, budget: int | None = None, max_running: int | None = None):
         if system == "continuous" and self.engine == "compiled" and budget is None:
-            config = SchedulerConfig(cache_kind=kind, block_size=self.block_size, max_running=self.max_batch)
+            config = SchedulerConfig(cache_kind=kind, block_size=self.block_size, max_running=self.max_batch,
+                                     max_tokens_per_step=self.tokens_per_step)
             return CompiledSlots(self.model, config, columns=self.columns)
         if system == "continuous":
             return Scheduler(self.model, SchedulerConfig(cache_kind=kind, block_size=self.block_size,
+                                                         max_tokens_per_step=self.tokens_per_step,
                                                          kv_budget_bytes=budget,
                                                          max_running=max_running or self.max_batch))
         if system == "static":
             return StaticBatcher(self.model, max_batch_size=self.max_batch, max_wait_ms=20.0)
         return TransformersServer(self.model, max_batch_size=self.max_batch, block_size=self.block_size,
-                                  num_blocks=4096)
+                                  num_blocks=4096, max_batch_tokens=self.tokens_per_step)
 
     def serve(self, server, load, timed: bool = False):
         """`load` (a Load or requests) on `server` on a fresh load clock → records; the server is closed after."""
@@ -218,6 +223,8 @@ def main() -> None:
                         help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock; "
                              "the budgeted runs of target 3 and the static baseline stay eager)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens-per-step", type=int, default=256,
+                        help="tokens one step (forward) may take, ours and transformers' alike (prefill chunks)")
     parser.add_argument("--targets", type=int, nargs="+", default=[1, 2, 3, 4], help="which targets to run")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; on a shared 2-core "
                         "machine 1 is several times faster than 2)")
@@ -231,7 +238,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     lm = (load_model(config=TINY, seed=0, device=args.device) if args.model == "tiny"
           else load_model(args.model, dtype=args.dtype, device=args.device))
-    b = Bench(lm, size, max_batch=16, block_size=16, engine=args.engine)
+    b = Bench(lm, size, max_batch=16, block_size=16, engine=args.engine,
+              tokens_per_step=args.tokens_per_step)
     started = time.perf_counter()
     print(f"model={args.model} dtype={args.dtype} engine={args.engine} device={args.device} "
           f"threads={torch.get_num_threads()} cores={os.cpu_count()} "
