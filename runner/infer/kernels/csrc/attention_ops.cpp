@@ -71,6 +71,12 @@ std::vector<Segment> segments_of(const c10::List<std::optional<at::Tensor>>& ten
   return segments;
 }
 
+// A 0-d integer tensor's value: read in place when it is a CPU int64 (item() is a trip through the dispatcher, and
+// a decode step makes two of these calls a layer).
+int64_t value_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kLong && t.device().is_cpu() ? *t.const_data_ptr<int64_t>() : t.item<int64_t>();
+}
+
 // queries [Q,B,H,G,D] float32 → [B,H,G,S] scaling·q·K over S = `columns` columns, each read from the segment
 // holding it; -inf for columns no segment holds and where `mask` ([B,S'] bool; its last S columns are these) is
 // False. `limit` (0-d) moves the segments' ends that say so.
@@ -90,7 +96,7 @@ at::Tensor cache_scores(const at::Tensor& queries, const c10::List<std::optional
   }
   runner_scores(segments.data(), static_cast<int64_t>(segments.size()), q.data_ptr<float>(),
                 mask ? static_cast<const uint8_t*>(rows.data_ptr()) : nullptr, mask ? rows.stride(0) : 0,
-                out.data_ptr<float>(), b, heads, groups, columns, limit.item<int64_t>(), static_cast<float>(scaling),
+                out.data_ptr<float>(), b, heads, groups, columns, value_of(limit), static_cast<float>(scaling),
                 at::get_num_threads());
   return out;
 }
@@ -104,7 +110,7 @@ at::Tensor cache_weighted(const at::Tensor& probs, const c10::List<std::optional
   const std::vector<Segment> segments = segments_of(tensors, layouts, heads, false, outputs);
   at::Tensor out = at::empty({outputs, b, heads, groups, layouts[1]}, p.options());
   runner_weighted(segments.data(), static_cast<int64_t>(segments.size()), outputs, p.data_ptr<float>(),
-                  out.data_ptr<float>(), b, heads, groups, columns, limit.item<int64_t>(), at::get_num_threads());
+                  out.data_ptr<float>(), b, heads, groups, columns, value_of(limit), at::get_num_threads());
   return out;
 }
 
