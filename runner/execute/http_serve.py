@@ -61,15 +61,16 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
     sock = bind(host, port)
     try:
         step, block = target.step, target.block
-        lm = load_model_block(model_source(step.model, target.base_dir), step.model_seed, target.base_dir)
+        weights = {"quantization": block.quantizations[0]} if block.quantizations else {}
+        lm = load_model_block(model_source(step.model, target.base_dir), step.model_seed, target.base_dir, **weights)
         max_seq_len = int(getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN)
         sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
         kind = block.cache_kinds[0] if block.cache_kinds else None
         config = scheduler_config(block, kind, sampling)
         engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
-        if len(block.cache_kinds or []) > 1 or len(block.engines) > 1:
-            log.warning("serving one setting: cache kind %s on engine %s (the first of the run's axes)",
-                        kind or "of the model's dtype", engine)
+        if len(block.cache_kinds or []) > 1 or len(block.engines) > 1 or len(block.quantizations or []) > 1:
+            log.warning("serving one setting: cache kind %s on engine %s, weights %s (the first of the run's axes)",
+                        kind or "of the model's dtype", engine, weights.get("quantization", "as the model block's"))
         try:
             scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, slot_columns(block, max_seq_len))
         except ValueError as exc:  # a kind the scheduler cannot serve

@@ -118,6 +118,9 @@ class Target(Strict):
             if run.bench is not None:
                 quantizations, dtypes = run.bench.quantizations or [], run.bench.dtypes or [self.model.dtype]
                 key, fix = ("bench", "quantizations"), "add bfloat16 to its dtypes (or set model.dtype: bfloat16)"
+            elif run.serve is not None:
+                quantizations, dtypes = run.serve.quantizations or [], [self.model.dtype]
+                key, fix = ("serve", "quantizations"), "set model.dtype: bfloat16"
             else:
                 quantizations = run.generate.weight_candidates or [] if run.generate is not None else []
                 dtypes, key, fix = [self.model.dtype], ("generate", "weight_candidates"), "set model.dtype: bfloat16"

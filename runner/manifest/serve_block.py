@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ValueAt
 from runner.infer.config.kinds import compiled_serve_reason, parse_kind
+from runner.infer.config.quantization import check_quantizations
 from runner.infer.loading.zoo import zoo_entry
 from runner.infer.serve.load import DEFAULT_PROMPT, Lengths, LoadSpec
 from runner.infer.serve.metrics import PERCENTILES, Slo
@@ -166,6 +167,9 @@ class ServeBlock(Strict):
         "Most requests waiting; beyond it a request is refused (counted), never held forever. Default: unbounded."))
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(
         "KV-cache kinds, an axis (as in bench); default: the model's dtype."))
+    quantizations: list[str] | None = Field(None, min_length=1, description=(
+        "Weight quantizations, an axis (as in bench: none, int8, int8-dynamic, int4, int4:g32, gguf, ...; the model "
+        "is loaded again for each, and every system but the endpoints serves on it); default: the target's."))
     engines: list[Literal["eager", "compiled"]] = Field(["eager"], description=(
         "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
         "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
@@ -189,6 +193,11 @@ class ServeBlock(Strict):
         for kind in values or []:
             parse_kind(kind)  # ValueError names the known kinds
         return values
+
+    @field_validator("quantizations")
+    @classmethod
+    def _known_quantizations(cls, values: list[str] | None) -> list[str] | None:
+        return check_quantizations(values)
 
     @field_validator("engines")
     @classmethod

@@ -34,15 +34,15 @@ from runner.infer.bench.cells import (
 from runner.infer.config.kinds import DTYPES
 from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.llamacpp.gguf_file import gguf_weight_bytes
-from runner.infer.loading.models import LoadedModel, load_model_block
+from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text, token_windows
 from runner.infer.measure.timing import copy_bandwidth
 from runner.infer.quant.weights import weight_bytes
 from runner.manifest.blocks import BenchBlock
-from runner.manifest.paths import model_source, text_source
+from runner.manifest.paths import text_source
 from runner.manifest.plan import Step
 from runner.report import ProgressFactory, show
-from runner.steps.shared import is_number, load_draft, markdown, step_block, step_gguf
+from runner.steps.shared import is_number, load_draft, markdown, reload_model, step_block, step_gguf
 
 AXES = ("dtype", "cache_kind", "speculative", "batch", "prompt_len", "new_tokens", "engine", "quantization")
 RATIOS = ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")
@@ -71,7 +71,8 @@ def run_bench(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     loaded = (step.model["dtype"], step.model.get("quantization", "none"))
     for (dtype, quantization), group in itertools.groupby(cells, key=lambda c: (c["dtype"], c["quantization"])):
         try:
-            model = lm.model if (dtype, quantization) == loaded else _reload(step, dtype, quantization, base_dir)
+            model = (lm.model if (dtype, quantization) == loaded
+                     else reload_model(step, base_dir, dtype, quantization).model)
         except RunnerError as exc:  # e.g. int4 weights in float32: these cells fail, the others go on
             for cell in group:
                 rows.append(_failed({**cell, "status": "ok", "error": ""}, exc))
@@ -308,14 +309,6 @@ def _plot(table: pd.DataFrame, path: Path, x: str, y: str, panel: str, xlabel: s
     fig.suptitle("ours (solid) vs transformers generate() (dashed); medians", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def _reload(step: Step, dtype: str, quantization: str, base_dir: Path):
-    block = step.model
-    weights = f" with {quantization} weights" if quantization != "none" else ""
-    log.info("[%s] loading %s as %s%s", step.key, block.get("id") or "config model", dtype, weights)
-    return load_model_block(model_source(block, base_dir), step.model_seed, base_dir, dtype=dtype,
-                     quantization=quantization).model
 
 
 def _prefixed(side: str, figures: dict) -> dict:

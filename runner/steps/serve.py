@@ -27,6 +27,7 @@ from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
 from runner.infer.loading.zoo import fetch_gguf, zoo_entry
+from runner.infer.quant.weights import weight_bytes
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive, load_clock
 from runner.infer.serve.load import Load, LoadSpec, build_load
@@ -41,8 +42,16 @@ from runner.manifest.paths import read_text, text_source
 from runner.manifest.plan import Step
 from runner.manifest.serve_block import EndpointBlock, ServeBlock
 from runner.report import ProgressFactory, show
-from runner.steps.serve_report import markdown_points, plot_all, write_tables
-from runner.steps.shared import is_number, step_block
+from runner.steps.serve_report import (
+    ENDPOINT,
+    PLAIN_WEIGHTS,
+    SERIES,
+    markdown_points,
+    plot_all,
+    series_label,
+    write_tables,
+)
+from runner.steps.shared import is_number, reload_model, step_block
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -51,7 +60,6 @@ HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
             "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used", "compile_s", "recompiles")
 OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
-ENDPOINT = "endpoint"  # an endpoint's cache-kind column: whatever its server was started with
 
 
 def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -63,32 +71,43 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     systems = [(name, kind) for name in (*(OURS[e] for e in block.engines), *block.baselines) for kind in kinds]
     systems += [(endpoint.name, ENDPOINT) for endpoint in block.endpoints]
     specs = block.load_specs()
+    own = step.model.get("quantization", "none")
+    weights = block.quantizations or [own]  # the model is loaded again for each but its own
     points, requests, timelines = [], [], []
-    bar = progress(step.key, len(specs) * len(systems) * _count(specs[0]), "request")
+    bar = progress(step.key, len(specs) * len(systems) * len(weights) * _count(specs[0]), "request")
     with ExitStack() as servers:  # launched endpoints: up for the whole step, stopped after it (or on a failure)
         for endpoint in block.endpoints:
             if endpoint.launch:
                 log.info("[%s] starting endpoint %s: %s", step.key, endpoint.name, " ".join(endpoint.launch))
                 servers.enter_context(launched(_command(endpoint.launch, base_dir), _endpoint(endpoint),
                                                out_dir / f"endpoint-{endpoint.name}.log", endpoint.launch_timeout_s))
-        for spec in specs:
-            for system, kind in systems:
-                label = f"{system} {kind or lm.model.dtype} {_x_label(spec)}"
-                reason = _reason(system, kind, lm, block)
-                if reason:
-                    points.append({**_point_keys(system, kind, spec), "status": f"not run: {reason}"})
-                    log.info("[%s] %s: not run: %s", step.key, label, reason)
-                    bar.update(_count(spec), note=f"{label} not run")
-                    continue
-                point, records, timeline = _point(system, kind, spec, lm, block, sampling,
-                                                  partial(build_load, spec, lm.tokenizer, text, prompts),
-                                                  lambda _r: bar.update(1))
-                points.append(point)
-                requests += [_request_row(point, r) for r in records]
-                timelines += [{**_point_keys(system, kind, spec), "t_s": t, "running": run, "blocks_used": used,
-                               "waiting": wait} for t, run, used, wait in timeline]
-                bar.update(0, note=f"{label}: {point['output_tokens_per_s']:.1f} tok/s")
-                write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
+        for quantization in weights:
+            served = lm if quantization == own else reload_model(step, base_dir, step.model["dtype"], quantization)
+            for spec in specs:
+                for system, kind in systems:
+                    if kind == ENDPOINT and quantization != weights[0]:  # an endpoint serves its own weights: once
+                        bar.update(_count(spec))
+                        continue
+                    keys = _point_keys(system, kind, spec, ENDPOINT if kind == ENDPOINT else quantization)
+                    label = f"{series_label(tuple(keys[k] for k in SERIES))} {_x_label(spec)}"
+                    reason = _reason(system, kind, served, block)
+                    if reason:
+                        points.append({**keys, "status": f"not run: {reason}"})
+                        log.info("[%s] %s: not run: %s", step.key, label, reason)
+                        bar.update(_count(spec), note=f"{label} not run")
+                        continue
+                    point, records, timeline = _point(keys, kind, spec, served, block, sampling,
+                                                      partial(build_load, spec, served.tokenizer, text, prompts),
+                                                      lambda _r: bar.update(1))
+                    if kind != ENDPOINT:
+                        point["weight_mib"] = weight_bytes(served.model) / MIB
+                    points.append(point)
+                    requests += [_request_row(point, r) for r in records]
+                    timelines += [{**keys, "t_s": t, "running": run, "blocks_used": used, "waiting": wait}
+                                  for t, run, used, wait in timeline]
+                    bar.update(0, note=f"{label}: {point['output_tokens_per_s']:.1f} tok/s")
+                    write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
+            del served
     bar.close()
     table = pd.DataFrame(points)
     write_tables(out_dir, points, requests, timelines)
@@ -96,18 +115,20 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     best = _max_rates(table, block)
     show(f"\n[{step.key}] serve results (x = {'concurrency' if block.arrival == 'concurrency' else 'rate req/s'}; "
          f"latencies in ms from each request's scheduled arrival):\n{markdown_points(table)}")
-    for (system, kind), rate in best.items():
-        show(f"[{step.key}] highest rate meeting the SLO, {system} {kind}: {rate if rate is not None else 'none'}")
+    for series, rate in best.items():
+        show(f"[{step.key}] highest rate meeting the SLO, {series_label(series)}: "
+             f"{rate if rate is not None else 'none'}")
     return {"points": table.astype(object).where(table.notna(), None).to_dict("records"),
-            "max_rate_meeting_slo": {f"{s}/{k}": r for (s, k), r in best.items()},
+            "max_rate_meeting_slo": {_series_key(*series): r for series, r in best.items()},
             "metrics": _metrics(table, best), "params": {"serve.points": len(points)}}
 
 
-def _point(system: str, kind: str | None, spec: LoadSpec, lm: LoadedModel, block: ServeBlock,
+def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block: ServeBlock,
            sampling: GenerateConfig, load: Callable[..., Load], on_finish: Callable[[RequestRecord], None]
            ) -> tuple[dict, list[RequestRecord], list]:
-    """One point: the warm-up load (if any) on a server of its own, then the measured load → (its row, its
-    requests' records, the scheduler's timeline)."""
+    """One point (`keys`: its system, kind, weights, x): the warm-up load (if any) on a server of its own, then the
+    measured load → (its row, its requests' records, the scheduler's timeline)."""
+    system = keys["system"]
     warm = load(warmup=True)
     compile_s = 0.0  # the compiled engine's warm-up compile, before any clock starts
     if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
@@ -119,7 +140,7 @@ def _point(system: str, kind: str | None, spec: LoadSpec, lm: LoadedModel, block
     records = _serve(server, load(), on_finish)
     timeline = getattr(server, "timeline", [])
     summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
-    point = {**_point_keys(system, kind, spec), "status": "ok", **summary, **_occupancy(timeline)}
+    point = {**keys, "status": "ok", **summary, **_occupancy(timeline)}
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
@@ -235,8 +256,14 @@ def _x_label(spec: LoadSpec) -> str:
     return f"rate {spec.rate:g}/s" if spec.rate is not None else f"concurrency {spec.concurrency}"
 
 
-def _point_keys(system: str, kind: str | None, spec: LoadSpec) -> dict:
-    return {"system": system, "cache_kind": kind or "model", "x": _x(spec), "arrival": spec.arrival}
+def _point_keys(system: str, kind: str | None, spec: LoadSpec, quantization: str) -> dict:
+    return {"system": system, "cache_kind": kind or "model", "quantization": quantization, "x": _x(spec),
+            "arrival": spec.arrival}
+
+
+def _series_key(system: str, kind: str, quantization: str) -> str:
+    """A series' name in results.json: system/kind, and /weights when they are not the model's plain ones."""
+    return f"{system}/{kind}" + (f"/{quantization}" if quantization not in PLAIN_WEIGHTS else "")
 
 
 def _occupancy(timeline: list[tuple[float, int, int, int]]) -> dict:
@@ -250,7 +277,7 @@ def _occupancy(timeline: list[tuple[float, int, int, int]]) -> dict:
 
 def _request_row(point: dict, record: RequestRecord) -> dict:
     lat = [b - a for a, b in zip(record.token_s, record.token_s[1:])]
-    return {"system": point["system"], "cache_kind": point["cache_kind"], "x": point["x"], "id": record.id,
+    return {**{k: point[k] for k in SERIES}, "x": point["x"], "id": record.id,
             "arrival_s": record.arrival_s, "scheduled_s": record.scheduled_s,
             "first_token_s": record.token_s[0] if record.token_s else None,
             "last_token_s": record.token_s[-1] if record.token_s else None, "prompt_tokens": record.prompt_tokens,
@@ -259,30 +286,32 @@ def _request_row(point: dict, record: RequestRecord) -> dict:
             "max_itl_ms": max(lat) * 1000 if lat else None, "output_ids": " ".join(map(str, record.output_ids))}
 
 
-def _max_rates(table: pd.DataFrame, block: ServeBlock) -> dict[tuple[str, str], float | None]:
-    """(system, kind) → the highest rate meeting the SLO (open-loop loads with an SLO only)."""
+def _max_rates(table: pd.DataFrame, block: ServeBlock) -> dict[tuple[str, str, str], float | None]:
+    """(system, kind, weights) → the highest rate meeting the SLO (open-loop loads with an SLO only)."""
     if block.slo is None or block.arrival == "concurrency" or table.empty:
         return {}
     out = {}
-    for (system, kind), rows in table[table["status"] == "ok"].groupby(["system", "cache_kind"]):
-        out[(system, kind)] = max_rate_meeting({row["x"]: row for row in rows.to_dict("records")}, block.slo.slo())
+    for series, rows in table[table["status"] == "ok"].groupby(SERIES):
+        out[series] = max_rate_meeting({row["x"]: row for row in rows.to_dict("records")}, block.slo.slo())
     return out
 
 
 def _metrics(table: pd.DataFrame, best: dict) -> dict:
-    """`<system>_<kind>_x<rate>.<metric>` per point, ours/baseline ratios of output throughput, and the highest rate
-    meeting the SLO per system and kind."""
+    """`<system>_<kind>[_w<weights>]_x<rate>.<metric>` per point, ours/baseline ratios of output throughput (same
+    kind, weights and x), and the highest rate meeting the SLO per series."""
     out: dict[str, float] = {"points": float(len(table))}
     ok = table[table["status"] == "ok"] if "status" in table else table
     for row in ok.to_dict("records"):
-        name = _name(row["system"], row["cache_kind"], row["x"])
+        name = _name(row["system"], row["cache_kind"], row["quantization"], row["x"])
         out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if is_number(row.get(k))}
+        beside = ok[(ok["cache_kind"] == row["cache_kind"]) & (ok["quantization"] == row["quantization"])
+                    & (ok["x"] == row["x"])]
         for baseline in ("static", "transformers"):
-            other = ok[(ok["system"] == baseline) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
+            other = beside[beside["system"] == baseline]
             if row["system"] in OURS.values() and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
                 out[f"{name}.ratio_{baseline}_throughput"] = (row["output_tokens_per_s"]
                                                             / other.iloc[0]["output_tokens_per_s"])
-        eager = ok[(ok["system"] == OURS["eager"]) & (ok["cache_kind"] == row["cache_kind"]) & (ok["x"] == row["x"])]
+        eager = beside[beside["system"] == OURS["eager"]]
         if row["system"] == OURS["compiled"] and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
             out[f"{name}.ratio_eager_throughput"] = (row["output_tokens_per_s"]
                                                      / eager.iloc[0]["output_tokens_per_s"])
@@ -292,13 +321,14 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
     ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]
     if ratios:
         out["median_ratio_static_throughput"] = float(pd.Series(ratios).median())
-    for (system, kind), rate in best.items():
+    for series, rate in best.items():
         if rate is not None:
-            out[f"{_name(system, kind)}.max_rate_meeting_slo"] = float(rate)
+            out[f"{_name(*series)}.max_rate_meeting_slo"] = float(rate)
     return out
 
 
-def _name(system: str, kind: str, x: float | None = None) -> str:
-    name = f"{system}_{kind}" + (f"_x{x:g}" if x is not None else "")
+def _name(system: str, kind: str, quantization: str, x: float | None = None) -> str:
+    name = (f"{system}_{kind}" + (f"_w{quantization}" if quantization not in PLAIN_WEIGHTS else "")
+            + (f"_x{x:g}" if x is not None else ""))
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
 

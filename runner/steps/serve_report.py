@@ -12,10 +12,13 @@ import pandas as pd
 
 from runner.steps.shared import markdown
 
-POINT_COLUMNS = ["system", "cache_kind", "x", "status", "completed", "refused", "errors", "output_tokens_per_s",
+SERIES = ["system", "cache_kind", "quantization"]  # what one line of a plot (one series of points) shares
+ENDPOINT = "endpoint"  # an endpoint's cache-kind and weights columns: whatever its server was started with
+PLAIN_WEIGHTS = ("none", ENDPOINT)  # weights that add nothing to a series' name
+POINT_COLUMNS = [*SERIES, "x", "status", "completed", "refused", "errors", "output_tokens_per_s",
                  "requests_per_s", "goodput_per_s", "meets_slo", "p50_ttft_ms", "p90_ttft_ms",
                  "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "mean_running",
-                 "peak_running", "peak_blocks_used", "preemptions"]
+                 "peak_running", "peak_blocks_used", "preemptions", "weight_mib"]
 
 
 def write_tables(out_dir: Path, points: list[dict], requests: list[dict], timelines: list[dict]) -> None:
@@ -29,8 +32,10 @@ def write_tables(out_dir: Path, points: list[dict], requests: list[dict], timeli
 
 
 def markdown_points(table: pd.DataFrame) -> str:
-    """The points as a GitHub markdown table: the columns people read first."""
-    return markdown(table[[c for c in POINT_COLUMNS if c in table.columns]])
+    """The points as a GitHub markdown table: the columns people read first (weights only when they vary or are
+    quantized)."""
+    plain = "quantization" in table and set(table["quantization"]) <= {"none"}
+    return markdown(table[[c for c in POINT_COLUMNS if c in table.columns and not (plain and c == "quantization")]])
 
 
 def plot_all(out_dir: Path, points: pd.DataFrame, requests: pd.DataFrame, timeline: pd.DataFrame) -> None:
@@ -49,7 +54,7 @@ def plot_all(out_dir: Path, points: pd.DataFrame, requests: pd.DataFrame, timeli
 
 
 def _against_x(points: pd.DataFrame, path: Path, figures: list[str], ylabel: str) -> None:
-    """One panel per figure, one line per (system, cache kind), against rate (or concurrency)."""
+    """One panel per figure, one line per series (system, cache kind, weights), against rate (or concurrency)."""
     from matplotlib.figure import Figure
 
     figures = [f for f in figures if f in points and points[f].notna().any()]
@@ -60,10 +65,10 @@ def _against_x(points: pd.DataFrame, path: Path, figures: list[str], ylabel: str
     fig = Figure(figsize=(4.5 * columns, 3.4 * rows))
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, figure in zip(axes, figures):
-        for (system, kind), line in points.groupby(["system", "cache_kind"]):
+        for series, line in points.groupby(SERIES):
             line = line.sort_values("x")
-            ax.plot(line["x"], line[figure], marker="o", linestyle="-" if system == "ours" else "--",
-                    label=f"{system} {kind}")
+            ax.plot(line["x"], line[figure], marker="o", linestyle="-" if series[0] == "ours" else "--",
+                    label=series_label(series))
         ax.set_title(figure, fontsize=9)
         ax.set_xlabel("rate (requests/s)" if points["arrival"].iloc[0] != "concurrency" else "concurrency")
         ax.set_ylabel(ylabel)
@@ -75,7 +80,7 @@ def _against_x(points: pd.DataFrame, path: Path, figures: list[str], ylabel: str
 
 
 def _distributions(requests: pd.DataFrame, path: Path) -> None:
-    """TTFT and TPOT histograms at the highest rate, one series per (system, cache kind)."""
+    """TTFT and TPOT histograms at the highest rate, one per series (system, cache kind, weights)."""
     from matplotlib.figure import Figure
 
     done = requests[requests["finish"].isin(["eos", "length", "stop"])].copy()
@@ -88,10 +93,10 @@ def _distributions(requests: pd.DataFrame, path: Path) -> None:
     fig = Figure(figsize=(9, 3.4))
     axes = fig.subplots(1, 2)
     for ax, figure in zip(axes, ("ttft_ms", "tpot_ms")):
-        for (system, kind), rows in done.groupby(["system", "cache_kind"]):
+        for series, rows in done.groupby(SERIES):
             values = rows[figure].dropna()
             if len(values):
-                ax.hist(values, bins=30, histtype="step", label=f"{system} {kind}")
+                ax.hist(values, bins=30, histtype="step", label=series_label(series))
         ax.set_xlabel(figure.replace("_ms", " (ms)"))
         ax.set_ylabel("requests")
         ax.legend(fontsize=7)
@@ -101,15 +106,15 @@ def _distributions(requests: pd.DataFrame, path: Path) -> None:
 
 
 def _timeline(timeline: pd.DataFrame, path: Path) -> None:
-    """KV blocks used and running requests over the load, ours, at the highest rate, one line per cache kind."""
+    """KV blocks used and running requests over the load, ours, at the highest rate, one line per series."""
     from matplotlib.figure import Figure
 
     top = timeline[timeline["x"] == timeline["x"].max()]
     fig = Figure(figsize=(9, 3.4))
     axes = fig.subplots(1, 2)
-    for kind, rows in top.groupby("cache_kind"):
-        axes[0].plot(rows["t_s"], rows["blocks_used"], label=str(kind))
-        axes[1].plot(rows["t_s"], rows["running"], label=str(kind))
+    for series, rows in top.groupby(SERIES):
+        axes[0].plot(rows["t_s"], rows["blocks_used"], label=series_label(series))
+        axes[1].plot(rows["t_s"], rows["running"], label=series_label(series))
     for ax, label in zip(axes, ("KV blocks used", "running requests")):
         ax.set_xlabel("time since the load started (s)")
         ax.set_ylabel(label)
@@ -117,3 +122,9 @@ def _timeline(timeline: pd.DataFrame, path: Path) -> None:
     fig.suptitle(f"continuous batching at x = {top['x'].max():g}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def series_label(series: tuple) -> str:
+    """A series' legend: system and cache kind, and its weights unless plain."""
+    system, kind, quantization = series
+    return f"{system} {kind}" + (f" {quantization}" if quantization not in PLAIN_WEIGHTS else "")

@@ -48,6 +48,14 @@ JOINT_COLUMNS = {"weights": "weights", "weight_mib": "weights MiB", "total_mib":
 # -- prompts and the draft --------------------------------------------------------------------------------------------
 
 
+def reload_model(step: Step, base_dir: Path, dtype: str, quantization: str) -> LoadedModel:
+    """The step's model loaded again with other weights: an axis of bench (dtypes, quantizations) or serve."""
+    weights = f" with {quantization} weights" if quantization != "none" else ""
+    log.info("[%s] loading %s as %s%s", step.key, step.model.get("id") or "config model", dtype, weights)
+    return load_model_block(model_source(step.model, base_dir), step.model_seed, base_dir, dtype=dtype,
+                            quantization=quantization)
+
+
 def step_block(cls: type[Block], step: Step) -> Block:
     """The step's block, validated again where it runs (a resumed plan may come from an older runner): settings
     that no longer validate fail this step alone, with the reason, instead of crashing the run."""

@@ -122,6 +122,47 @@ def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(
     assert "ours-compiled_q8_0_x50.ratio_eager_throughput" in metrics
 
 
+WEIGHTS = """      - id: load
+        mode: serve
+        serve:
+          arrival: constant
+          rate: 100
+          num_requests: 4
+          prompt_tokens: {dist: uniform, min: 4, max: 16}
+          output_tokens: 5
+          data: text.txt
+          slo: {ttft_ms: 60000}
+          max_batch_size: 4
+          quantizations: [none, int8]
+          baselines: [static]
+"""
+
+
+@pytest.mark.e2e
+def test_weight_quantizations_are_an_axis_each_served_by_every_system_on_its_weights(tmp_path):
+    """quantizations: [none, int8]: the model is loaded again with int8 weights and every system serves both
+    (fewer weight MiB for int8), the same requests; each series has its own metrics, SLO verdict and greedy
+    agreement between our scheduler and static batching on the same weights."""
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
+    done = run_cli(tiny_manifest(tmp_path, WEIGHTS), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step = next((tmp_path / "runs").glob("*-t")) / "tiny" / "load"
+    points = pd.read_csv(step / "serve_points.csv").set_index(["system", "quantization"])
+    assert sorted(points.index) == [("ours", "int8"), ("ours", "none"), ("static", "int8"), ("static", "none")]
+    assert (points["status"] == "ok").all() and (points["completed"] == 4).all()
+    mib = points["weight_mib"]
+    assert mib[("ours", "int8")] == mib[("static", "int8")] < mib[("ours", "none")]
+    requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str})
+    ids = requests.set_index(["system", "quantization", "id"])["output_ids"].sort_index()
+    for weights in ("none", "int8"):
+        assert (ids.loc["ours", weights] == ids.loc["static", weights]).all()
+    results = json.loads((step / "results.json").read_text())
+    assert results["max_rate_meeting_slo"] == {"ours/model": 100, "static/model": 100, "ours/model/int8": 100,
+                                               "static/model/int8": 100}
+    assert {"ours_model_x100.ratio_static_throughput",
+            "ours_model_wint8_x100.ratio_static_throughput"} <= set(results["metrics"])
+
+
 def _free_port() -> int:
     import socket
 
