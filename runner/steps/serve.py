@@ -44,11 +44,11 @@ from runner.manifest.serve_block import EndpointBlock, ServeBlock
 from runner.report import ProgressFactory, show
 from runner.steps.serve_report import (
     ENDPOINT,
-    PLAIN_WEIGHTS,
     SERIES,
     markdown_points,
     plot_all,
     series_label,
+    series_parts,
     write_tables,
 )
 from runner.steps.shared import is_number, reload_model, step_block
@@ -261,9 +261,9 @@ def _point_keys(system: str, kind: str | None, spec: LoadSpec, quantization: str
             "arrival": spec.arrival}
 
 
-def _series_key(system: str, kind: str, quantization: str) -> str:
+def _series_key(*series: str) -> str:
     """A series' name in results.json: system/kind, and /weights when they are not the model's plain ones."""
-    return f"{system}/{kind}" + (f"/{quantization}" if quantization not in PLAIN_WEIGHTS else "")
+    return "/".join(series_parts(series))
 
 
 def _occupancy(timeline: list[tuple[float, int, int, int]]) -> dict:
@@ -328,7 +328,7 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
 
 
 def _name(system: str, kind: str, quantization: str, x: float | None = None) -> str:
-    name = (f"{system}_{kind}" + (f"_w{quantization}" if quantization not in PLAIN_WEIGHTS else "")
-            + (f"_x{x:g}" if x is not None else ""))
+    parts = series_parts((system, kind, quantization))
+    name = "_".join(parts[:2] + [f"w{w}" for w in parts[2:]]) + (f"_x{x:g}" if x is not None else "")
     return re.sub(r"[^A-Za-z0-9_.\-/ ]", "-", name)
 

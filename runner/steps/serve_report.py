@@ -124,7 +124,12 @@ def _timeline(timeline: pd.DataFrame, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def series_label(series: tuple) -> str:
-    """A series' legend: system and cache kind, and its weights unless plain."""
+def series_parts(series: tuple) -> list[str]:
+    """What a series' names are made of: its system and cache kind, and its weights unless plain."""
     system, kind, quantization = series
-    return f"{system} {kind}" + (f" {quantization}" if quantization not in PLAIN_WEIGHTS else "")
+    return [system, kind] + ([quantization] if quantization not in PLAIN_WEIGHTS else [])
+
+
+def series_label(series: tuple) -> str:
+    """A series' legend."""
+    return " ".join(series_parts(series))
