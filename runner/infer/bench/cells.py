@@ -30,6 +30,7 @@ from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import engine_for
 from runner.infer.config.decoding import SpeculativeConfig
 from runner.infer.config.kinds import DTYPES
+from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.measure.timing import PeakMemory, Summary, TokenTiming, on_device, time_once, time_ticks
 from runner.infer.quant.weights import is_quantized, tensor_bytes, weight_bytes
@@ -96,10 +97,10 @@ def _measure_compiled(model, ids: torch.Tensor, cell: Cell) -> dict:
     def run_once(tick: Callable[[], None]) -> None:
         state = engine.state(kind, ids.shape[0], columns, columns)
         logits, _ = state.prefill(model, ids, torch.ones_like(ids))
-        token = logits.argmax(-1)
+        token = greedy_tokens(logits)
         tick()
         for _ in range(new_tokens - 1):
-            token = state.feed(model, token, live).argmax(-1)
+            token = greedy_tokens(state.feed(model, token, live))
             tick()
         last["cache"], last["state"] = state.cache, state
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.kernels import native
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -99,6 +100,14 @@ def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, config: Generat
     return apply_typical(apply_min_p(logits, config.min_p), config.typical_p)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B,V] → [B] the first maximum of each row, exactly logits.argmax(-1): float32 on CPU through runner's kernel
+    when it is loaded (aten's CPU argmax is ~7× slower than reading the row: 2 % of a small model's decode step)."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and native.loaded():
+        return torch.ops.runner.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row from softmax(logits). [B,V] → [B]."""
     probs = torch.softmax(logits, dim=-1)
@@ -110,5 +119,5 @@ def next_token(logits: torch.Tensor, seen_ids: torch.Tensor, config: GenerateCon
     """[B,V] logits of the last position → [B] token ids."""
     logits = process_logits(logits, seen_ids, config)
     if config.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     return sample(logits, generator)

@@ -2,7 +2,8 @@
 KIVI's outliers), built once per machine with the system's compiler into one library of torch ops, and loaded.
 
     load() → True once torch.ops.runner.{linear_rows, cache_scores, cache_weighted, lane_median, top_indices,
-             gguf_rows, gguf_dequantize, gguf_paths} exist in this process
+             gguf_rows, gguf_dequantize, gguf_paths, argmax_rows} exist in this process
+    loaded() → whether load() has succeeded in this process (builds nothing)
 
 The library goes to <cache folder>/kernels/runner_kernels-<hash>.so (runner.files.cache_dir: $RUNNER_CACHE or
 ~/.cache/runner); the hash covers the sources, the flags, the compiler, this CPU (-march=native: a home directory
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / "csrc" / name for name in (  # headers hashed, .cpp compiled
     "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
-    "gguf_kquants.cpp", "gguf_interleaved.cpp", "decode_attention.h", "gguf_blocks.h", "prefetch.h"))
+    "gguf_kquants.cpp", "gguf_interleaved.cpp", "argmax_rows.cpp", "decode_attention.h", "gguf_blocks.h",
+    "prefetch.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 
@@ -119,6 +121,12 @@ def load() -> bool:
             _STATE["loaded"] = False
             log.warning("runner's C++ kernels unavailable, products and attention stay torch expressions: %s", error)
     return _STATE["loaded"]
+
+
+def loaded() -> bool:
+    """Whether the ops are loaded in this process, without building or loading them (for callers that gain from
+    the kernels but should not be the ones to build them: greedy decoding's argmax)."""
+    return _STATE.get("loaded", False)
 
 
 def _load_built() -> None:

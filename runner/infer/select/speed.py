@@ -15,6 +15,7 @@ import torch
 from runner.infer.cache.registry import make_cache
 from runner.infer.compiled.engine import engine_for
 from runner.infer.decode.forward import decode_one_token, forward_last, positions_for
+from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved
 
 
@@ -22,7 +23,7 @@ from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved
 def greedy_prefill(model, prompt: torch.Tensor, kind: str | None):
     """Prefill `prompt` [B,P] into a fresh cache of `kind` → (cache, first greedy token [B], mask [B,P])."""
     cache, mask = make_cache(kind, model), torch.ones_like(prompt)
-    token = forward_last(model, prompt, mask, positions_for(None, mask), cache).argmax(-1)
+    token = greedy_tokens(forward_last(model, prompt, mask, positions_for(None, mask), cache))
     return cache, token, mask
 
 
@@ -34,7 +35,7 @@ def greedy_steps(model, cache, token: torch.Tensor, mask: torch.Tensor, steps: i
     for _ in range(steps):
         positions = mask.sum(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        token = decode_one_token(model, token, mask, positions, cache).argmax(-1)
+        token = greedy_tokens(decode_one_token(model, token, mask, positions, cache))
         tick()
 
 
@@ -58,10 +59,10 @@ def compiled_run(model, prompt: torch.Tensor, steps: int, kind: str | None,
     def run_once(tick: Callable[[], None]) -> None:
         state = engine.state(kind, prompt.shape[0], prompt.shape[1] + steps, max_seq_len)
         logits, _ = state.prefill(model, prompt, torch.ones_like(prompt))
-        token, live = logits.argmax(-1), torch.ones(prompt.shape[0], dtype=torch.long, device=prompt.device)
+        token, live = greedy_tokens(logits), torch.ones(prompt.shape[0], dtype=torch.long, device=prompt.device)
         tick()
         for _ in range(steps):
-            token = state.feed(model, token, live).argmax(-1)
+            token = greedy_tokens(state.feed(model, token, live))
             tick()
 
     return run_once

@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache
 from runner.infer.cache.registry import make_cache
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import eos_ids
-from runner.infer.decode.sampling import next_token
+from runner.infer.decode.sampling import greedy_tokens, next_token
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
 from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
 from runner.infer.serve.requests import Request, RequestRecord
@@ -263,11 +263,11 @@ class Scheduler:
         configs = [self.sampling_of(live) for live in rows]
         plain = [c.greedy and c.repetition_penalty == 1.0 and not c.no_repeat_ngram_size for c in configs]
         if all(plain):
-            return logits.argmax(-1).tolist()
+            return greedy_tokens(logits).tolist()
         chosen = []
         for r, live in enumerate(rows):
             if plain[r]:
-                chosen.append(int(logits[r].argmax()))
+                chosen.append(int(greedy_tokens(logits[r:r + 1])[0]))
                 continue
             seen = torch.tensor([live.sequence], device=self.device)  # [1,n] penalties read it
             chosen.append(int(next_token(logits[r:r + 1], seen, configs[r], live.rng)[0]))

@@ -23,6 +23,7 @@ from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
 from runner.infer.config.kinds import parse_kind
 from runner.infer.decode.forward import DecodeState, eos_ids
+from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.measure.timing import Stopwatch, on_device
 from runner.infer.tasks.ruler import Sample, make_samples, task
 from runner.infer.tasks.scoring import TaskScore, postprocess, score
@@ -147,7 +148,7 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
         q_chunk = None  # eviction runs on each prompt forward: the whole prompt at once, as kvpress presses it
     watch = Stopwatch(**on_device(device))
     logits, _ = state.prefill(model, ids, torch.ones_like(ids), q_chunk)
-    token = logits.argmax(-1)
+    token = greedy_tokens(logits)
     prefill_s = watch.lap()
     nbytes = cache_bytes(state.cache)
     watch.lap()  # the bytes are not decode time
@@ -168,7 +169,7 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
             break
         if len(new) == room:
             break
-        token = state.feed(model, token, live).argmax(-1)
+        token = greedy_tokens(state.feed(model, token, live))
     decode_s = watch.lap()
     prediction = postprocess(text)
     return SampleResult(sample, prediction, score(sample.metric, prediction, sample.answers), ids.shape[1], len(new),
