@@ -32,9 +32,9 @@ def write_tables(out_dir: Path, points: list[dict], requests: list[dict], timeli
 
 
 def markdown_points(table: pd.DataFrame) -> str:
-    """The points as a GitHub markdown table: the columns people read first (weights only when they vary or are
+    """The points as a GitHub markdown table: the columns people read first (weights only where some are
     quantized)."""
-    plain = "quantization" in table and set(table["quantization"]) <= {"none"}
+    plain = "quantization" in table and set(table["quantization"]) <= set(PLAIN_WEIGHTS)
     return markdown(table[[c for c in POINT_COLUMNS if c in table.columns and not (plain and c == "quantization")]])
 
 
