@@ -36,14 +36,17 @@ log = logging.getLogger(__name__)
 
 TYPE_NAMES = {number: name for name, number in gguf_rows.GGML_TYPES.items()}  # the types the kernels read
 CHECKED_ROWS = 4  # rows per tensor compared exactly with the de-quantized weight (first, last, two between)
+DEQUANTIZE_ROWS = 64  # rows of x from which a plain (not interleaved) tensor is de-quantized and multiplied in float
 
 
 def _product(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, kernels: bool, interleaved: bool) -> torch.Tensor:
     """x [M,K] float32 · W [N,K]ᵀ with W as blocks uint8 [N, row bytes] → [M,N] float32 (interleaved: in the
-    kernels' 8-row spans, gguf_rows.interleavable)."""
-    if kernels:
+    kernels' 8-row spans, gguf_rows.interleavable). From DEQUANTIZE_ROWS rows of x on (a prompt), W de-quantized
+    once and multiplied in float is faster than the few-row kernel, which decodes every block again for each 4
+    rows of x (docs/performance.md); a decode step's few rows keep the kernel."""
+    if kernels and (x.shape[0] < DEQUANTIZE_ROWS or interleaved):
         return torch.ops.runner.gguf_rows(x, blocks, ggml_type, 0, interleaved)
-    return x @ _dequantized(blocks, ggml_type).t()
+    return x @ _rows(blocks, ggml_type, kernels).t()
 
 
 def _rows(blocks: torch.Tensor, ggml_type: int, kernels: bool) -> torch.Tensor:

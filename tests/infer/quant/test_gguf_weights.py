@@ -14,6 +14,7 @@ from runner.errors import ModelError
 from runner.infer.kernels import gguf_rows
 from runner.infer.llamacpp.gguf_file import gguf_weight_bytes, write_gguf
 from runner.infer.loading.models import load_model
+from runner.infer.quant import gguf_weights
 from runner.infer.quant.gguf_tensors import gguf_tensors, tensor_blocks
 from runner.infer.quant.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_formats
 from runner.infer.quant.weights import weight_bytes
@@ -163,6 +164,23 @@ def test_an_interleaved_embedding_gives_the_rows_of_the_plain_one(weight_type):
     got = GGUFEmbedding(torch.nn.Parameter(spans, requires_grad=False), number, 64, torch.float32,
                         interleaved=True)(ids)
     assert torch.equal(got, want) and torch.equal(want[0, 0], torch.ops.runner.gguf_dequantize(plain[:1], number)[0])
+
+
+@pytest.mark.skipif(not gguf_rows.load(), reason="runner's C++ kernels are not built here (no compiler)")
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q5_0"])
+def test_a_prompts_rows_multiply_the_dequantized_weight_and_a_steps_rows_use_the_kernel(weight_type):
+    """From DEQUANTIZE_ROWS rows of x on, a plain tensor is de-quantized once and multiplied in float (exactly
+    x @ Wᵀ on the de-quantized weight); fewer rows go through gguf_rows, whose x is quantized (close, not equal)."""
+    number = gguf_rows.GGML_TYPES[weight_type]
+    weights = np.random.default_rng(4).standard_normal((48, 64)).astype(np.float32)
+    blocks = torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType[weight_type]))
+    layer = GGUFLinear(torch.nn.Parameter(blocks, requires_grad=False), number, 64)
+    dense = torch.ops.runner.gguf_dequantize(blocks, number)  # [48,64]
+    x = torch.randn(gguf_weights.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(layer(x), x @ dense.t())
+    few = x[:gguf_weights.DEQUANTIZE_ROWS - 1]
+    assert torch.equal(layer(few), torch.ops.runner.gguf_rows(few, blocks, number, 0, False))
+    assert not torch.equal(layer(few), few @ dense.t())
 
 
 # --- the zoo's files (slow: downloads once) -------------------------------------------------------------------------
