@@ -98,10 +98,11 @@ class StaticDecodeState:
         return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
 
     def _forward(self, model, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
-                 compiled: bool = True, real: int | None = None, last: bool = False) -> torch.Tensor:
-        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits (`last`: [b,1,V] when run
-        eagerly); compiled when T is a step length, else the same static forward run eagerly. Only the first `real`
-        columns (default all) count: the rest are padding, masked, and the next write goes over them."""
+                 compiled: bool = True, real: int | None = None, keep: int = 0) -> torch.Tensor:
+        """[b,T] ids, positions and mask into the next T columns → [b,T,V] logits (`keep` > 0: of the last `keep`
+        columns when run eagerly); compiled when T is a step length, else the same static forward run eagerly. Only
+        the first `real` columns (default all) count: the rest are padding, masked, and the next write goes over
+        them."""
         t = ids.shape[1]
         real = t if real is None else real
         if self.column + t > self.cache.length:
@@ -117,7 +118,7 @@ class StaticDecodeState:
             set_writes(self.cache, model, t, True)
             with reduced_attention(model):
                 logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None,
-                                     keep=1 if last else 0)
+                                     keep=keep)
         self.column += real
         self.length += real
         return logits[:self.rows]
@@ -147,7 +148,7 @@ class StaticDecodeState:
                 logits = self._evicting_forward(model, ids[:, part], positions[:, part], new_mask[:, part])
             else:
                 logits = self._forward(model, ids[:, part], positions[:, part], new_mask[:, part], compiled=False,
-                                       last=True)
+                                       keep=1)
         return logits[:, -1], None
 
     def _evicting_forward(self, model, ids: torch.Tensor, positions: torch.Tensor,
@@ -198,8 +199,8 @@ class StaticDecodeState:
         if self.cache.eviction is not None:  # config.eviction.speculative_eviction_reason: refused before this
             raise InferenceError(speculative_eviction_reason(f"{self.cache.kind}+{self.cache.eviction.canonical}"))
         positions = torch.arange(self.column, self.column + tokens.shape[0], device=tokens.device)[None]
-        logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None])
-        return logits[0, -keep:].float()
+        logits = self._forward(model, tokens[None], positions, torch.ones_like(tokens)[None], keep=keep)
+        return logits[0, -keep:].float()  # a compiled step returns every column's
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove columns (a negative count, as transformers' crop): their mask goes to
