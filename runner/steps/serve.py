@@ -83,6 +83,7 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                                                out_dir / f"endpoint-{endpoint.name}.log", endpoint.launch_timeout_s))
         for quantization in weights:
             served = lm if quantization == own else reload_model(step, base_dir, step.model["dtype"], quantization)
+            weight_mib = weight_bytes(served.model) / MIB
             for spec in specs:
                 for system, kind in systems:
                     if kind == ENDPOINT and quantization != weights[0]:  # an endpoint serves its own weights: once
@@ -100,14 +101,14 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                                                       partial(build_load, spec, served.tokenizer, text, prompts),
                                                       lambda _r: bar.update(1))
                     if kind != ENDPOINT:
-                        point["weight_mib"] = weight_bytes(served.model) / MIB
+                        point["weight_mib"] = weight_mib
                     points.append(point)
                     requests += [_request_row(point, r) for r in records]
                     timelines += [{**keys, "t_s": t, "running": run, "blocks_used": used, "waiting": wait}
                                   for t, run, used, wait in timeline]
                     bar.update(0, note=f"{label}: {point['output_tokens_per_s']:.1f} tok/s")
                     write_tables(out_dir, points, requests, timelines)  # after every point: an interrupt keeps them
-            del served
+            del served  # freed before the next weights load
     bar.close()
     table = pd.DataFrame(points)
     write_tables(out_dir, points, requests, timelines)
