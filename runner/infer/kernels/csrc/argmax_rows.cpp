@@ -68,7 +68,8 @@ int64_t row_argmax(const float* row, int64_t V) {
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) >= 1,
-              "argmax_rows: logits must be float32 [M,V] with V ≥ 1, got ", logits.scalar_type(), " ", logits.sizes());
+              "argmax_rows: logits must be float32 [M,V] with V ≥ 1, got ", logits.scalar_type(), " ",
+              logits.sizes());
   const at::Tensor x = logits.contiguous();
   const int64_t M = x.size(0), V = x.size(1);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));

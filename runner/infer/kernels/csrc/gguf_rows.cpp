@@ -13,8 +13,8 @@
 // 4–8-bit blocks they are 4–8× fewer bytes than float32, provided the arithmetic keeps up. It is llama.cpp's: each
 // row of x is quantized once per call (q8_0 for Q5_0; q8_1 with its block sum for Q4_0 and Q4_1; q8_K for the
 // K-quants; Q8_0's x at 16 bits, below), then each block's dot product is summed in integers and scaled by the two
-// blocks' scales, the sums of a row accumulated in floats. Ported from llama.cpp (MIT): the AVX2 loops of ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1
-// and ggml_vec_dot_q5_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
+// blocks' scales, the sums of a row accumulated in floats. Ported from llama.cpp (MIT): the AVX2 loops of
+// ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q5_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
 // mul_sum_i8_pairs_float (ggml/src/ggml-cpu/arch/x86/quants.c); the scalar dot products and dequantize_row_* of
 // ggml/src/ggml-quants.c. Changed: x's scales are float32, a weight block is unpacked once for up to GROUP rows, and
 // Q4_0 is done as Q4_1 with m = −8·d against q8_1 (Σ(q − 8)·x = Σq·x − 8·Σx: the same integers, fewer instructions).
