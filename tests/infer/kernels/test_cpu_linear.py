@@ -15,9 +15,15 @@ SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails 
 
 
 # The kernel is built for this CPU (-march=native): each path runs where the CPU has its instructions, and a path
-# it lacks is skipped saying so. bfloat16 `widest` takes vdpbf16ps with AVX-512 BF16, else falls back to AVX2.
-DPBF16 = missing("avx512f", "avx512_bf16")
-PATHS = [pytest.param(torch.float32, True, id="float32-avx2"),
+# it lacks is skipped saying so. `widest` takes vdpbf16ps for bfloat16 with AVX-512 BF16 and 64-byte loads for
+# float32 with AVX-512F, else falls back to AVX2.
+DPBF16, AVX512 = missing("avx512f", "avx512_bf16"), missing("avx512f")
+PATHS = [pytest.param(torch.float32, False, id="float32-avx2"),
+         pytest.param(torch.float32, True, id="float32-avx512",
+                      marks=pytest.mark.skipif(bool(AVX512), reason=f"{AVX512}: the 64-byte path is not built")),
+         pytest.param(torch.float32, True, id="float32-widest-falls-back-to-avx2",
+                      marks=pytest.mark.skipif(not AVX512, reason="this CPU has AVX-512: widest takes 64-byte loads "
+                                                                  "(tested as float32-avx512)")),
          pytest.param(torch.bfloat16, False, id="bfloat16-avx2"),
          pytest.param(torch.bfloat16, True, id="bfloat16-avx512_bf16",
                       marks=pytest.mark.skipif(bool(DPBF16), reason=f"{DPBF16}: the vdpbf16ps path is not built")),

@@ -108,6 +108,37 @@ inline void block(const T* w, const float* x, const T* bias, T* y, int64_t K, in
     }
 }
 
+#ifdef __AVX512F__
+#define RUNNER_AVX512 1
+// float32 where the CPU has AVX-512: one 64-byte load a weight row per step (a cache line), 4 rows a block. On a
+// 2-core AVX-512 Xeon it read SmolLM2's 211 weights at the rate of a plain sum over them (19.9 against 22.9 ms for
+// the AVX2 path's two 32-byte loads, 8 rows a block). Same arguments as `block`, x as is.
+template <int R, int M>
+inline void block512(const float* w, const float* x, const float* bias, float* y, int64_t K, int64_t N) {
+  const int64_t whole = K / 16 * 16;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < whole; k += 16) {
+    __m512 ws[R];
+    for (int r = 0; r < R; r++) {
+      runner_prefetch::prefetch_ahead(w + r * K + k, 64);
+      ws[r] = _mm512_loadu_ps(w + r * K + k);
+    }
+    for (int m = 0; m < M; m++) {
+      const __m512 xs = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(ws[r], xs, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) {
+      float sum = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[r] : 0.0f);
+      for (int64_t k = whole; k < K; k++) sum += w[r * K + k] * x[m * K + k];
+      y[m * N + r] = sum;
+    }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define RUNNER_DPBF16 1
 // bfloat16 where the CPU has AVX-512 BF16: `vdpbf16ps` takes 32 weights and 32 of x (raw bfloat16) per instruction
@@ -140,14 +171,18 @@ inline void block_dp(const c10::BFloat16* w, const c10::BFloat16* x, const c10::
 }
 #endif
 
-// Rows per block: as many accumulators as fit in 16 registers beside the loads.
+// Rows per block: as many accumulators as fit in 16 registers beside the loads (AVX2 and vdpbf16ps).
 template <int M>
 constexpr int rows_per_block() { return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1; }
 
-// The rows of W in blocks of R, split between the threads; BLOCK is `block` or `block_dp` (X: what it reads x as).
-template <int M, typename T, typename X, typename Block>
+// block512's: 4 rows of 64-byte loads (8 rows or 2 read no faster at one row of x), 16 accumulators at most.
+template <int M>
+constexpr int rows_per_block512() { return M <= 4 ? 4 : 2; }
+
+// The rows of W in blocks of R, split between the threads; BLOCK is `block`, `block512` or `block_dp` (X: what it
+// reads x as).
+template <int M, int R, typename T, typename X, typename Block>
 void product(Block block_of, const T* w, const X* x, const T* bias, T* y, int64_t N, int64_t K) {
-  constexpr int R = rows_per_block<M>();
   const int64_t blocks = N / R;
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
   for (int64_t i = 0; i < blocks; i++)
@@ -171,7 +206,7 @@ void with_rows(int64_t M, F f) {
   }
 }
 
-// `widest`: bfloat16 on vdpbf16ps where the CPU has it (else, and for float32, the AVX2 path).
+// `widest`: bfloat16 on vdpbf16ps and float32 on 64-byte loads where the CPU has them (else the AVX2 path).
 template <typename T>
 void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tensor& y, int64_t N, bool widest) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -184,7 +219,20 @@ void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tenso
         const auto block_of = [K, N](auto r, const T* w, const T* x, const T* bias, T* y) {
           block_dp<decltype(r)::value, m>(w, x, bias, y, K, N);
         };
-        product<m>(block_of, w, x.data_ptr<T>(), bias, out, N, K);
+        product<m, rows_per_block<m>()>(block_of, w, x.data_ptr<T>(), bias, out, N, K);
+      });
+    }
+  }
+#endif
+#ifdef RUNNER_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (widest) {
+      return with_rows(M, [&](auto rows) {
+        constexpr int m = decltype(rows)::value;
+        const auto block_of = [K, N](auto r, const float* w, const float* x, const float* bias, float* y) {
+          block512<decltype(r)::value, m>(w, x, bias, y, K, N);
+        };
+        product<m, rows_per_block512<m>()>(block_of, w, x.data_ptr<float>(), bias, out, N, K);
       });
     }
   }
@@ -195,7 +243,7 @@ void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tenso
     const auto block_of = [K, N](auto r, const T* w, const float* x, const T* bias, T* y) {
       block<decltype(r)::value, m>(w, x, bias, y, K, N);
     };
-    product<m>(block_of, w, xs.data(), bias, out, N, K);
+    product<m, rows_per_block<m>()>(block_of, w, xs.data(), bias, out, N, K);
   });
 }
 
