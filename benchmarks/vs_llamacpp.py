@@ -10,14 +10,22 @@ over llama-bench is the overhead of the Python binding and our loop (target: wit
 
 Weights differ between the sides: ours are the zoo GGUF dequantized to float32 (transformers), llama.cpp runs the
 GGUF as it is (SmolLM2: Q4_1). The table says tokens/s per side; it is not a comparison of equal arithmetic.
+
+    python benchmarks/vs_llamacpp.py --weights f32 q8_0 q4_0 q4_1 file --perplexity [--context 512 --chunks 8]
+
+prints, per weight precision, the perplexity of the evaluation text (pydoc) on our engine and on llama-perplexity,
+the same GGUF on both sides, scored the way llama-perplexity scores (issue 37 item 6: quality beside llama.cpp's own).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -27,13 +35,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from runner.files import cache_folder, cache_write  # noqa: E402
 from runner.infer.bench.cells import step_weight_bytes  # noqa: E402
 from runner.infer.config.llamacpp import GGML_NAMES, LlamaCppOptions, flash_attention  # noqa: E402
 from runner.infer.kernels.native import vector_flags  # noqa: E402
 from runner.infer.llamacpp.engine import LlamaCppEngine  # noqa: E402
 from runner.infer.llamacpp.gguf_file import model_gguf, written_gguf  # noqa: E402
 from runner.infer.llamacpp.install import llama_tool  # noqa: E402
-from runner.infer.loading.models import load_model  # noqa: E402
+from runner.infer.loading.models import load_model, source_gguf  # noqa: E402
 from runner.infer.loading.texts import load_text, token_windows  # noqa: E402
 from runner.infer.measure.timing import TokenTiming, device_name, read_bandwidth, time_interleaved  # noqa: E402
 from runner.infer.quant.gguf_tensors import gguf_tensors  # noqa: E402
@@ -52,11 +61,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--perplexity", action="store_true", help="with --weights: perplexity on each side (below)")
+    parser.add_argument("--context", type=int, default=512, help="--perplexity: tokens a chunk (llama's -c)")
+    parser.add_argument("--chunks", type=int, default=8, help="--perplexity: chunks scored")
     args = parser.parse_args()
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    if args.weights:
+    if args.weights and args.perplexity:
+        perplexity_table(args)
+    elif args.weights:
         weights_table(args)
     else:
         kv_table(args)
@@ -163,12 +177,76 @@ def weights_table(args) -> None:
           f"{(max(bandwidth) - min(bandwidth)) / 1e9:.1f} ({len(bandwidth)} measurements, before and between rounds)")
 
 
+def perplexity_table(args) -> None:
+    """Per weight precision: perplexity of the evaluation text on our engine (the GGUF's bits through our kernels)
+    and on llama-perplexity (the very file), scored as llama-perplexity scores: the text's tokens in chunks of
+    `context`, each chunk's first token the BOS where the tokenizer adds one, the second half of each chunk's
+    predictions scored. Beside each: ΔNLL against the f32 row of the same side (nats a token)."""
+    base = load_model(args.model, dtype="float32", device="cpu")
+    tokens, path = _perplexity_text(base.tokenizer, args.context * args.chunks)
+    print(f"model={args.model} threads={args.threads} context={args.context} chunks={args.chunks} text={path.name} "
+          f"({len(tokens)} tokens)\ncpu: {device_name(torch.device('cpu'))}; flags: {' '.join(vector_flags())}\n")
+    print("| weights | GGUF | ours PPL | ± | llama.cpp PPL | ± | ours / llama.cpp | ΔNLL vs f32 ours / llama.cpp |")
+    print("|---|---|---:|---:|---:|---:|---:|---|", flush=True)
+    reference: dict[str, float] = {}
+    for weights in args.weights:
+        model, gguf = _weights_model(base, args.model, weights)
+        ours = _our_perplexity(model, base.tokenizer, tokens, args.context, args.chunks)
+        theirs = _llama_perplexity(gguf, path, args)
+        if weights == "f32":
+            reference = {"ours": math.log(ours[0]), "theirs": math.log(theirs[0])}
+        delta = (f"{math.log(ours[0]) - reference['ours']:+.4f} / {math.log(theirs[0]) - reference['theirs']:+.4f}"
+                 if reference else "(no f32 row)")
+        print(f"| {weights} | {gguf.name} | {ours[0]:.4f} | {ours[1]:.4f} | {theirs[0]:.4f} | {theirs[1]:.4f} | "
+              f"{ours[0] / theirs[0]:.4f} | {delta} |", flush=True)
+        del model
+
+
+def _perplexity_text(tokenizer, tokens: int) -> tuple[list[int], Path]:
+    """The first `tokens` tokens of the evaluation text (with a little more text after, so both tokenizers see
+    whole words at the end) → (our token ids, the text file llama-perplexity reads, cached)."""
+    body = load_text("pydoc").text
+    cut = len(body)
+    while len(tokenizer(body[:cut // 2])["input_ids"]) > tokens * 1.05:
+        cut //= 2
+    text = body[:cut]
+    path = cache_folder("data") / f"perplexity-{hashlib.sha256(text.encode()).hexdigest()[:16]}.txt"
+    if not path.exists():
+        cache_write(path, text)
+    return tokenizer(text)["input_ids"], path
+
+
+@torch.inference_mode()
+def _our_perplexity(model, tokenizer, tokens: list[int], context: int, chunks: int) -> tuple[float, float]:
+    """(perplexity, its ± as llama-perplexity prints it) over the first `chunks` whole chunks of `tokens`, scored as
+    it scores."""
+    bos = tokenizer("")["input_ids"][:1]  # the BOS the tokenizer adds, or none
+    first, nll = context // 2, []
+    for start in range(0, min(chunks, len(tokens) // context) * context, context):
+        chunk = torch.tensor([(bos or tokens[start:start + 1]) + tokens[start + 1:start + context]])
+        logits = model(input_ids=chunk, use_cache=False).logits[0, first:context - 1].float()
+        nll += (-logits.log_softmax(-1).gather(1, chunk[0, first + 1:, None])[:, 0]).tolist()
+    mean = statistics.fmean(nll)
+    return math.exp(mean), math.exp(mean) * statistics.stdev(nll) / math.sqrt(len(nll) - 1)
+
+
+def _llama_perplexity(gguf: Path, text: Path, args) -> tuple[float, float]:
+    """(perplexity, ±) of llama-perplexity on `text`, chunks of args.context, its own tokenizer."""
+    out = subprocess.run([str(llama_tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c",
+                          str(args.context), "-b", str(args.context), "--chunks", str(args.chunks), "-t",
+                          str(args.threads)], capture_output=True, text=True, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out.stdout + out.stderr)
+    if found is None:
+        raise SystemExit(f"llama-perplexity printed no estimate:\n{(out.stdout + out.stderr)[-2000:]}")
+    return float(found.group(1)), float(found.group(2))
+
+
 def _weights_model(base, source: str, weights: str):
     """(our model, the GGUF llama.cpp runs) for a precision: float32 / bfloat16 copies of the model beside an f32 /
     bf16 GGUF of it; the quantized ones loaded from that GGUF with model.quantization: gguf."""
     if weights == "file":
         return load_model(source, device="cpu", quantization="gguf").model, model_gguf(source, None, None)
-    path = written_gguf(base.model, base.tokenizer, weights.upper())
+    path = written_gguf(base.model, base.tokenizer, weights.upper(), source_gguf(source))
     if weights in ("f32", "bf16"):
         return copy.deepcopy(base.model).to(torch.float32 if weights == "f32" else torch.bfloat16), path
     return load_model(str(path), device="cpu", quantization="gguf").model, path

@@ -44,6 +44,7 @@ from runner.errors import CacheError, InferenceError
 from runner.files import cache_folder
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.cache.static.plain import StaticPlainLayer
+from runner.infer.compiled import native_step
 from runner.infer.compiled.attention import reduced_attention
 from runner.infer.compiled.state import StaticDecodeState, decode_step, prefill_pieces, set_writes
 from runner.infer.config.architecture import compiled_refusal
@@ -155,7 +156,8 @@ class CompiledEngine:
     allocates a new cache and runs the same graph). `compile=False` runs the same static step eagerly (tests of
     the static path; debugging)."""
 
-    def __init__(self, model, mode: str | None = None, compile: bool = True, max_caches: int = MAX_CACHES):
+    def __init__(self, model, mode: str | None = None, compile: bool = True, max_caches: int = MAX_CACHES,
+                 native: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
@@ -168,6 +170,12 @@ class CompiledEngine:
         else:
             self.mode = "eager"
         self.graphs = self.cuda and self.mode == "reduce-overhead"  # steps replay as CUDA graphs
+        # one-column steps in C++ where the model and cache allow (native_step); not when compile=False, which
+        # exists to run the compiled graph's own code eagerly
+        why_not = native_step.refusal(model) if native and compile else "not asked"
+        self.native = native_step.NativeStep(model) if why_not is None else None
+        if native and compile and why_not:
+            log.info("native step: not for this model (%s): one-column steps run the compiled graph", why_not)
         # (kind, rows, columns, new columns, coding) → its compiled step
         self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
         self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them
@@ -223,6 +231,9 @@ class CompiledEngine:
         if key in self.warm:
             return
         batch, columns, new = cache.batch, cache.length, key[-1]
+        if self.native is not None and self.native.serves(cache, new):
+            self.warm.add(key)  # nothing to compile: `call` runs the native step
+            return
         ids = torch.zeros(batch, new, dtype=torch.long, device=self.device)
         span = torch.arange(columns - new, columns, device=self.device)
         mask2d = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
@@ -267,6 +278,8 @@ class CompiledEngine:
         block and keeps no sink (no quantizer in it), and `coding`'s, for the one column in r that completes a
         block or a sink column (StaticKVCache.needs_coding). Guards are evaluated on a graph's first call only
         (the module docstring's Guards)."""
+        if not coding and self.native is not None and self.native.serves(cache, ids.shape[1]):
+            return self.native(cache, ids, positions, columns, mask2d)
         before = _graph_count()
         coding = coding or ids.shape[1] != 1  # steps of several columns always code
         set_writes(cache, self.model, ids.shape[1], coding)

@@ -42,3 +42,31 @@ def test_what_the_writer_cannot_write_is_refused(tmp_path):
     assert "llama only" in unsupported(AutoConfig.for_model("gpt2"))
     with pytest.raises(ModelError, match="no GGUF file"):
         model_gguf(str(tmp_path / "absent.gguf"), None, None)
+
+
+def test_a_vocabulary_source_gives_the_written_file_its_tokenizer_settings(tiny_lm, tmp_path, monkeypatch):
+    """llama.cpp's own tools tokenize text by the file's pre-tokenizer and token types: a file written with
+    `vocab_from` carries the source GGUF's (the zoo's "smollm", its control tokens), and is cached apart."""
+    import gguf
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    cfg = tiny_lm.model.config
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (cfg.vocab_size - 3)
+    source = tmp_path / "source.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_types(types)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    plain, copied = written_gguf(tiny_lm.model, tiny_lm.tokenizer), written_gguf(
+        tiny_lm.model, tiny_lm.tokenizer, vocab_from=source)
+    assert plain != copied
+    fields = gguf.GGUFReader(copied).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert fields["tokenizer.ggml.token_type"].contents() == [int(t) for t in types]
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is True
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    assert gguf.GGUFReader(plain).fields["tokenizer.ggml.pre"].contents() == "default"
