@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.files import cache_folder, cache_write  # noqa: E402
 from runner.infer.bench.cells import step_weight_bytes  # noqa: E402
+from runner.infer.compiled.engine import CompiledEngine, engine_for  # noqa: E402
 from runner.infer.config.llamacpp import GGML_NAMES, LlamaCppOptions, flash_attention  # noqa: E402
 from runner.infer.kernels.native import vector_flags  # noqa: E402
 from runner.infer.llamacpp.engine import LlamaCppEngine  # noqa: E402
@@ -142,37 +143,46 @@ def weights_table(args) -> None:
     """Per weight precision: our compiled engine (batch 1 and 4, K/V fp16) timed with the one harness, and llama-bench
     (batch 1) / llama-batched-bench (-npl 4) on the very GGUF our weights were kept from, in alternating rounds;
     tokens/s medians, spreads, ratios, and the fraction of the read bandwidth (measured here, before and between
-    rounds) that each side's weight bytes per step reach at batch 1. A row is printed as soon as it is measured."""
+    rounds) that each side's weight bytes per step reach at batch 1. "ours" is the engine as it runs (its native
+    C++ step where it serves); "graph" the same engine with every step inductor's compiled graph, timed in the same
+    rounds (native ÷ graph: what the C++ step buys). A row is printed as soon as it is measured."""
     base = load_model(args.model, dtype="float32", device="cpu")
     prompt = torch.tensor(token_windows(base.tokenizer, load_text("pydoc"), args.prompt_len, 1))
-    steps, bandwidth = args.new_tokens - 1, [read_bandwidth(torch.device("cpu"))]
+    steps, columns = args.new_tokens - 1, args.prompt_len + args.new_tokens
+    bandwidth = [read_bandwidth(torch.device("cpu"))]
     print(f"model={args.model} threads={args.threads} prompt={args.prompt_len} new_tokens={args.new_tokens} "
           f"rounds={args.rounds}×{args.repeats} K/V={KV}\ncpu: {device_name(torch.device('cpu'))}; "
           f"flags: {' '.join(vector_flags())}\n")
-    print("| weights | GGUF | batch | ours tok/s | ± | llama.cpp tok/s | ± | ours / llama.cpp | weight MB/step "
-          "ours / theirs | bandwidth fraction ours / theirs | compile s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|", flush=True)
+    print("| weights | GGUF | batch | ours tok/s | ± | graph tok/s | ours ÷ graph | llama.cpp tok/s | ± | "
+          "ours / llama.cpp | weight MB/step ours / theirs | bandwidth fraction ours / theirs | graph compile s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|", flush=True)
     for weights in args.weights:
         model, path = _weights_model(base, args.model, weights)
-        runs = {b: compiled_run(model, prompt.repeat(b, 1), steps, KV, args.prompt_len + steps) for b in args.batches}
-        compile_s = sum(compile_pairs({str(b): (model, KV)}, prompt.repeat(b, 1), steps,
-                                      args.prompt_len + steps)[str(b)] for b in args.batches)
-        ours: dict[int, list] = {b: [] for b in args.batches}
-        theirs: dict[int, list] = {b: [] for b in args.batches}
+        engines = {"ours": engine_for(model), "graph": CompiledEngine(model, native=False)}
+        runs, compile_s = {}, 0.0
+        for b in args.batches:
+            for name, engine in engines.items():
+                before = engine.stats.total_s
+                engine.state(KV, b, columns, columns)  # compiles what `call` will run (nothing for native steps)
+                compile_s += engine.stats.total_s - before
+                runs[f"{name} {b}"] = compiled_run(model, prompt.repeat(b, 1), steps, KV, columns, engine)
+        rates: dict[str, list] = {name: [] for name in [*runs, *(f"llama.cpp {b}" for b in args.batches)]}
         for _ in range(args.rounds):
-            marks = time_interleaved({str(b): runs[b] for b in args.batches}, args.repeats)
+            marks = time_interleaved(runs, args.repeats)
+            for name, b in ((name, int(name.split()[1])) for name in runs):
+                rates[name] += [b * (len(m) - 1) / (m[-1] - m[0]) for m in marks[name]]  # decode tokens/s a repeat
             for b in args.batches:
-                ours[b] += [b * (len(m) - 1) / (m[-1] - m[0]) for m in marks[str(b)]]  # decode tokens/s a repeat
-                theirs[b] += _llama_rates(path, b, args)
+                rates[f"llama.cpp {b}"] += _llama_rates(path, b, args)
             bandwidth.append(read_bandwidth(torch.device("cpu")))
         read, bw = (step_weight_bytes(model), _file_step_bytes(path)), statistics.median(bandwidth)
         for b in args.batches:
-            a, t = statistics.median(ours[b]), statistics.median(theirs[b])
+            a, g, t = (statistics.median(rates[f"{name} {b}"]) for name in ("ours", "graph", "llama.cpp"))
+            spread = {name: max(rates[f"{name} {b}"]) - min(rates[f"{name} {b}"]) for name in ("ours", "llama.cpp")}
             fractions = f"{read[0] * a / bw:.2f} / {read[1] * t / bw:.2f}" if b == 1 else ""
-            print(f"| {weights} | {path.name} | {b} | {a:.1f} | {max(ours[b]) - min(ours[b]):.1f} | {t:.1f} | "
-                  f"{max(theirs[b]) - min(theirs[b]):.1f} | {a / t:.2f} | {read[0] / 1e6:.0f} / {read[1] / 1e6:.0f} | "
+            print(f"| {weights} | {path.name} | {b} | {a:.1f} | {spread['ours']:.1f} | {g:.1f} | {a / g:.2f} | "
+                  f"{t:.1f} | {spread['llama.cpp']:.1f} | {a / t:.2f} | {read[0] / 1e6:.0f} / {read[1] / 1e6:.0f} | "
                   f"{fractions} | {compile_s:.0f} |", flush=True)
-        del model
+        del model, engines, runs
     print(f"\nread bandwidth: median {statistics.median(bandwidth) / 1e9:.1f} GB/s, spread "
           f"{(max(bandwidth) - min(bandwidth)) / 1e9:.1f} ({len(bandwidth)} measurements, before and between rounds)")
 

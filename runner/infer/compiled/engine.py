@@ -232,7 +232,8 @@ class CompiledEngine:
             return
         batch, columns, new = cache.batch, cache.length, key[-1]
         if self.native is not None and self.native.serves(cache, new):
-            self.warm.add(key)  # nothing to compile: `call` runs the native step
+            self.stats.compile_s[key] = 0.0  # nothing to compile: `call` runs the native step
+            self.warm.add(key)
             return
         ids = torch.zeros(batch, new, dtype=torch.long, device=self.device)
         span = torch.arange(columns - new, columns, device=self.device)

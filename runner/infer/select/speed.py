@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from runner.infer.cache.registry import make_cache
-from runner.infer.compiled.engine import engine_for
+from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.decode.forward import decode_one_token, forward_last, positions_for
 from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.measure.timing import TokenTiming, on_device, time_interleaved
@@ -49,11 +49,11 @@ def greedy_run(model, prompt: torch.Tensor, steps: int, kind: str | None) -> Cal
     return run_once
 
 
-def compiled_run(model, prompt: torch.Tensor, steps: int, kind: str | None,
-                 max_seq_len: int) -> Callable[[Callable[[], None]], None]:
+def compiled_run(model, prompt: torch.Tensor, steps: int, kind: str | None, max_seq_len: int,
+                 engine: CompiledEngine | None = None) -> Callable[[Callable[[], None]], None]:
     """greedy_run on the compiled engine: a fresh static state of `kind` per run (its step compiled beforehand by
     `compile_pairs`; the state's cache is the engine's, reused, so nothing is allocated while it is kept)."""
-    engine = engine_for(model)
+    engine = engine or engine_for(model)  # another engine of the same model: benchmarks comparing two
 
     @torch.inference_mode()
     def run_once(tick: Callable[[], None]) -> None:

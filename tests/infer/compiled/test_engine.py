@@ -243,14 +243,16 @@ def test_what_the_compiled_engine_cannot_serve_is_a_config_error_naming_the_key(
 
 
 @pytest.mark.compile
-def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles():
+def test_compiled_step_gives_the_eager_greedy_tokens_and_never_recompiles(monkeypatch):
     """Compiles five shapes (about a minute each on two loaded cores): fp32 at batch 1, fp32, nf4 and KIVI (blocks
     completed every 16 columns) padded, and the last one's compiled prefill piece (20 prompt columns → 32). nf4
-    once recompiled at its first real step (its level table was cached in a dict while tracing)."""
+    once recompiled at its first real step (its level table was cached in a dict while tracing). The graph is what
+    is tested: the native C++ step, which would take fp32's one-column steps, is off (test_native_step.py)."""
     from runner.infer.loading.models import load_model
     from tests.conftest import TINY_LLAMA
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=1)  # its own model object: its own compiled engine
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, lm.model, CompiledEngine(lm.model, native=False))
     breaks = _graph_breaks()
     for kind, prompts, prefill in (("fp32", PROMPTS[:1], "eager"), ("fp32", PROMPTS, "eager"),
                                    ("nf4", PROMPTS, "eager"), ("kivi4:g8:r16", PROMPTS, "compiled")):
@@ -287,6 +289,7 @@ def test_a_trusted_step_meeting_other_inputs_recompiles_once_instead_of_failing(
     from tests.conftest import TINY_LLAMA
 
     lm = load_model(config=TINY_LLAMA, device="cpu", seed=2)
+    compiled.ENGINES_BY_MODEL[lm.model] = CompiledEngine(lm.model, native=False)  # the graph's guards are tested
     breaks = _graph_breaks()
     prompts = PROMPTS[:2]
     eager, _ = _generate(lm, prompts, "eager", max_new_tokens=6, temperature=0)
