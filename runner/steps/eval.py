@@ -50,7 +50,8 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     reference, ref_bytes = None, {}
     for kind in kinds:
         name = kind or reference_name
-        evaluation = evaluate(lm.model, lm.tokenizer, samples, kind, q_chunk=block.prefill_chunk, progress=progress)
+        evaluation = evaluate(lm.model, lm.tokenizer, samples, kind, q_chunk=block.prefill_chunk,
+                              compress=block.compress, progress=progress)
         if reference is None:  # the first kind (None): the uncompressed cache every other is judged against
             reference = evaluation
             ref_bytes = {(r["task"], r["length"]): r["cache_bytes"] for r in evaluation.rows()}

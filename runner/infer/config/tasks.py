@@ -9,6 +9,7 @@ The tasks themselves (prompts, answers, scoring) are runner.infer.tasks; docs/lo
 from __future__ import annotations
 
 import difflib
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,6 +45,10 @@ class TaskSuite(BaseModel):
         "Samples per task and length. Every score is reported with its count and a 95 % interval: few samples, "
         "wide intervals."))
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the samples (needles, keys, words, depths).")
+    compress: Literal["prompt", "context"] = Field("prompt", description=(
+        "What a cache kind with eviction presses: the whole prompt in one forward, question included (its "
+        "queries score the haystack), or the haystack alone, the question then fed after it and kept whole "
+        "(kvpress's pipeline, RULER as kvpress reports it). Kinds without eviction feed the same either way."))
 
     @model_validator(mode="after")
     def _known_tasks_and_lengths(self):

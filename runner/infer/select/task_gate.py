@@ -31,7 +31,7 @@ class TaskGate:
     def _evaluate(self, model, kind: str | None) -> Evaluation:
         g = self.gates
         return evaluate_tasks(model, self.tokenizer, g.tasks, g.lengths, g.samples, g.seed, kind,
-                              progress=self.progress)
+                              compress=g.compress, progress=self.progress)
 
     def judge(self, model, kind: str, row: dict) -> list[str]:
         """Score `kind` on the reference's samples; put its figures in `row`; the failures, each with its figure."""

@@ -1,7 +1,8 @@
 """Run task samples through a model on a cache kind: predictions, scores with intervals, bytes and seconds.
 
 Owns: one sample's greedy answer through the forward chain (`DecodeState.prefill` in chunks of `q_chunk` tokens,
-except for an evicting kind, whose prompt goes in one forward since eviction acts on each prompt forward; then
+except for an evicting kind, whose prompt goes in one forward since eviction acts on each prompt forward, or with
+`compress="context"` only the haystack does, the question then fed a token at a time, stored as it comes; then
 `feed` one token at a time on a cache from `make_cache(kind, model)`, so any kind string `make_cache` accepts
 works, eviction options included), the stop rules, the cache's measured bytes after the prefill, prefill and decode
 seconds through the timing harness's `Stopwatch`, and the per-task scores (`scoring.TaskScore`). Batch 1.
@@ -30,6 +31,8 @@ from runner.infer.tasks.scoring import TaskScore, postprocess, score
 from runner.report import ProgressFactory, no_progress
 
 log = logging.getLogger(__name__)
+
+COMPRESSES = ("prompt", "context")  # what an evicting kind presses: the whole prompt, or the haystack alone
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def check_length(model, length: int) -> None:
 
 def evaluate_tasks(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], count: int, seed: int = 0,
                    cache_kind: str | None = None, *, q_chunk: int | None = 512, stop_at_newline: bool = True,
-                   progress: ProgressFactory = no_progress) -> Evaluation:
+                   compress: str = "prompt", progress: ProgressFactory = no_progress) -> Evaluation:
     """`count` samples of every task at every length (checked before any is made), evaluated on `cache_kind`."""
     for name in tasks:
         task(name)
@@ -102,11 +105,11 @@ def evaluate_tasks(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int
         check_length(model, length)
     samples = [s for name in tasks for length in lengths for s in make_samples(name, tokenizer, length, count, seed)]
     return evaluate(model, tokenizer, samples, cache_kind, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
-                    progress=progress)
+                    compress=compress, progress=progress)
 
 
 def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None = None, *,
-             q_chunk: int | None = 512, stop_at_newline: bool = True,
+             q_chunk: int | None = 512, stop_at_newline: bool = True, compress: str = "prompt",
              progress: ProgressFactory = no_progress) -> Evaluation:
     """Greedy answers to `samples` on a fresh cache of `cache_kind` each (None = the model's dtype), scored."""
     for sample in samples:
@@ -116,7 +119,7 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None
     try:
         for sample in samples:
             results.append(answer(model, tokenizer, sample, cache_kind, q_chunk=q_chunk,
-                                  stop_at_newline=stop_at_newline))
+                                  stop_at_newline=stop_at_newline, compress=compress))
             bar.update(1, f"{sample.task}@{sample.length}: {results[-1].score:.2f}")
     finally:
         bar.close()
@@ -132,8 +135,11 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None
 
 @torch.inference_mode()
 def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q_chunk: int | None = 512,
-           stop_at_newline: bool = True) -> SampleResult:
-    """One sample's greedy answer on a fresh cache of `cache_kind`, scored by the sample's metric."""
+           stop_at_newline: bool = True, compress: str = "prompt") -> SampleResult:
+    """One sample's greedy answer on a fresh cache of `cache_kind`, scored by the sample's metric. `compress`
+    (COMPRESSES): what an evicting kind presses, the whole prompt in one forward or the haystack alone."""
+    if compress not in COMPRESSES:
+        raise ValueError(f"compress must be one of {', '.join(COMPRESSES)} (got {compress!r})")
     device = next(model.parameters()).device
     ids = torch.tensor([tokenizer(sample.prompt)["input_ids"]], device=device)
     if ids.shape[1] != sample.tokens:  # a sample made with another tokenizer
@@ -144,17 +150,24 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
     eos = eos_ids(model)
     state = DecodeState(make_cache(cache_kind, model))
     options = parse_kind(cache_kind)
-    if options is not None and options.eviction is not None:
+    evicting = options is not None and options.eviction is not None
+    if evicting:
         q_chunk = None  # eviction runs on each prompt forward: the whole prompt at once, as kvpress presses it
+    pressed, question = ids, ids[:, ids.shape[1]:]
+    if evicting and compress == "context":
+        cut = question_start(tokenizer, sample)
+        pressed, question = ids[:, :cut], ids[:, cut:]
+    live = torch.ones(1, dtype=torch.long, device=device)
     watch = Stopwatch(**on_device(device))
-    logits, _ = state.prefill(model, ids, torch.ones_like(ids), q_chunk)
+    logits, _ = state.prefill(model, pressed, torch.ones_like(pressed), q_chunk)
+    for column in question[0]:  # one token a step: stored as it comes, never pressed (kvpress's question)
+        logits = state.feed(model, column[None], live)
     token = greedy_tokens(logits)
     prefill_s = watch.lap()
     nbytes = cache_bytes(state.cache)
     watch.lap()  # the bytes are not decode time
     new: list[int] = []
     text, stop = "", "max_tokens" if room == sample.max_new_tokens else "context"
-    live = torch.ones(1, dtype=torch.long, device=device)
     while len(new) < room:
         if int(token) in eos:
             stop = "eos"
@@ -176,5 +189,15 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
                         stop, prefill_s, decode_s, nbytes)
 
 
-__all__ = ["Evaluation", "SampleResult", "answer", "check_length", "context_limit", "evaluate",
-           "evaluate_tasks"]
+def question_start(tokenizer, sample: Sample) -> int:
+    """How many of the prompt's tokens hold the haystack and what precedes it: the first token that starts at or
+    after the question (`Sample.question_at`) begins the rest. Cut in the prompt's own tokens, so both parts
+    together are exactly what `compress="prompt"` feeds."""
+    enc = tokenizer(sample.prompt, return_offsets_mapping=True)
+    spans = enc["offset_mapping"]
+    return next((i for i, (start, end) in enumerate(spans) if start >= sample.question_at and end > start),
+                len(spans))
+
+
+__all__ = ["COMPRESSES", "Evaluation", "SampleResult", "answer", "check_length", "context_limit", "evaluate",
+           "evaluate_tasks", "question_start"]

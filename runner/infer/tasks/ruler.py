@@ -98,6 +98,7 @@ class Sample:
     max_new_tokens: int
     tokens: int  # the prompt's token count (len(tokenizer(prompt).input_ids))
     units: int  # haystack units chosen by the search
+    question_at: int  # where the question begins in `prompt` (characters): what follows the haystack
 
 
 def task(name: str) -> Task:
@@ -146,7 +147,7 @@ def make_sample(name: str, tokenizer, length: int, seed: int = 0, index: int = 0
 
     units, built, tokens = _fit(at, tokenizer, length, name, _MIN_UNITS.get(spec.family, 1), _max_units(spec, lists))
     return Sample(name, length, seed, index, built.prompt, tuple(built.answers), tuple(built.depths),
-                  tuple(built.needles), spec.metric, spec.max_new_tokens, tokens, units)
+                  tuple(built.needles), spec.metric, spec.max_new_tokens, tokens, units, built.question_at)
 
 
 @dataclass
@@ -155,6 +156,12 @@ class _Built:
     answers: list[str]
     depths: list[float] = field(default_factory=list)
     needles: list[str] = field(default_factory=list)
+    question_at: int = 0
+
+
+def _after(prompt: str, context: str) -> int:
+    """Where the text after the (last) haystack begins in `prompt`: the question and answer prefix."""
+    return prompt.rindex(context) + len(context)
 
 
 def _fit(at: Callable[[int], _Built], tokenizer, length: int, name: str, low: int, high_cap: int | None
@@ -269,7 +276,7 @@ def _build_niah(spec: Task, units: int, rng: random.Random, length: int, words: 
         template = template.replace("answers", "answer")
         kind = kind[:-1]
     prompt = template.format(type_needle_v=kind, context=context, query=query)
-    return _Built(prompt, answers, realised, needles)
+    return _Built(prompt, answers, realised, needles, _after(prompt, context))
 
 
 # -- variable tracking ----------------------------------------------------------------------------------------------
@@ -313,7 +320,8 @@ def _build_vt(spec: Task, units: int, rng: random.Random, length: int, words: Wo
     example, example_answers, _, _ = _vt_text(rng, VT_ICL_NOISE, chains, hops, 3)  # RULER's one worked example
     prompt, answers, realised, lines = _vt_text(rng, units, chains, hops, 5)
     shot = example + " " + " ".join(example_answers) + "\n"
-    return _Built(shot + "\n" + prompt, answers, realised, [line.strip() for line in lines])
+    full = shot + "\n" + prompt
+    return _Built(full, answers, realised, [line.strip() for line in lines], full.rindex("\nQuestion:"))
 
 
 # -- common words extraction ----------------------------------------------------------------------------------------
@@ -347,7 +355,8 @@ def _build_cwe(spec: Task, units: int, rng: random.Random, length: int, words: W
                             a["num_cw"])
     template = CWE_TEMPLATE + CWE_PREFIX
     shot = template.format(context=shot_ctx) + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_top))
-    return _Built(shot + "\n" + template.format(context=ctx), top)
+    full = shot + "\n" + template.format(context=ctx)
+    return _Built(full, top, question_at=_after(full, ctx))
 
 
 # -- frequent words extraction --------------------------------------------------------------------------------------
@@ -372,7 +381,9 @@ def _build_fwe(spec: Task, units: int, rng: random.Random, length: int, words: W
     z = zeta(alpha)
     listed = [w for k, w in enumerate(vocab, start=1) for _ in range(int(units * k ** -alpha / z))]
     rng.shuffle(listed)
-    return _Built((FWE_TEMPLATE + FWE_PREFIX).format(context=" ".join(listed)), vocab[1:4])
+    context = " ".join(listed)
+    prompt = (FWE_TEMPLATE + FWE_PREFIX).format(context=context)
+    return _Built(prompt, vocab[1:4], question_at=_after(prompt, context))
 
 
 _BUILDERS = {"niah": _build_niah, "vt": _build_vt, "cwe": _build_cwe, "fwe": _build_fwe}

@@ -1,8 +1,8 @@
 import pytest
 
 from runner.infer.loading.zoo import zoo_cached
-from runner.infer.tasks.evaluate import check_length, evaluate, evaluate_tasks
-from runner.infer.tasks.ruler import make_samples
+from runner.infer.tasks.evaluate import answer, check_length, evaluate, evaluate_tasks, question_start
+from runner.infer.tasks.ruler import make_sample, make_samples
 
 
 def test_evaluate_on_a_tiny_model_returns_predictions_scores_bytes_and_seconds(tiny_lm, one_thread, words):
@@ -31,6 +31,24 @@ def test_evaluate_on_a_tiny_model_returns_predictions_scores_bytes_and_seconds(t
     assert all(row["cache_kind"] == "q8_0" for row in rows)
     fp = evaluate(tiny_lm.model, tok, samples[:1], None, q_chunk=None)
     assert fp.results[0].cache_bytes > ev.results[0].cache_bytes  # q8_0 stores less than fp32
+
+
+def test_compressing_the_context_alone_presses_the_haystack_and_stores_the_question_as_fed(tiny_lm, one_thread,
+                                                                                            words):
+    """kvpress's pipeline: an evicting kind keeps ceil(c·(1 − r)) of the c haystack columns, then every question
+    token; pressing the prompt keeps ceil(T·(1 − r)) of all T. A kind without eviction feeds the same either way."""
+    tok = tiny_lm.tokenizer
+    sample = make_sample("niah_single_1", tok, 500, words=words)
+    cut, total = question_start(tok, sample), sample.tokens
+    assert 0 < cut < total and tok.decode(tok(sample.prompt)["input_ids"][cut:]).startswith("\nWhat is the")
+    column = answer(tiny_lm.model, tok, sample, "fp16", q_chunk=None).cache_bytes / total  # bytes a kept column
+    for compress, kept in (("prompt", -(-total // 2)), ("context", -(-cut // 2) + total - cut)):
+        result = answer(tiny_lm.model, tok, sample, "fp16+knorm:0.5", compress=compress)
+        assert result.cache_bytes == kept * column, compress
+    plain = [answer(tiny_lm.model, tok, sample, "fp16", q_chunk=None, compress=c) for c in ("prompt", "context")]
+    assert plain[0].prediction == plain[1].prediction and plain[0].cache_bytes == plain[1].cache_bytes
+    with pytest.raises(ValueError, match="compress must be one of prompt, context"):
+        answer(tiny_lm.model, tok, sample, "fp16", compress="question")
 
 
 def test_a_length_above_the_context_and_an_unknown_task_are_value_errors(tiny_lm):

@@ -104,3 +104,16 @@ def test_unknown_tasks_short_lengths_and_bad_depths_are_value_errors(tok, words)
         make_sample("niah_single_1", tok, LENGTH, depths=[0.2, 0.4], words=words)
     with pytest.raises(ValueError, match="niah tasks"):
         make_sample("vt", tok, LENGTH, depths=[0.2], words=words)
+
+
+@pytest.mark.parametrize("name, question", [("niah_single_1", "\nWhat is the special magic number for"),
+                                            ("niah_multivalue", "\nWhat are all the special magic numbers for"),
+                                            ("vt", "\nQuestion: Find all variables"),
+                                            ("cwe", "\nQuestion: What are the 10 most common words"),
+                                            ("fwe", "\nQuestion: Do not provide any explanation")])
+def test_the_question_begins_where_the_sample_says_after_every_needle(name, question, tok, words):
+    """What `compress: context` feeds unpressed: the question and answer prefix, none of the haystack."""
+    sample = make_sample(name, tok, LENGTH, words=words)
+    assert sample.prompt[sample.question_at:].startswith(question)
+    assert all(sample.prompt.rindex(needle.strip()) < sample.question_at for needle in sample.needles)
+    assert all(answer not in sample.prompt[sample.question_at:] for answer in sample.answers)
