@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / "csrc" / name for name in (  # headers hashed, .cpp compiled
     "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
-    "gguf_kquants.cpp", "gguf_interleaved.cpp", "argmax_rows.cpp", "llama_step.cpp", "decode_attention.h", "gguf_blocks.h",
-    "prefetch.h"))
+    "gguf_kquants.cpp", "gguf_interleaved.cpp", "argmax_rows.cpp", "llama_step.cpp", "decode_attention.h",
+    "gguf_blocks.h", "prefetch.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _STATE: dict[str, bool] = {}
 
