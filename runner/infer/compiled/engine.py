@@ -172,10 +172,13 @@ class CompiledEngine:
         self.graphs = self.cuda and self.mode == "reduce-overhead"  # steps replay as CUDA graphs
         # one-column steps in C++ where the model and cache allow (native_step); not when compile=False, which
         # exists to run the compiled graph's own code eagerly
-        why_not = native_step.refusal(model) if native and compile else "not asked"
-        self.native = native_step.NativeStep(model) if why_not is None else None
-        if native and compile and why_not:
-            log.info("native step: not for this model (%s): one-column steps run the compiled graph", why_not)
+        self.native: native_step.NativeStep | None = None
+        if native and compile:
+            why_not = native_step.refusal(model)
+            if why_not is None:
+                self.native = native_step.NativeStep(model)
+            else:
+                log.info("native step: not for this model (%s): one-column steps run the compiled graph", why_not)
         # (kind, rows, columns, new columns, coding) → its compiled step
         self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
         self.trusted: set[tuple] = set()  # steps whose guards passed on a real call: later calls skip them

@@ -73,7 +73,7 @@ class NativeStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps, self.scaling = float(config.rms_norm_eps), float(layers[0].self_attn.scaling)
-        self.max_rows = 8 if model.dtype == torch.float32 else cpu_linear.MAX_ROWS[model.dtype]
+        self.max_rows = cpu_linear.MAX_ROWS[model.dtype]  # GGUF products run in float32 models: 8
         self.tensors: list[torch.Tensor | None] = []
         self.codes: list[int] = []
         for layer in layers:  # llama_step.cpp's LayerTensor order

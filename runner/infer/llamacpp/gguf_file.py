@@ -47,8 +47,9 @@ def written_gguf(model, tokenizer, weight_type: str = "F32", vocab_from: Path | 
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     if weight_type != "F32":  # f32 files keep the names they had
         digest.update(weight_type.encode())
-    if vocab_from is not None:  # files written without one keep the names they had
-        digest.update(str(_vocab_settings(vocab_from)).encode())
+    vocab = _vocab_settings(vocab_from) if vocab_from is not None else {}
+    if vocab:  # files written without one keep the names they had
+        digest.update(str(vocab).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
@@ -57,7 +58,7 @@ def written_gguf(model, tokenizer, weight_type: str = "F32", vocab_from: Path | 
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            write_gguf(model, tokenizer, partial, weight_type, vocab_from)
+            write_gguf(model, tokenizer, partial, weight_type, vocab)
             partial.replace(target)
         finally:
             partial.unlink(missing_ok=True)
@@ -85,11 +86,11 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab_from: Path | None = None) -> None:
+def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab: dict | None = None) -> None:
     """A llama model's weights and its tokenizer's vocabulary as a GGUF file llama.cpp loads: all f32, or the
     matrices (embedding, head, projections) in `weight_type`, one of QUANTIZABLE (the gguf package quantizes them
-    as llama.cpp's reference code does; the norms stay f32). `vocab_from`: a GGUF of the same vocabulary whose
-    tokenizer settings are copied (how llama.cpp splits text: what its own tools, llama-perplexity, tokenize by)."""
+    as llama.cpp's reference code does; the norms stay f32). `vocab`: tokenizer settings of a GGUF of the same
+    vocabulary to copy (`_vocab_settings`: how llama.cpp splits text, what its own tools tokenize by)."""
     import gguf
 
     if weight_type not in QUANTIZABLE:
@@ -114,7 +115,7 @@ def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab_fro
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(FILE_TYPES[weight_type])
-    _add_vocab(writer, tokenizer, cfg, _vocab_settings(vocab_from) if vocab_from is not None else {})
+    _add_vocab(writer, tokenizer, cfg, vocab or {})
     weights = {k: v.detach().to(torch.float32).cpu() for k, v in model.state_dict().items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not cfg.tie_word_embeddings:

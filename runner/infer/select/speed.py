@@ -68,12 +68,14 @@ def compiled_run(model, prompt: torch.Tensor, steps: int, kind: str | None, max_
     return run_once
 
 
-def compile_pairs(pairs: dict[str, tuple], prompt: torch.Tensor, steps: int, max_seq_len: int) -> dict[str, float]:
+def compile_pairs(pairs: dict[str, tuple], prompt: torch.Tensor, steps: int, max_seq_len: int,
+                  engine: CompiledEngine | None = None) -> dict[str, float]:
     """Compile (or load from inductor's cache) the compiled engine's decode step for each (model, cache kind) at
-    the shape `compiled_run` uses → name → seconds it took (0 when already compiled). Call before timing."""
+    the shape `compiled_run` uses → name → seconds it took (0 when already compiled). Call before timing.
+    `engine`: as compiled_run's."""
     seconds = {}
     for name, (model, kind) in pairs.items():
-        engine = engine_for(model)
+        engine = engine or engine_for(model)
         before = engine.stats.total_s
         engine.state(kind, prompt.shape[0], prompt.shape[1] + steps, max_seq_len)
         seconds[name] = engine.stats.total_s - before

@@ -70,6 +70,7 @@ std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x, at::TensorList bloc
 // A bias is added in the float product, or after a GGUF one.
 std::vector<at::Tensor> products(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                                  const int64_t* which, const int64_t* biases, const int64_t* codes, int n) {
+  const auto bias = [&](int i) { return biases ? tensors.get(biases[i]) : std::nullopt; };
   std::vector<at::Tensor> out;
   bool grouped = n > 1 && codes[0] >= INTERLEAVED;
   for (int i = 1; i < n; i++) grouped = grouped && codes[i] == codes[0];
@@ -80,14 +81,11 @@ std::vector<at::Tensor> products(const at::Tensor& x, const c10::List<std::optio
   } else {
     for (int i = 0; i < n; i++) {
       const at::Tensor w = *tensors.get(which[i]);
-      const std::optional<at::Tensor> bias = biases ? tensors.get(biases[i]) : std::nullopt;
-      out.push_back(codes[i] == FLOAT_PRODUCT ? linear_rows(x, w, bias) : gguf_rows(x, w, codes[i]));
-      if (codes[i] != FLOAT_PRODUCT && bias) out.back().add_(*bias);
+      out.push_back(codes[i] == FLOAT_PRODUCT ? linear_rows(x, w, bias(i)) : gguf_rows(x, w, codes[i]));
     }
-    return out;
   }
   for (int i = 0; i < n; i++)
-    if (biases && tensors.get(biases[i])) out[i].add_(*tensors.get(biases[i]));
+    if (codes[i] != FLOAT_PRODUCT && bias(i)) out[i].add_(*bias(i));
   return out;
 }
 
