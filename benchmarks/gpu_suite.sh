@@ -20,7 +20,9 @@
 # travel, so there the shapes stand in. Speculative decoding needs the real pair (acceptance depends on the
 # weights): without it that step is skipped, and the table says so.
 # Budget: on a bare H200 each shape compiles in 26-54 s (5-7 s with inductor's cache warm), so the whole suite takes
-# well over 15 minutes: split it across device calls (LIMIT=300 per script) or trim BATCHES/KINDS. Compile seconds
+# well over 15 minutes: split it across device calls (LIMIT=300 per script) or trim it from the environment:
+# BATCHES, CONTEXTS, KINDS (space-separated, as below), REPEATS, DECODE=small (the 0.5B model alone), and
+# CONTEXTS="" or BATCHES="" to leave out the kinds' or the decode rows. Compile seconds
 # are printed on their own lines and cached under ~/.cache/runner/inductor. Each script also prints its own table; the suite's table is printed last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,13 +36,14 @@ if (( SMOKE )); then
   SMALL=benchmarks/shapes/tiny-qwen2.json LARGE=benchmarks/shapes/tiny-qwen2.json DECODE_MODELS=$SMALL
   SPEC_ARGS=(--target "$LARGE" --draft "$SMALL")
 else
-  DEVICE=cuda DTYPE=bfloat16 BATCHES="1 8 32" CONTEXTS="4096 16384" KINDS="bf16 fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2"
-  STEPS=64 TOKENS=128 REPEATS=5 LIMIT=${LIMIT:-240}
+  DEVICE=cuda DTYPE=bfloat16 BATCHES=${BATCHES-"1 8 32"} CONTEXTS=${CONTEXTS-"4096 16384"}
+  KINDS=${KINDS:-"bf16 fp16 q8_0 q4_0 q4_1 nf4 kivi4 kivi2"} STEPS=64 TOKENS=128 REPEATS=${REPEATS:-5} LIMIT=${LIMIT:-240}
   source_of() {  # the zoo model when it is here, else a random model of its shape
     if "$PY" -c "import sys; from runner.infer.loading.zoo import zoo_cached; sys.exit(not zoo_cached('zoo:$1'))"; then
       echo "zoo:$1"; else echo "benchmarks/shapes/$1.json"; fi
   }
-  SMALL=$(source_of qwen2.5-coder-0.5b) LARGE=$(source_of qwen2.5-coder-1.5b) DECODE_MODELS="$SMALL $LARGE"
+  SMALL=$(source_of qwen2.5-coder-0.5b) LARGE=$(source_of qwen2.5-coder-1.5b)
+  DECODE_MODELS=$( [[ "${DECODE:-both}" == small ]] && echo "$SMALL" || echo "$SMALL $LARGE")
   SPEC_ARGS=()
   [[ "$SMALL" == zoo:* && "$LARGE" == zoo:* ]] && SPEC_ARGS=(--target "$LARGE" --draft "$SMALL")
 fi
@@ -54,7 +57,7 @@ mkdir -p "$(dirname "$OUT")"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 } > "$OUT"
 start=$(date +%s)
-for model in $DECODE_MODELS; do
+for model in ${BATCHES:+$DECODE_MODELS}; do
   timeout "$LIMIT" "$PY" benchmarks/compiled_vs_hf.py --model "$model" --device "$DEVICE" --dtypes "$DTYPE" \
     --batch-sizes $BATCHES --new-tokens "$TOKENS" --repeats "$REPEATS" --variants compiled hf hf-compiled \
     --markdown "$OUT" || echo "compiled_vs_hf on $model stopped (exit $?; rows so far are kept)"
