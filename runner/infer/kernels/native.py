@@ -9,6 +9,9 @@ The library goes to <cache folder>/kernels/runner_kernels-<hash>.so (runner.file
 ~/.cache/runner); the hash covers the sources, the flags, the compiler, this CPU (-march=native: a home directory
 shared by other CPUs gets one build each) and torch's version (the ops are built against its headers, as
 torch.utils.cpp_extension would). A cached library that cannot be loaded is built again, once.
+$RUNNER_MARCH compiles for another -march than native (march()): x86-64-v3 is an AVX2-only CPU's set (AVX2, FMA,
+F16C), so an AVX-512 machine runs and times the paths an AVX2-only one would; cpu_flags() then says what the build
+has, and llama.cpp's tools are built for the same set (llamacpp.install).
 No compiler, a failed build or a cache folder that cannot hold the library: load() is False, said once at warning
 level with the reason, and callers keep their torch expressions.
 Owns: compiling, caching and loading. Knows nothing of what the kernels do (cpu_linear.py, cpu_attention.py,
@@ -39,8 +42,13 @@ SOURCES = tuple(HERE / "csrc" / name for name in (  # headers hashed, .cpp compi
     "linear_rows.cpp", "attention_ops.cpp", "decode_attention.cpp", "outlier_ops.cpp", "gguf_rows.cpp",
     "gguf_kquants.cpp", "gguf_interleaved.cpp", "argmax_rows.cpp", "llama_step.cpp", "decode_attention.h",
     "gguf_blocks.h", "prefetch.h"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")  # and -march=march()
 _STATE: dict[str, bool] = {}
+
+
+def march() -> str:
+    """What the kernels are compiled for: $RUNNER_MARCH (a gcc -march value, e.g. x86-64-v3), else native."""
+    return os.environ.get("RUNNER_MARCH") or "native"
 
 
 def kernel_dir() -> Path:
@@ -48,10 +56,15 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (avx2, fma, f16c, avx512f, avx512_bf16, amx_tile, ...); empty
-    where there is no such file. The kernels are built with -march=native, so these are the paths they have."""
+    """The CPU's feature flags as the kernels see them: /proc/cpuinfo's (avx2, fma, f16c, avx512f, avx512_bf16,
+    amx_tile, ...; empty where there is no such file), less the vector flags march() does not compile for."""
+    return _flags_for(march())
+
+
+@functools.cache
+def machine_flags() -> frozenset[str]:
+    """The CPU's own feature flags from /proc/cpuinfo; empty where there is no such file."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -60,10 +73,51 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def _is_vector(flag: str) -> bool:
+    return flag.startswith(("avx", "amx")) or flag in ("sse4_2", "fma", "f16c", "neon", "asimd", "sve")
+
+
 def vector_flags() -> list[str]:
     """The flags that choose a kernel path (what a benchmark figure or a CI log says it ran on)."""
-    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))
-                  or f in ("sse4_2", "fma", "f16c", "neon", "asimd", "sve"))
+    return sorted(f for f in cpu_flags() if _is_vector(f))
+
+
+@functools.cache
+def _flags_for(target: str) -> frozenset[str]:
+    """machine_flags(), less the vector flags whose macro (avx512_bf16 → __AVX512BF16__, sse4_2 → __SSE4_2__) the
+    compiler does not define for -march=target."""
+    flags = machine_flags()
+    if target == "native":
+        return flags
+    macros = _compiler_macros(target)
+    return frozenset(f for f in flags if not _is_vector(f) or _macros_of(f) & macros)
+
+
+@functools.cache
+def _compiler_macros(target: str) -> frozenset[str]:
+    """The macros the compiler predefines for -march=target (empty without a compiler that knows it)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    try:
+        done = subprocess.run([compiler or "c++", f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
+                              capture_output=True, text=True)
+    except OSError:
+        return frozenset()
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+
+
+def _march_lacks() -> list[str]:
+    """The vector flags -march=march() compiles for that this CPU lacks (its library would fault)."""
+    if march() == "native":
+        return []
+    macros = _compiler_macros(march())
+    wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+              "avx512_vnni", "avx_vnni", "amx_tile")
+    return [f for f in wanted if _macros_of(f) & macros and f not in machine_flags()]
+
+
+def _macros_of(flag: str) -> set[str]:
+    """The macro a compiler defines for a CPU flag: avx512_bf16 → __AVX512BF16__, sse4_2 → __SSE4_2__."""
+    return {f"__{flag.upper()}__", f"__{flag.upper().replace('_', '')}__"}
 
 
 def _machine() -> str:
@@ -90,13 +144,16 @@ def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or $CXX) found")
-    flags = [*FLAGS, *_torch_flags()]
+    flags = [*FLAGS, f"-march={march()}", *_torch_flags()]
     digest = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in sources), " ".join(flags).encode(),
                                         compiler.encode(), _machine().encode(), torch.__version__.encode()]))
     target = kernel_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     cache_folder("kernels")  # CacheError before compiling when the library could not be kept
+    lacks = _march_lacks()
+    if lacks:
+        raise RuntimeError(f"RUNNER_MARCH={march()} compiles for {', '.join(lacks)}, which this CPU lacks")
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(tmp) / f"{name}.so"
         compiled = [str(s) for s in sources if s.suffix == ".cpp"]

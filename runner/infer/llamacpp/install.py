@@ -23,6 +23,7 @@ from pathlib import Path
 from runner.errors import RunnerError
 from runner.files import cache_folder
 from runner.infer.config.llamacpp import INSTALL_COMMAND
+from runner.infer.kernels.native import march
 from runner.infer.loading.pinned import pip_download, publish_folder, sha256_file
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def installed_version() -> str | None:
 
 
 def cpu_key() -> str:
-    """A short hash of what makes a -march=native build machine-specific: the architecture and the CPU's flags."""
+    """A short hash of what makes a -march=native build machine-specific: the architecture and the CPU's flags (and
+    $RUNNER_MARCH where it is set: kernels.native.march())."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -55,7 +57,8 @@ def cpu_key() -> str:
                 break
     except OSError:
         pass
-    return hashlib.sha256(f"{os.uname().machine} {flags}".encode()).hexdigest()[:10]
+    target = "" if march() == "native" else f" {march()}"
+    return hashlib.sha256(f"{os.uname().machine} {flags}{target}".encode()).hexdigest()[:10]
 
 
 def wheel_folder() -> Path:
@@ -88,8 +91,9 @@ def build_wheel(sdist: Path) -> Path:
     target = wheel_folder()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".building-") as tmp:
         log.info("building llama-cpp-python %s for this CPU (once; compiles llama.cpp, minutes)", VERSION)
+        cmake_args = " ".join([os.environ.get("CMAKE_ARGS", ""), *_target_flags()]).strip()
         _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-w", tmp,
-              str(sdist)], "pip wheel")
+              str(sdist)], "pip wheel", env={**os.environ, "CMAKE_ARGS": cmake_args})
         built = Path(tmp) / "out"
         built.mkdir()
         for wheel in Path(tmp).glob("llama_cpp_python-*.whl"):
@@ -133,7 +137,7 @@ def llama_tool(name: str = "llama-bench") -> Path:
         build = Path(tmp) / "build"
         log.info("building %s from llama.cpp vendored in %s (once; minutes)", name, SDIST)
         _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-              "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"], "cmake")
+              "-DBUILD_SHARED_LIBS=OFF", *_target_flags()], "cmake")
         _run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 1)], "cmake --build")
         out = Path(tmp) / "out"
         out.mkdir()
@@ -142,8 +146,16 @@ def llama_tool(name: str = "llama-bench") -> Path:
     return binary
 
 
-def _run(cmd: list[str], what: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
+def _target_flags() -> list[str]:
+    """cmake's flags for the CPU to build for: native, or $RUNNER_MARCH's -march as runner's kernels (ggml's x86
+    options then default to AVX2's family, and the compiler's -march decides the rest)."""
+    if march() == "native":
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", f"-DCMAKE_C_FLAGS=-march={march()}", f"-DCMAKE_CXX_FLAGS=-march={march()}"]
+
+
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise InstallError(f"{what} failed ({INSTALL_COMMAND}): {(done.stderr or done.stdout).strip()[-2000:]}")
 

@@ -3,6 +3,7 @@ the reason, then the torch expressions)."""
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,45 @@ def test_a_cached_library_that_cannot_be_loaded_is_built_again_once(tmp_path, mo
         f"the cached kernel library {bad} cannot be loaded (Could not load this library: {bad}): building it again",
         f"runner's C++ kernels unavailable, products and attention stay torch expressions: Could not load this "
         f"library: {bad}"]
+
+
+def test_runner_march_x86_64_v3_is_the_avx2_set_alone(monkeypatch):
+    """An AVX2-only CPU's paths on any x86 one: the flags the kernels see lose AVX-512 and AVX-VNNI, keep AVX2's."""
+    if not native._compiler_macros("x86-64-v3"):
+        pytest.skip("no compiler here that knows -march=x86-64-v3 (not an x86 toolchain)")
+    monkeypatch.setenv("RUNNER_MARCH", "x86-64-v3")
+    assert native.march() == "x86-64-v3"
+    avx2_set = {"avx", "avx2", "fma", "f16c", "sse4_2"}
+    assert set(native.vector_flags()) == avx2_set & native.machine_flags()
+    monkeypatch.delenv("RUNNER_MARCH")
+    assert set(native.vector_flags()) >= avx2_set & native.machine_flags()  # native again: the CPU's own
+
+
+def test_a_march_this_cpu_cannot_run_is_one_warning_naming_what_it_lacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "cache"))
+    for target in ("x86-64-v4", "sapphirerapids", "graniterapids"):  # the first this CPU cannot run
+        monkeypatch.setenv("RUNNER_MARCH", target)
+        if native._march_lacks():
+            break
+    else:
+        pytest.skip(f"this CPU ({' '.join(native.vector_flags())}) runs every -march tried, or no x86 compiler")
+    monkeypatch.setattr(native, "_STATE", {})
+    lacks = native._march_lacks()
+    assert all(flag not in native.machine_flags() for flag in lacks)
+    assert _warnings_of_a_failed_load() == [
+        "runner's C++ kernels unavailable, products and attention stay torch expressions: "
+        f"RUNNER_MARCH={target} compiles for {', '.join(lacks)}, which this CPU lacks"]
+
+
+@pytest.mark.slow
+def test_the_kernel_tests_pass_on_the_avx2_paths_of_a_wider_cpu():
+    """Issue 37's portability on one machine: where the CPU has AVX-512, the kernel and native-step tests run again
+    on a library built for x86-64-v3 (what an AVX2-only CPU runs), in a process of their own."""
+    if "avx512f" not in native.machine_flags():
+        pytest.skip(f"this CPU ({' '.join(native.vector_flags())}) has no AVX-512: its own run is the AVX2 run")
+    env = {**os.environ, "RUNNER_MARCH": "x86-64-v3"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                           "tests/infer/kernels", "tests/infer/compiled/test_native_step.py"],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
