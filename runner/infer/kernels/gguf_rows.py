@@ -5,8 +5,9 @@ torch ops
         → float32 [M,N] = x · Wᵀ
     runner::gguf_interleave(blocks, ggml_type) → the same bytes with each span of 8 rows interleaved (Q4_0 and Q4_1,
         N a multiple of 8), which gguf_rows(..., interleaved=True) reads 2.2× faster on AVX2 (in cache): 8 rows a vector
-    runner::gguf_rows_group(x, [blocks…], ggml_type, path=0) → [gguf_rows(x, blocks_i, …, interleaved=True)…]
-        (x quantized once; `group_products` rewrites a compiled step's calls that share an x into it)
+    runner::gguf_rows_group(x, [blocks…], ggml_type, path=0, interleaved=True) → [gguf_rows(x, blocks_i, …)…]
+        (x quantized once, one parallel region; `group_products` rewrites a compiled step's calls that share an x
+        into it, and the native step calls it for q, k, v and gate, up)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
     runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA; no AVX-512 path yet)
 
@@ -57,12 +58,12 @@ def _interleave_fake(blocks, ggml_type):  # the same shape, bytes reordered
     return torch.empty_like(blocks)
 
 
-def _group_fake(x, blocks, ggml_type, path=0):  # [M,N_i] float32 each
+def _group_fake(x, blocks, ggml_type, path=0, interleaved=True):  # [M,N_i] float32 each
     return [x.new_empty(x.shape[0], b.shape[0], dtype=torch.float32) for b in blocks]
 
 
 def group_products(graph: torch.fx.Graph) -> int:
-    """Inductor post-grad rewrite: the gguf_rows calls on interleaved weights of one type that read the same x (an
+    """Inductor post-grad rewrite: the gguf_rows calls on weights of one type and layout that read the same x (an
     attention's q, k and v; an MLP's gate and up) → one gguf_rows_group, which quantizes x once and shares all their
     rows between the threads in one parallel region (~0.7 ms of a SmolLM2 step). Only weights the graph takes as
     inputs (defined before any call), so the group can stand where its first call stood. Returns the groups made."""
@@ -73,15 +74,16 @@ def group_products(graph: torch.fx.Graph) -> int:
             continue
         x, blocks, ggml_type, path, interleaved = _rows_args(node)
         weight_input = isinstance(blocks, torch.fx.Node) and blocks.op in ("placeholder", "get_attr")
-        if interleaved and weight_input and isinstance(x, torch.fx.Node) and "val" in x.meta:
-            groups.setdefault((_viewed(x), tuple(x.meta["val"].shape), ggml_type, path), []).append(node)
+        if weight_input and isinstance(x, torch.fx.Node) and "val" in x.meta:
+            groups.setdefault((_viewed(x), tuple(x.meta["val"].shape), ggml_type, path, interleaved), []).append(node)
     made = 0
-    for (_, _, ggml_type, path), nodes in groups.items():
+    for (_, _, ggml_type, path, interleaved), nodes in groups.items():
         if len(nodes) < 2:
             continue
         with graph.inserting_before(nodes[0]):
             group = graph.call_function(torch.ops.runner.gguf_rows_group.default,
-                                        (_rows_args(nodes[0])[0], [_rows_args(n)[1] for n in nodes], ggml_type, path))
+                                        (_rows_args(nodes[0])[0], [_rows_args(n)[1] for n in nodes], ggml_type, path,
+                                         interleaved))
         group.meta["val"] = [node.meta["val"] for node in nodes]
         for i, node in enumerate(nodes):
             with graph.inserting_before(node):

@@ -119,6 +119,21 @@ def _real_tensors():
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", TYPES)
+def test_a_group_of_plain_weights_equals_its_products_one_by_one(name, path):
+    """gguf_rows_group(..., interleaved=False): x quantized once and all the weights' rows in one parallel region,
+    the same arithmetic per row whichever thread takes it: equal, not close."""
+    generator = np.random.default_rng(gguf_rows.GGML_TYPES[name] + 40)
+    k = 512 if name.endswith("_K") else 576
+    weights = [torch.from_numpy(random_blocks(name, n, k, generator)) for n in (37, 16, 1, 64)]
+    x = torch.randn(5, k)
+    group = torch.ops.runner.gguf_rows_group(x, weights, gguf_rows.GGML_TYPES[name], path, False)
+    assert [tuple(y.shape) for y in group] == [(5, 37), (5, 16), (5, 1), (5, 64)]
+    for y, w in zip(group, weights, strict=True):
+        assert torch.equal(y, torch.ops.runner.gguf_rows(x, w, gguf_rows.GGML_TYPES[name], path))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_real_gguf_tensors(path):
     tensors = _real_tensors()
     if not tensors:

@@ -156,30 +156,46 @@ inline void with_group(int64_t g, F f) {
   }
 }
 
-// dot(n, m, G) for every weight row n and each group of ≤ GROUP rows of x from m: the threads take contiguous runs
-// of weight rows (each reads its own part of W) and every row of x is served while a weight row is in cache, so W
-// is read from memory once whatever M is.
-template <typename Dot>
-inline void each_row(int64_t N, int64_t M, Dot dot) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n++)
-      for (int64_t m = 0; m < M; m += GROUP) dot(n, m, std::min(GROUP, M - m));
+// One weight of a product (or of several sharing one x): its N rows of blocks and its output y [M,N].
+struct Weight { const uint8_t* blocks; int64_t N; float* y; };
+
+// f(weight, u) for each unit u < units(weight) of every weight (rows, or spans of interleaved rows): the units of all
+// the weights are shared out between the threads as one run (one parallel region, `grain` units at the least), so
+// each thread reads its own contiguous part of the weights.
+template <typename Units, typename F>
+inline void each_unit(const std::vector<Weight>& weights, int64_t grain, Units units, F f) {
+  std::vector<int64_t> first{0};  // weights[i]'s units are first[i] .. first[i + 1]
+  for (const Weight& w : weights) first.push_back(first.back() + units(w));
+  at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
+    size_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t u = begin; u < end; u++) {
+      while (u >= first[i + 1]) i++;
+      f(weights[i], u - first[i]);
+    }
   });
 }
 
-// The K-quants (gguf_kquants.cpp): y [M,N] (row stride N) = x · Wᵀ from x's q8_K rows (nb blocks each) and W's rows
+// dot(w, n, m, G) for every row n of every weight and each group of ≤ GROUP rows of x from m: every row of x is
+// served while a weight row is in cache, so W is read from memory once whatever M is.
+template <typename Dot>
+inline void each_row(const std::vector<Weight>& weights, int64_t M, Dot dot) {
+  each_unit(weights, 16, [](const Weight& w) { return w.N; }, [&](const Weight& w, int64_t n) {
+    for (int64_t m = 0; m < M; m += GROUP) dot(w, n, m, std::min(GROUP, M - m));
+  });
+}
+
+// The K-quants (gguf_kquants.cpp): each weight's y [M,N] = x · Wᵀ from x's q8_K rows (nb blocks each) and W's rows
 // of nb super-blocks; `path` SCALAR or AVX2 (checked by the caller). dequantize_*: nb blocks → nb·256 floats.
-void rows_q4_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path);
-void rows_q6_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path);
+void rows_q4_K(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path);
+void rows_q6_K(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path);
 void dequantize_q4_K(const BlockQ4_K* blocks, int64_t nb, float* out);
 void dequantize_q6_K(const BlockQ6_K* blocks, int64_t nb, float* out);
 
 // Q4_0 / Q4_1 with 8 rows interleaved (gguf_interleaved.cpp; N a multiple of 8): interleave_rows reorders the bytes
 // of each span of 8 plain rows (the same bytes); rows_interleaved is rows_typed on that layout, for one weight or
-// several of the same type and K against the same x (y [M,N] each, row stride N).
-struct Interleaved { const uint8_t* blocks; int64_t N; float* y; };
+// several of the same type and K against the same x.
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out);
-void rows_interleaved(const std::vector<Interleaved>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
+void rows_interleaved(const std::vector<Weight>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path);
 
 #ifdef RUNNER_GGUF_VNNI

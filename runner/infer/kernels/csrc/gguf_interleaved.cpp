@@ -127,24 +127,16 @@ void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, fl
 
 // Several weights against the same x, their spans shared out between the threads as one run (one parallel region).
 template <bool HasMin>
-void rows_spans(const std::vector<Interleaved>& weights, const XQ8_1* x, int64_t M, int64_t nb, Path path) {
+void rows_spans(const std::vector<Weight>& weights, const XQ8_1* x, int64_t M, int64_t nb, Path path) {
   const int64_t span_bytes = nb * group_block_bytes<HasMin>;
-  std::vector<int64_t> first_span{0};  // weights[i]'s spans are first_span[i] .. first_span[i + 1]
-  for (const Interleaved& w : weights) first_span.push_back(first_span.back() + w.N / ROWS);
-  at::parallel_for(0, first_span.back(), 2, [&](int64_t begin, int64_t end) {
-    size_t i = std::upper_bound(first_span.begin(), first_span.end(), begin) - first_span.begin() - 1;
-    for (int64_t s = begin; s < end; s++) {
-      while (s >= first_span[i + 1]) i++;
-      const Interleaved& w = weights[i];
-      const int64_t local = s - first_span[i];
-      rows_of_span<HasMin>(w.blocks + local * span_bytes, x, M, nb, w.y + local * ROWS, w.N, path);
-    }
+  each_unit(weights, 2, [](const Weight& w) { return w.N / ROWS; }, [&](const Weight& w, int64_t s) {
+    rows_of_span<HasMin>(w.blocks + s * span_bytes, x, M, nb, w.y + s * ROWS, w.N, path);
   });
 }
 
 }  // namespace
 
-void rows_interleaved(const std::vector<Interleaved>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
+void rows_interleaved(const std::vector<Weight>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path) {
   if (type == Q4_1) return rows_spans<true>(weights, x, M, nb, path);
   rows_spans<false>(weights, x, M, nb, path);

@@ -157,27 +157,29 @@ void dot_avx2(const BlockQ6_K* w, const XQ8_K* x, int64_t nb, float* y, int64_t 
 #endif
 
 template <typename WB>
-void rows_typed(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path) {
-  const auto row = [w, nb](int64_t n) { return reinterpret_cast<const WB*>(w) + n * nb; };
+void rows_typed(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path) {
+  const auto row = [nb](const Weight& w, int64_t n) { return reinterpret_cast<const WB*>(w.blocks) + n * nb; };
 #ifdef RUNNER_GGUF_AVX2
   if (path == AVX2) {
-    return each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-      with_group(g, [&](auto group) { dot_avx2<decltype(group)::value>(row(n), x + m * nb, nb, y + m * N + n, N); });
+    return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
+      with_group(g, [&](auto group) {
+        dot_avx2<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
+      });
     });
   }
 #endif
-  each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_scalar(row(n), x + i * nb, nb);
+  each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
+    for (int64_t i = m; i < m + g; i++) w.y[i * w.N + n] = dot_scalar(row(w, n), x + i * nb, nb);
   });
 }
 
 }  // namespace
 
-void rows_q4_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path) {
-  rows_typed<BlockQ4_K>(w, N, x, M, nb, y, path);
+void rows_q4_K(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path) {
+  rows_typed<BlockQ4_K>(weights, x, M, nb, path);
 }
-void rows_q6_K(const uint8_t* w, int64_t N, const XQ8_K* x, int64_t M, int64_t nb, float* y, Path path) {
-  rows_typed<BlockQ6_K>(w, N, x, M, nb, y, path);
+void rows_q6_K(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path) {
+  rows_typed<BlockQ6_K>(weights, x, M, nb, path);
 }
 
 // Exactly gguf.quants.dequantize: (d·sc)·q − dmin·m and (d·sc)·(q − 32), each product rounded (unfused).

@@ -3,7 +3,8 @@
 //   runner::gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0, bool interleaved=False) -> Tensor
 //   runner::gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor
 //   runner::gguf_interleave(Tensor blocks, int ggml_type) -> Tensor  (Q4_0 / Q4_1 in 8-row spans: gguf_interleaved.cpp)
-//   runner::gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0) -> Tensor[]  (interleaved, one x)
+//   runner::gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0, bool interleaved=True)
+//       -> Tensor[]  (several weights of one type against one x)
 //   runner::gguf_paths() -> int[]
 // (native.py builds them; gguf_rows.py loads them). Types: Q4_0, Q4_1, Q5_0, Q8_0 here; Q4_K, Q6_K in
 // gguf_kquants.cpp. Paths: 1 portable C++, 2 AVX2 + FMA (this build's best where the CPU has them). There is no
@@ -162,22 +163,6 @@ void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride
 }
 #endif
 
-// y [M,N] = x's quantized rows (XB blocks, nb a row) · the weight rows (WB blocks, nb a row).
-template <typename WB, typename XB>
-void rows_typed(const uint8_t* w, int64_t N, const XB* x, int64_t M, int64_t nb, float* y, Path path) {
-  const auto row = [w, nb](int64_t n) { return reinterpret_cast<const WB*>(w) + n * nb; };
-#ifdef RUNNER_GGUF_AVX2
-  if (path == AVX2) {
-    return each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-      with_group(g, [&](auto group) { dot_avx2<decltype(group)::value>(row(n), x + m * nb, nb, y + m * N + n, N); });
-    });
-  }
-#endif
-  each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_scalar(row(n), x + i * nb, nb);
-  });
-}
-
 // --- Q8_0 against x at 16 bits: not llama.cpp's 8-bit x ---
 // Why: 8-bit activations move a Q8_0 model's logits by ~0.1 on SmolLM2, enough to flip near-tied greedy tokens;
 // 16-bit x (per block of 32, d = max|x|/32767) moves them 256 times less, and the integer products cost a third of
@@ -185,7 +170,7 @@ void rows_typed(const uint8_t* w, int64_t N, const XB* x, int64_t M, int64_t nb,
 // the memory's rate instead of being bound by conversions. A block's products sum exactly in int32; in AVX2 each
 // lane's sum of 4 (|Σ| ≤ 4·127·32767 < 2^24) is exact in float32 too.
 
-float dot_q16_scalar(const BlockQ8_0* w, const XQ16_0* x, int64_t nb) {
+float dot_scalar(const BlockQ8_0* w, const XQ16_0* x, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; b++) {
     int32_t block = 0;
@@ -198,7 +183,7 @@ float dot_q16_scalar(const BlockQ8_0* w, const XQ16_0* x, int64_t nb) {
 #ifdef RUNNER_GGUF_AVX2
 // G rows of x against one Q8_0 weight row: each block's 32 codes widened to int16 once for G rows.
 template <int G>
-void dot_q16_avx2(const BlockQ8_0* w, const XQ16_0* x, int64_t nb, float* y, int64_t y_stride) {
+void dot_avx2(const BlockQ8_0* w, const XQ16_0* x, int64_t nb, float* y, int64_t y_stride) {
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
@@ -218,17 +203,21 @@ void dot_q16_avx2(const BlockQ8_0* w, const XQ16_0* x, int64_t nb, float* y, int
 }
 #endif
 
-void rows_q8_0(const uint8_t* w, int64_t N, const XQ16_0* x, int64_t M, int64_t nb, float* y, Path path) {
-  const auto row = [w, nb](int64_t n) { return reinterpret_cast<const BlockQ8_0*>(w) + n * nb; };
+// Each weight's y [M,N] = x's quantized rows (XB blocks, nb a row) · the weight's rows (WB blocks, nb a row).
+template <typename WB, typename XB>
+void rows_typed(const std::vector<Weight>& weights, const XB* x, int64_t M, int64_t nb, Path path) {
+  const auto row = [nb](const Weight& w, int64_t n) { return reinterpret_cast<const WB*>(w.blocks) + n * nb; };
 #ifdef RUNNER_GGUF_AVX2
   if (path == AVX2) {
-    return each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-      with_group(g, [&](auto group) { dot_q16_avx2<decltype(group)::value>(row(n), x + m * nb, nb, y + m * N + n, N); });
+    return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
+      with_group(g, [&](auto group) {
+        dot_avx2<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
+      });
     });
   }
 #endif
-  each_row(N, M, [&](int64_t n, int64_t m, int64_t g) {
-    for (int64_t i = m; i < m + g; i++) y[i * N + n] = dot_q16_scalar(row(n), x + i * nb, nb);
+  each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
+    for (int64_t i = m; i < m + g; i++) w.y[i * w.N + n] = dot_scalar(row(w, n), x + i * nb, nb);
   });
 }
 
@@ -351,48 +340,44 @@ at::Tensor checked_x(const at::Tensor& x, const char* op) {
   return x.contiguous();
 }
 
-// x [M,K] (checked) against interleaved weights of one type: x quantized once, one parallel region → y [M,N_i] each.
-std::vector<at::Tensor> interleaved_products(const at::Tensor& x, at::TensorList blocks, int64_t type, Path path) {
+// x [M,K] (checked) against weights of one type and K (interleaved or not, all alike): x quantized once, one parallel
+// region → y [M,N_i] each.
+std::vector<at::Tensor> products(const at::Tensor& x, at::TensorList blocks, int64_t type, Path path,
+                                 bool interleaved) {
   const Format format = format_of(type);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / format.elements;
   std::vector<at::Tensor> ys;
-  std::vector<Interleaved> weights;
+  std::vector<Weight> weights;
   for (const at::Tensor& w : blocks) {
     row_elements(w, format, K);
-    check_interleavable(w, type);
+    if (interleaved) check_interleavable(w, type);
     ys.push_back(at::empty({M, w.size(0)}, x.options()));
     weights.push_back({w.data_ptr<uint8_t>(), w.size(0), ys.back().data_ptr<float>()});
   }
-  rows_interleaved(weights, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, K / QK, path);
+  if (interleaved) {
+    rows_interleaved(weights, type, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path);
+    return ys;
+  }
+  switch (type) {
+    case Q4_0: rows_typed<BlockQ4_0>(weights, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path); break;
+    case Q4_1: rows_typed<BlockQ4_1>(weights, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path); break;
+    case Q5_0: rows_typed<BlockQ5_0>(weights, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, path); break;
+    case Q8_0: rows_typed<BlockQ8_0>(weights, quantized_rows<XQ16_0>(x, M, K, QK).data(), M, nb, path); break;
+    case Q4_K: rows_q4_K(weights, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, path); break;
+    default: rows_q6_K(weights, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, path); break;
+  }
   return ys;
 }
 
-at::Tensor gguf_rows(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, int64_t path_in,
-                     bool interleaved) {
-  const Format format = format_of(type);
-  const at::Tensor x = checked_x(x_in, "gguf_rows");
-  const Path path = chosen_path(path_in);
-  if (interleaved) return interleaved_products(x, {blocks}, type, path)[0];
-  const int64_t M = x.size(0), K = row_elements(blocks, format, x.size(1)), N = blocks.size(0);
-  const int64_t nb = K / format.elements;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
-  switch (type) {
-    case Q4_0: rows_typed<BlockQ4_0>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
-    case Q4_1: rows_typed<BlockQ4_1>(w, N, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, out, path); break;
-    case Q5_0: rows_typed<BlockQ5_0>(w, N, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, out, path); break;
-    case Q8_0: rows_q8_0(w, N, quantized_rows<XQ16_0>(x, M, K, QK).data(), M, nb, out, path); break;
-    case Q4_K: rows_q4_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
-    default: rows_q6_K(w, N, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, out, path); break;
-  }
-  return y;
+at::Tensor gguf_rows(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t path, bool interleaved) {
+  return products(checked_x(x, "gguf_rows"), {blocks}, type, chosen_path(path), interleaved)[0];
 }
 
-// gguf_rows(x, blocks[i], type, path, interleaved=True) for each i: x quantized once, one parallel region.
-std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x_in, at::TensorList blocks, int64_t type, int64_t path_in) {
+// gguf_rows(x, blocks[i], type, path, interleaved) for each i: x quantized once, one parallel region.
+std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x, at::TensorList blocks, int64_t type, int64_t path,
+                                        bool interleaved) {
   TORCH_CHECK(!blocks.empty(), "gguf_rows_group: no weights");
-  return interleaved_products(checked_x(x_in, "gguf_rows_group"), blocks, type, chosen_path(path_in));
+  return products(checked_x(x, "gguf_rows_group"), blocks, type, chosen_path(path), interleaved);
 }
 
 at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t type) {
@@ -434,7 +419,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type) {
 TORCH_LIBRARY_FRAGMENT(runner, m) {
   m.def("gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0, bool interleaved=False) -> Tensor");
   m.def("gguf_interleave(Tensor blocks, int ggml_type) -> Tensor");
-  m.def("gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0) -> Tensor[]");
+  m.def("gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0, bool interleaved=True) -> Tensor[]");
   m.def("gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor");
   m.def("gguf_paths() -> int[]", &runner_gguf::gguf_paths);
 }

@@ -61,18 +61,18 @@ at::Tensor gguf_rows(const at::Tensor& x, const at::Tensor& blocks, int64_t code
 
 std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x, at::TensorList blocks, int64_t code) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("runner::gguf_rows_group", "").typed<
-      std::vector<at::Tensor>(const at::Tensor&, at::TensorList, int64_t, int64_t)>();
-  return op.call(x, blocks, code % INTERLEAVED, 0);
+      std::vector<at::Tensor>(const at::Tensor&, at::TensorList, int64_t, int64_t, bool)>();
+  return op.call(x, blocks, code % INTERLEAVED, 0, code >= INTERLEAVED);
 }
 
-// x [B,K] through n products that read it (q, k, v or gate, up) → their outputs [B,N_i]; GGUF weights of one
-// interleaved type in one call (x quantized once, one parallel region), as the compiled step's pass groups them.
+// x [B,K] through n products that read it (q, k, v or gate, up) → their outputs [B,N_i]; GGUF weights of one type
+// (and layout) in one call (x quantized once, one parallel region), as the compiled step's pass groups them.
 // A bias is added in the float product, or after a GGUF one.
 std::vector<at::Tensor> products(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                                  const int64_t* which, const int64_t* biases, const int64_t* codes, int n) {
   const auto bias = [&](int i) { return biases ? tensors.get(biases[i]) : std::nullopt; };
   std::vector<at::Tensor> out;
-  bool grouped = n > 1 && codes[0] >= INTERLEAVED;
+  bool grouped = n > 1 && codes[0] != FLOAT_PRODUCT;
   for (int i = 1; i < n; i++) grouped = grouped && codes[i] == codes[0];
   if (grouped) {
     std::vector<at::Tensor> blocks;
