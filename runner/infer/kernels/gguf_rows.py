@@ -9,7 +9,8 @@ torch ops
         (x quantized once, one parallel region; `group_products` rewrites a compiled step's calls that share an x
         into it, and the native step calls it for q, k, v and gate, up)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
-    runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA; no AVX-512 path yet)
+    runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA, 3 AVX-512: Q8_0 on 512-bit registers,
+        the other types their AVX2 code)
 
 and the block formats' table (`GGML_TYPES`, `BLOCK_ELEMS`, `BLOCK_BYTES`, `row_bytes`).
 

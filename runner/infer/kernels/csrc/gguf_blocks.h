@@ -24,6 +24,9 @@
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define RUNNER_GGUF_VNNI 1  // the AVX2 path's byte products in one instruction (vpdpbusd) where the CPU has it
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RUNNER_GGUF_AVX512 1  // Q8_0's products on 512-bit registers (a whole block of 16-bit x in one)
+#endif
 #elif defined(__F16C__)
 #include <immintrin.h>
 #endif

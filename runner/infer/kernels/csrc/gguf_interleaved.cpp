@@ -114,7 +114,7 @@ void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, fl
   for (int64_t m = 0; m < M; m += GROUP) {
     const int64_t g = std::min(GROUP, M - m);
 #ifdef RUNNER_GGUF_AVX2
-    if (path == AVX2) {
+    if (path >= AVX2) {  // AVX512 too: these have no 512-bit code of their own
       with_group(g, [&](auto group) {
         dot_span_avx2<decltype(group)::value, HasMin>(span, x + m * nb, nb, y + m * y_stride, y_stride);
       });

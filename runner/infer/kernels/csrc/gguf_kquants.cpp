@@ -160,7 +160,7 @@ template <typename WB>
 void rows_typed(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, int64_t nb, Path path) {
   const auto row = [nb](const Weight& w, int64_t n) { return reinterpret_cast<const WB*>(w.blocks) + n * nb; };
 #ifdef RUNNER_GGUF_AVX2
-  if (path == AVX2) {
+  if (path >= AVX2) {  // AVX512 too: these have no 512-bit code of their own
     return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
       with_group(g, [&](auto group) {
         dot_avx2<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
