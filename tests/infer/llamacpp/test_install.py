@@ -28,3 +28,15 @@ def test_rerunning_is_a_noop_once_installed():
     if install.installed_version() != install.VERSION:
         pytest.skip(f"llama-cpp-python {install.VERSION} is not installed: make setup-llamacpp installs it")
     assert "installed already" in install.ensure_installed()
+
+
+def test_runner_march_builds_llama_cpp_for_that_march_under_its_own_key(monkeypatch):
+    """The same CPU set as runner's kernels (kernels.native.march): native by default; another -march with ggml's
+    own x86 options off, kept apart from the native build."""
+    monkeypatch.delenv("RUNNER_MARCH", raising=False)
+    native_key = install.cpu_key()
+    assert install._target_flags() == ["-DGGML_NATIVE=ON"]
+    monkeypatch.setenv("RUNNER_MARCH", "x86-64-v3")
+    assert install._target_flags() == ["-DGGML_NATIVE=OFF", "-DCMAKE_C_FLAGS=-march=x86-64-v3",
+                                       "-DCMAKE_CXX_FLAGS=-march=x86-64-v3"]
+    assert install.cpu_key() != native_key and re.fullmatch(r"[0-9a-f]{10}", install.cpu_key())
