@@ -96,9 +96,8 @@ def _flags_for(target: str) -> frozenset[str]:
 @functools.cache
 def _compiler_macros(target: str) -> frozenset[str]:
     """The macros the compiler predefines for -march=target (empty without a compiler that knows it)."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     try:
-        done = subprocess.run([compiler or "c++", f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
+        done = subprocess.run([_compiler() or "c++", f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull],
                               capture_output=True, text=True)
     except OSError:
         return frozenset()
@@ -118,6 +117,10 @@ def _march_lacks() -> list[str]:
 def _macros_of(flag: str) -> set[str]:
     """The macro a compiler defines for a CPU flag: avx512_bf16 → __AVX512BF16__, sse4_2 → __SSE4_2__."""
     return {f"__{flag.upper()}__", f"__{flag.upper().replace('_', '')}__"}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
 def _machine() -> str:
@@ -141,7 +144,7 @@ def _torch_flags() -> list[str]:
 
 def build(sources: tuple[Path, ...] = SOURCES, name: str = "runner_kernels") -> Path:
     """The shared library of `sources`, compiled now unless this machine already has it."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or $CXX) found")
     flags = [*FLAGS, f"-march={march()}", *_torch_flags()]
