@@ -6,8 +6,8 @@ torch ops
     runner::gguf_interleave(blocks, ggml_type) → the same bytes with each span of 8 rows interleaved (Q4_0 and Q4_1,
         N a multiple of 8), which gguf_rows(..., interleaved=True) reads 2.2× faster on AVX2 (in cache): 8 rows a vector
     runner::gguf_rows_group(x, [blocks…], ggml_type, path=0, interleaved=True) → [gguf_rows(x, blocks_i, …)…]
-        (x quantized once, one parallel region; `group_products` rewrites a compiled step's calls that share an x
-        into it, and the native step calls it for q, k, v and gate, up)
+        (x quantized once, one parallel region; the native step calls it for q, k, v and gate, up; `group_products`
+        rewrites a compiled graph's interleaved calls that share an x into it)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
     runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA, 3 AVX-512: Q8_0 on 512-bit registers,
         the other types their AVX2 code)
@@ -64,10 +64,13 @@ def _group_fake(x, blocks, ggml_type, path=0, interleaved=True):  # [M,N_i] floa
 
 
 def group_products(graph: torch.fx.Graph) -> int:
-    """Inductor post-grad rewrite: the gguf_rows calls on weights of one type and layout that read the same x (an
+    """Inductor post-grad rewrite: the gguf_rows calls on interleaved weights of one type that read the same x (an
     attention's q, k and v; an MLP's gate and up) → one gguf_rows_group, which quantizes x once and shares all their
     rows between the threads in one parallel region (~0.7 ms of a SmolLM2 step). Only weights the graph takes as
-    inputs (defined before any call), so the group can stand where its first call stood. Returns the groups made."""
+    inputs (defined before any call), so the group can stand where its first call stood. Returns the groups made.
+    Plain (not interleaved) weights are not grouped here: a graph with a plain Q8_0 group corrupted the heap before
+    the group ran (glibc's malloc check, 2026-11-27; not understood), while the same calls outside a graph and in the
+    native step are clean."""
     rows_op = torch.ops.runner.gguf_rows.default
     groups: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
@@ -75,7 +78,7 @@ def group_products(graph: torch.fx.Graph) -> int:
             continue
         x, blocks, ggml_type, path, interleaved = _rows_args(node)
         weight_input = isinstance(blocks, torch.fx.Node) and blocks.op in ("placeholder", "get_attr")
-        if weight_input and isinstance(x, torch.fx.Node) and "val" in x.meta:
+        if interleaved and weight_input and isinstance(x, torch.fx.Node) and "val" in x.meta:
             groups.setdefault((_viewed(x), tuple(x.meta["val"].shape), ggml_type, path, interleaved), []).append(node)
     made = 0
     for (_, _, ggml_type, path, interleaved), nodes in groups.items():
