@@ -9,14 +9,14 @@ torch ops
         (x quantized once, one parallel region; the native step calls it for q, k, v and gate, up; `group_products`
         rewrites a compiled graph's interleaved calls that share an x into it)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
-    runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA, 3 AVX-512: Q8_0 on 512-bit registers,
-        the other types their AVX2 code)
+    runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA, 3 AVX-512: the 32-element types on
+        512-bit registers, the K-quants and interleaved layouts their AVX2 code)
 
 and the block formats' table (`GGML_TYPES`, `BLOCK_ELEMS`, `BLOCK_BYTES`, `row_bytes`).
 
 Why: a decode step streams every weight once, so its speed is the rate at which weights are read; a GGUF model's
 4–8-bit blocks are 4–8× fewer bytes than float32, and llama.cpp decodes from them directly. These kernels do its
-arithmetic (x quantized once per call to q8_0 / q8_1 / q8_K, integer block dot products scaled by the block scales;
+arithmetic (x quantized once per call to q8_1 / q8_K, integer block dot products scaled by the block scales;
 activation scales float32), so a model loaded from GGUF decodes from its stored bytes. Q8_0 alone quantizes x to
 16 bits (the de-quantized model's greedy tokens, where 8-bit activations flipped near ties).
 benchmarks/gguf_rows.py compares them with runner::linear_rows on the dequantized float32 weights.

@@ -1,8 +1,8 @@
 // GGUF's quantized block formats as llama.cpp stores them (ggml-common.h), the activation blocks x is quantized to
-// before the integer dot products (q8_0, q8_1, q8_K; ggml-quants.c's quantize_row_q8_*), and what gguf_rows.cpp,
-// gguf_kquants.cpp and gguf_interleaved.cpp share: the half → float conversion, the row loop that splits weight rows
-// between threads, and the K-quant and interleaved entry points. The block layouts are byte arrays (alignment 1): a
-// row of blocks may start anywhere.
+// before the integer dot products (q8_1, q8_K: ggml-quants.c's quantize_row_q8_*; Q8_0's 16-bit x), and what
+// gguf_rows.cpp, gguf_kquants.cpp and gguf_interleaved.cpp share: the half → float conversion, the row loop that
+// splits weight rows between threads, and the K-quant and interleaved entry points. The block layouts are byte arrays
+// (alignment 1): a row of blocks may start anywhere.
 //
 // Activation scales are float32 (llama.cpp stores them as fp16): one rounding fewer, and nothing reads them but
 // these kernels. Everything else (what is summed in integers, what in floats) is llama.cpp's arithmetic.
@@ -25,7 +25,7 @@
 #define RUNNER_GGUF_VNNI 1  // the AVX2 path's byte products in one instruction (vpdpbusd) where the CPU has it
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define RUNNER_GGUF_AVX512 1  // Q8_0's products on 512-bit registers (a whole block of 16-bit x in one)
+#define RUNNER_GGUF_AVX512 1  // the 32-element types' products on 512-bit registers (gguf_rows.cpp)
 #endif
 #elif defined(__F16C__)
 #include <immintrin.h>
@@ -52,7 +52,6 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
               sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210);
 
 // x's blocks: q = round(x / d), d = max|x| / 127 (float32).
-struct XQ8_0 { float d; int8_t qs[32]; };
 struct XQ8_1 { float d; float s; int8_t qs[32]; };              // s = d·Σq (Q4_1's m multiplies it)
 struct XQ8_K { float d; int8_t qs[256]; int16_t bsums[16]; };   // bsums: Σq of each 16 (the K-quants' mins)
 struct XQ16_0 { float d; int16_t qs[32]; };                       // Q8_0's x: 16 bits, d = max|x| / 32767
@@ -113,9 +112,6 @@ inline float quantize_int8(const float* x, int64_t n, int8_t* q) {
   return d;
 }
 
-inline void quantize_row(const float* x, int64_t k, XQ8_0* out) {
-  for (int64_t b = 0; b < k / QK; b++) out[b].d = quantize_int8(x + b * QK, QK, out[b].qs);
-}
 // Q8_0's x at 16 bits a value: 256 times finer than llama.cpp's 8 (see gguf_rows.cpp's Q8_0 products).
 inline void quantize_row(const float* x, int64_t k, XQ16_0* out) {
   for (int64_t b = 0; b < k / QK; b++, x += QK) {

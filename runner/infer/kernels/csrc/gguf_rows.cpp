@@ -8,17 +8,19 @@
 //   runner::gguf_paths() -> int[]
 // (native.py builds them; gguf_rows.py loads them). Types: Q4_0, Q4_1, Q5_0, Q8_0 here; Q4_K, Q6_K in
 // gguf_kquants.cpp. Paths: 1 portable C++, 2 AVX2 + FMA, 3 AVX-512 F + BW (this build's best where the CPU has
-// them): Q8_0's products on 512-bit registers, the other types their AVX2 code (VNNI where present) under it.
+// them): Q4_0, Q4_1, Q5_0 and Q8_0 on 512-bit registers; the K-quants and the interleaved layouts run their AVX2
+// code (VNNI where present) under it.
 //
 // Why: a decode step streams every weight once, so its speed is the rate at which the weights are read; read as
 // 4–8-bit blocks they are 4–8× fewer bytes than float32, provided the arithmetic keeps up. It is llama.cpp's: each
-// row of x is quantized once per call (q8_0 for Q5_0; q8_1 with its block sum for Q4_0 and Q4_1; q8_K for the
+// row of x is quantized once per call (q8_1 with its block sum for Q4_0, Q4_1 and Q5_0; q8_K for the
 // K-quants; Q8_0's x at 16 bits, below), then each block's dot product is summed in integers and scaled by the two
 // blocks' scales, the sums of a row accumulated in floats. Ported from llama.cpp (MIT): the AVX2 loops of
 // ggml_vec_dot_q4_0_q8_0, ggml_vec_dot_q4_1_q8_1 and ggml_vec_dot_q5_0_q8_0 with their helpers bytes_from_nibbles_32, bytes_from_bits_32 and
 // mul_sum_i8_pairs_float (ggml/src/ggml-cpu/arch/x86/quants.c); the scalar dot products and dequantize_row_* of
 // ggml/src/ggml-quants.c. Changed: x's scales are float32, a weight block is unpacked once for up to GROUP rows, and
-// Q4_0 is done as Q4_1 with m = −8·d against q8_1 (Σ(q − 8)·x = Σq·x − 8·Σx: the same integers, fewer instructions).
+// Q4_0 and Q5_0 are done as Q4_1 with m = −8·d and −16·d against q8_1 (Σ(q − 8)·x = Σq·x − 8·Σx: the same
+// integers, fewer instructions).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -63,7 +65,7 @@ inline uint32_t high_bits(const BlockQ5_0& w) {
 // Element i of a Q5_0 block, −16..15: its nibble and bit i of qh.
 inline int q5(int nibble, uint32_t qh, int i) { return (nibble | static_cast<int>(((qh >> i) & 1) << 4)) - 16; }
 
-float dot_scalar(const BlockQ5_0* w, const XQ8_0* x, int64_t nb) {
+float dot_scalar(const BlockQ5_0* w, const XQ8_1* x, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; b++) {
     const uint32_t qh = high_bits(w[b]);
@@ -106,42 +108,17 @@ inline __m256 mul_sum_us8_pairs_float(__m256i unsigned_w, __m256i signed_x) {
 #endif
 }
 
-// The signed weights' bytes as maddubs takes them: |w|, and x given w's sign (once per weight block).
-struct SignedBlock {
-  __m256i magnitude, sign;
-  explicit SignedBlock(__m256i w) : magnitude(_mm256_sign_epi8(w, w)), sign(w) {}
-  __m256 dot(const int8_t* x) const {
-    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return mul_sum_us8_pairs_float(magnitude, _mm256_sign_epi8(xs, sign));
-  }
-};
-
-inline __m256i unpack_avx2(const BlockQ5_0& w) {  // q | 0xF0 where the 5th bit is clear: q − 16 as int8
-  const __m256i high = _mm256_andnot_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(static_cast<char>(0xf0)));
-  return _mm256_or_si256(bytes_from_nibbles_32(w.qs), high);
-}
-
-// G rows of x (stride nb blocks) against one weight row of signed blocks → y[g·y_stride].
-template <int G, typename W>
-void dot_avx2(const W* w, const XQ8_0* x, int64_t nb, float* y, int64_t y_stride) {
-  __m256 acc[G];
-  for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    prefetch_ahead(w + b, sizeof(W));
-    const float dw = half_to_float(w[b].d);
-    const SignedBlock block(unpack_avx2(w[b]));
-    for (int g = 0; g < G; g++) {
-      const XQ8_0& xb = x[g * nb + b];
-      acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), block.dot(xb.qs), acc[g]);
-    }
-  }
-  for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]);
-}
-
-// Q4_1 and Q4_0: unsigned nibbles (maddubs takes them as they are) and m · x's block sum, m = −8·d for Q4_0
-// (llama.cpp subtracts 8 from the nibbles and takes signs instead: three more instructions a block).
+// Q4_1, Q4_0 and Q5_0: unsigned codes (maddubs takes them as they are) and m · x's block sum, m = −8·d for Q4_0 and
+// −16·d for Q5_0 (llama.cpp subtracts 8 or 16 from the codes and takes signs instead: more instructions a block).
 inline float offset_of(const BlockQ4_1& w, float) { return half_to_float(w.m); }
 inline float offset_of(const BlockQ4_0&, float d) { return -8.0f * d; }
+inline float offset_of(const BlockQ5_0&, float d) { return -16.0f * d; }
+
+inline __m256i unsigned_codes(const BlockQ4_0& w) { return bytes_from_nibbles_32(w.qs); }
+inline __m256i unsigned_codes(const BlockQ4_1& w) { return bytes_from_nibbles_32(w.qs); }
+inline __m256i unsigned_codes(const BlockQ5_0& w) {  // the nibble | 16 where the 5th bit is set: 0..31
+  return _mm256_or_si256(bytes_from_nibbles_32(w.qs), _mm256_and_si256(bytes_from_bits_32(w.qh), _mm256_set1_epi8(16)));
+}
 
 template <int G, typename W>
 void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
@@ -151,7 +128,7 @@ void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride
   for (int64_t b = 0; b < nb; b++) {
     prefetch_ahead(w + b, sizeof(W));
     const float dw = half_to_float(w[b].d), mw = offset_of(w[b], dw);
-    const __m256i qw = bytes_from_nibbles_32(w[b].qs);
+    const __m256i qw = unsigned_codes(w[b]);  // |Σ of a maddubs pair| ≤ 2·31·127: no int16 overflow
     for (int g = 0; g < G; g++) {
       const XQ8_1& xb = x[g * nb + b];
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
@@ -160,6 +137,69 @@ void dot_avx2(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride
     }
   }
   for (int g = 0; g < G; g++) y[g * y_stride] = hsum(acc[g]) + mins[g];
+}
+#endif
+
+#ifdef RUNNER_GGUF_AVX512
+// --- AVX-512: two blocks a step (Q4_0, Q4_1, Q5_0 against q8_1) ---
+
+// Two blocks' unsigned codes in one register: block 0 in bytes 0..31, block 1 in 32..63; Q5_0's fifth bits from a
+// 64-bit mask in one instruction (AVX2 spends four a block on them).
+template <typename W>
+inline __m512i unsigned_codes_2(const W* w) {
+  const __m128i p0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[0].qs));
+  const __m128i p1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1].qs));
+  __m512i codes = _mm512_inserti32x4(_mm512_castsi128_si512(p0), _mm_srli_epi16(p0, 4), 1);
+  codes = _mm512_inserti32x4(_mm512_inserti32x4(codes, p1, 2), _mm_srli_epi16(p1, 4), 3);
+  codes = _mm512_and_si512(codes, _mm512_set1_epi8(0x0f));
+  if constexpr (std::is_same_v<W, BlockQ5_0>) {
+    const uint64_t fifth = high_bits(w[0]) | (uint64_t{high_bits(w[1])} << 32);
+    codes = _mm512_or_si512(codes, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(16)));
+  }
+  return codes;
+}
+
+// 16 int32 lanes, each the sum of 4 products of unsigned × signed bytes (exact).
+inline __m512i dot_bytes_512(__m512i unsigned_w, __m512i signed_x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned_w, signed_x);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(unsigned_w, signed_x), _mm512_set1_epi16(1));
+#endif
+}
+
+template <int G, typename W>
+void dot_avx512(const W* w, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
+  __m512 acc[G];
+  float rest[G] = {};  // the offsets' sums, and an odd last block's products
+  for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    prefetch_ahead(w + b, 2 * sizeof(W));
+    const float d0 = half_to_float(w[b].d), d1 = half_to_float(w[b + 1].d);
+    const float m0 = offset_of(w[b], d0), m1 = offset_of(w[b + 1], d1);
+    const __m512i qw = unsigned_codes_2(w + b);
+    for (int g = 0; g < G; g++) {
+      const XQ8_1 &x0 = x[g * nb + b], &x1 = x[g * nb + b + 1];
+      const __m512i qx = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0.qs))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1.qs)), 1);
+      const __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d0 * x0.d)),
+                                                               _mm256_castps_pd(_mm256_set1_ps(d1 * x1.d)), 1));
+      rest[g] += m0 * x0.s + m1 * x1.s;
+      acc[g] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot_bytes_512(qw, qx)), acc[g]);
+    }
+  }
+  if (b < nb) {  // an odd number of blocks: the last one as the AVX2 path does it
+    const float d = half_to_float(w[b].d), m = offset_of(w[b], d);
+    const __m256i qw = unsigned_codes(w[b]);
+    for (int g = 0; g < G; g++) {
+      const XQ8_1& xb = x[g * nb + b];
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      rest[g] += m * xb.s + hsum(_mm256_mul_ps(_mm256_set1_ps(d * xb.d), mul_sum_us8_pairs_float(qw, qx)));
+    }
+  }
+  for (int g = 0; g < G; g++) y[g * y_stride] = _mm512_reduce_add_ps(acc[g]) + rest[g];
 }
 #endif
 
@@ -229,18 +269,16 @@ template <typename WB, typename XB>
 void rows_typed(const std::vector<Weight>& weights, const XB* x, int64_t M, int64_t nb, Path path) {
   const auto row = [nb](const Weight& w, int64_t n) { return reinterpret_cast<const WB*>(w.blocks) + n * nb; };
 #ifdef RUNNER_GGUF_AVX512
-  if constexpr (std::is_same_v<WB, BlockQ8_0>) {
-    if (path == AVX512) {
-      return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
-        with_group(g, [&](auto group) {
-          dot_avx512<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
-        });
+  if (path == AVX512) {
+    return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
+      with_group(g, [&](auto group) {
+        dot_avx512<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
       });
-    }
+    });
   }
 #endif
 #ifdef RUNNER_GGUF_AVX2
-  if (path >= AVX2) {  // AVX512 too, for the types without 512-bit code
+  if (path == AVX2) {
     return each_row(weights, M, [&](const Weight& w, int64_t n, int64_t m, int64_t g) {
       with_group(g, [&](auto group) {
         dot_avx2<decltype(group)::value>(row(w, n), x + m * nb, nb, w.y + m * w.N + n, w.N);
@@ -395,7 +433,7 @@ std::vector<at::Tensor> products(const at::Tensor& x, at::TensorList blocks, int
   switch (type) {
     case Q4_0: rows_typed<BlockQ4_0>(weights, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path); break;
     case Q4_1: rows_typed<BlockQ4_1>(weights, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path); break;
-    case Q5_0: rows_typed<BlockQ5_0>(weights, quantized_rows<XQ8_0>(x, M, K, QK).data(), M, nb, path); break;
+    case Q5_0: rows_typed<BlockQ5_0>(weights, quantized_rows<XQ8_1>(x, M, K, QK).data(), M, nb, path); break;
     case Q8_0: rows_typed<BlockQ8_0>(weights, quantized_rows<XQ16_0>(x, M, K, QK).data(), M, nb, path); break;
     case Q4_K: rows_q4_K(weights, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, path); break;
     default: rows_q6_K(weights, quantized_rows<XQ8_K>(x, M, K, QK_K).data(), M, nb, path); break;
