@@ -3,7 +3,7 @@ torch ops
 
     runner::gguf_rows(x float32 [M,K], blocks uint8 [N, row_bytes], ggml_type, path=0, interleaved=False)
         → float32 [M,N] = x · Wᵀ
-    runner::gguf_interleave(blocks, ggml_type) → the same bytes with each span of 8 rows interleaved (Q4_0 and Q4_1,
+    runner::gguf_interleave(blocks, ggml_type) → the same bytes with each span of 8 rows interleaved (Q4_0, Q4_1, Q5_0,
         N a multiple of 8), which gguf_rows(..., interleaved=True) reads 2.2× faster on AVX2 (in cache): 8 rows a vector
     runner::gguf_rows_group(x, [blocks…], ggml_type, path=0, interleaved=True) → [gguf_rows(x, blocks_i, …)…]
         (x quantized once, one parallel region; the native step calls it for q, k, v and gate, up; `group_products`
@@ -118,7 +118,7 @@ def _dequantize_fake(blocks, ggml_type):  # [R,K] float32
     return blocks.new_empty(blocks.shape[0], elements, dtype=torch.float32)
 
 
-INTERLEAVED_TYPES = (GGML_TYPES["Q4_0"], GGML_TYPES["Q4_1"])  # the types gguf_interleave reorders
+INTERLEAVED_TYPES = (GGML_TYPES["Q4_0"], GGML_TYPES["Q4_1"], GGML_TYPES["Q5_0"])  # the types gguf_interleave reorders
 INTERLEAVED_ROWS = 8
 
 

@@ -187,8 +187,8 @@ def keep_gguf_formats(model, path: Path) -> dict[str, int]:
 
 
 def interleaved(ggml_type: int, rows: int) -> bool:
-    """Whether a kept tensor is stored in the kernels' 8-row spans: where they read its type so (Q4_0, Q4_1), for a
-    Linear, an embedding and a tied head alike."""
+    """Whether a kept tensor is stored in the kernels' 8-row spans: where they read its type so (Q4_0, Q4_1, Q5_0),
+    for a Linear, an embedding and a tied head alike."""
     return gguf_rows.load() and gguf_rows.interleavable(ggml_type, rows)
 
 

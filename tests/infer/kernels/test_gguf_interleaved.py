@@ -12,7 +12,7 @@ from tests.infer.kernels.test_gguf_rows import PATHS, check_product, random_bloc
 
 pytestmark = pytest.mark.skipif(not gguf_rows.load(), reason="runner's C++ kernels are not built here (no compiler)")
 
-NAMES = ["Q4_0", "Q4_1"]
+NAMES = ["Q4_0", "Q4_1", "Q5_0"]
 SHAPES = [(8, 32), (40, 576), (24, 1536)]  # (N, K): one span to several, K one block to many
 
 
@@ -57,7 +57,7 @@ def test_a_group_equals_its_products_one_by_one(name, path):
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("Q8_0", "only Q4_0 \\(2\\) and Q4_1 \\(3\\) are read interleaved"),
+    ("Q8_0", "only Q4_0 \\(2\\), Q4_1 \\(3\\) and Q5_0 \\(6\\) are read interleaved"),
     ("12 rows", "12 rows are not a whole number of them"),
     ("group of other K", "row_bytes 180 does not match K = 576")])
 def test_what_cannot_be_interleaved_is_an_error_saying_so(case, pattern):

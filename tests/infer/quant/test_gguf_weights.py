@@ -84,7 +84,8 @@ def test_kept_tensors_are_the_files_bytes_and_give_the_float_models_logits(tmp_p
     for module in model.modules():  # the kernels' 8-row layout wherever they have one, a tied head's blocks too
         if isinstance(module, (GGUFLinear, GGUFEmbedding)):
             assert module.interleaved == gguf_rows.interleavable(module.ggml_type, module.weight.shape[0])
-    assert any(m.interleaved for m in model.modules() if isinstance(m, GGUFLinear)) == (weight_type in ("Q4_0", "Q4_1"))
+    interleaved = gguf_rows.GGML_TYPES[weight_type] in gguf_rows.INTERLEAVED_TYPES
+    assert any(m.interleaved for m in model.modules() if isinstance(m, GGUFLinear)) == interleaved
     assert weight_bytes(model) == gguf_weight_bytes(path)  # the norms are f32 in both
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -190,7 +190,7 @@ void rows_q6_K(const std::vector<Weight>& weights, const XQ8_K* x, int64_t M, in
 void dequantize_q4_K(const BlockQ4_K* blocks, int64_t nb, float* out);
 void dequantize_q6_K(const BlockQ6_K* blocks, int64_t nb, float* out);
 
-// Q4_0 / Q4_1 with 8 rows interleaved (gguf_interleaved.cpp; N a multiple of 8): interleave_rows reorders the bytes
+// Q4_0 / Q4_1 / Q5_0 with 8 rows interleaved (gguf_interleaved.cpp; N a multiple of 8): interleave_rows reorders the bytes
 // of each span of 8 plain rows (the same bytes); rows_interleaved is rows_typed on that layout, for one weight or
 // several of the same type and K against the same x.
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out);

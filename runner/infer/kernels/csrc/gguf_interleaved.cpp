@@ -1,4 +1,4 @@
-// Q4_0 and Q4_1 weights with 8 rows interleaved (gguf_blocks.h's layout note), for runner::gguf_rows(...,
+// Q4_0, Q4_1 and Q5_0 weights with 8 rows interleaved (gguf_blocks.h's layout note), for runner::gguf_rows(...,
 // interleaved=True) and runner::gguf_interleave (gguf_rows.cpp registers both).
 //
 // Why: a row-at-a-time dot product spends ~20 instructions on each 20-byte block (two fp16 scales converted one at
@@ -7,55 +7,71 @@
 // rows: x's 4 bytes are broadcast, maddubs + madd give each row's partial sum in its own lane, the 8 rows' scales
 // convert in one instruction, and 8 results are stored at once (no horizontal sum): ~6 instructions a block.
 // llama.cpp repacks Q4_0 the same way on AVX2 (ggml-cpu/repack.cpp, block_q4_0x8); this layout is ours (the scales
-// first, then the nibbles of 4-byte groups), and Q4_1 too. Same bytes as the file's: only their order differs, within
-// each span of 8 rows.
+// first, then the nibbles of 4-byte groups), and Q4_1 and Q5_0 too (Q5_0's fifth bits stay in each row's 32-bit qh,
+// picked out per group of 4 by a byte shuffle). Same bytes as the file's: only their order differs, within each span
+// of 8 rows.
 #include "gguf_blocks.h"
 
 namespace runner_gguf {
 namespace {
 
-// The interleaved block of 8 rows: d[8] fp16, (Q4_1) m[8] fp16, then for t = 0..3 the 4 bytes qs[4t..4t+3] of
-// each row 0..7 (low nibbles: elements 4t..4t+3; high: 16+4t..16+4t+3).
+// The interleaved block of 8 rows: d[8] fp16, (Q4_1) m[8] fp16 or (Q5_0) qh[8] uint32 (row r's fifth bits), then
+// for t = 0..3 the 4 bytes qs[4t..4t+3] of each row 0..7 (low nibbles: elements 4t..4t+3; high: 16+4t..16+4t+3).
 constexpr int64_t ROWS = 8;
-template <bool HasMin> constexpr int64_t scale_bytes = HasMin ? 32 : 16;
-template <bool HasMin> constexpr int64_t group_block_bytes = scale_bytes<HasMin> + ROWS * 16;
+template <int64_t T> constexpr int64_t scale_bytes = T == Q4_1 ? 32 : T == Q5_0 ? 48 : 16;
+template <int64_t T> constexpr int64_t group_block_bytes = scale_bytes<T> + ROWS * 16;
 
-template <bool HasMin>
+template <int64_t T>
 void interleave_span(const uint8_t* plain, int64_t nb, uint8_t* out) {
-  const int64_t block_bytes = group_block_bytes<HasMin> / ROWS;  // 18 or 20
-  for (int64_t b = 0; b < nb; b++, out += group_block_bytes<HasMin>) {
+  const int64_t block_bytes = group_block_bytes<T> / ROWS;  // 18, 20 or 22
+  for (int64_t b = 0; b < nb; b++, out += group_block_bytes<T>) {
     for (int64_t r = 0; r < ROWS; r++) {
       const uint8_t* block = plain + (r * nb + b) * block_bytes;
-      std::memcpy(out + 2 * r, block, 2);                                  // d
-      if constexpr (HasMin) std::memcpy(out + 16 + 2 * r, block + 2, 2);  // m
-      const uint8_t* qs = block + (HasMin ? 4 : 2);
-      for (int64_t t = 0; t < 4; t++) std::memcpy(out + scale_bytes<HasMin> + t * 32 + r * 4, qs + 4 * t, 4);
+      std::memcpy(out + 2 * r, block, 2);                                     // d
+      if constexpr (T == Q4_1) std::memcpy(out + 16 + 2 * r, block + 2, 2);  // m
+      if constexpr (T == Q5_0) std::memcpy(out + 16 + 4 * r, block + 2, 4);  // qh
+      const uint8_t* qs = block + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : 6);
+      for (int64_t t = 0; t < 4; t++) std::memcpy(out + scale_bytes<T> + t * 32 + r * 4, qs + 4 * t, 4);
     }
   }
 }
 
-// Row r's offset (Q4_1's m; −8·d for Q4_0, whose q − 8 is done as q with that offset against x's block sum).
-template <bool HasMin>
+// Row r's offset: Q4_1's m; −8·d for Q4_0 and −16·d for Q5_0, whose q − 8 / q − 16 is done as q with that offset
+// against x's block sum.
+template <int64_t T>
 inline float offset_of(const uint8_t* block, int64_t r, float d) {
-  return HasMin ? half_to_float(block + 16 + 2 * r) : -8.0f * d;
+  if constexpr (T == Q4_1) return half_to_float(block + 16 + 2 * r);
+  return (T == Q5_0 ? -16.0f : -8.0f) * d;
+}
+
+// Row r's code for element i (nibble n): Q5_0's fifth bit from its qh, else the nibble.
+template <int64_t T>
+inline int code_of(const uint8_t* block, int64_t r, int n, int i) {
+  if constexpr (T != Q5_0) return n;
+  uint32_t qh;
+  std::memcpy(&qh, block + 16 + 4 * r, 4);
+  return n | static_cast<int>(((qh >> i) & 1) << 4);
 }
 
 // G rows of x (stride nb) against the 8 weight rows of one span → y[g·y_stride + r].
-template <bool HasMin>
+template <int64_t T>
 void dot_span_scalar(const uint8_t* span, const XQ8_1* x, int64_t G, int64_t nb, float* y, int64_t y_stride) {
   for (int64_t g = 0; g < G; g++) {
     float sums[ROWS] = {};
     for (int64_t b = 0; b < nb; b++) {
-      const uint8_t* block = span + b * group_block_bytes<HasMin>;
+      const uint8_t* block = span + b * group_block_bytes<T>;
       const XQ8_1& xb = x[g * nb + b];
       for (int64_t r = 0; r < ROWS; r++) {
         int sumi = 0;
         for (int64_t t = 0; t < 4; t++) {
-          const uint8_t* q = block + scale_bytes<HasMin> + t * 32 + r * 4;
-          for (int64_t j = 0; j < 4; j++) sumi += (q[j] & 0x0f) * xb.qs[4 * t + j] + (q[j] >> 4) * xb.qs[16 + 4 * t + j];
+          const uint8_t* q = block + scale_bytes<T> + t * 32 + r * 4;
+          for (int j = 0; j < 4; j++) {
+            const int i = static_cast<int>(4 * t) + j;
+            sumi += code_of<T>(block, r, q[j] & 0x0f, i) * xb.qs[i] + code_of<T>(block, r, q[j] >> 4, 16 + i) * xb.qs[16 + i];
+          }
         }
         const float d = half_to_float(block + 2 * r);
-        sums[r] += static_cast<float>(sumi) * (d * xb.d) + offset_of<HasMin>(block, r, d) * xb.s;
+        sums[r] += static_cast<float>(sumi) * (d * xb.d) + offset_of<T>(block, r, d) * xb.s;
       }
     }
     for (int64_t r = 0; r < ROWS; r++) y[g * y_stride + r] = sums[r];
@@ -63,23 +79,39 @@ void dot_span_scalar(const uint8_t* span, const XQ8_1* x, int64_t G, int64_t nb,
 }
 
 #ifdef RUNNER_GGUF_AVX2
-template <int G, bool HasMin>
+// Q5_0's fifth bits of one group of 4 elements for the 8 rows (lane r: row r's qh): 16 in byte j of lane r where bit
+// 8·byte + shift + j of qh_r is set (a byte shuffle, a test, a select: the layout keeps the file's bytes).
+inline __m256i fifth_bits(__m256i qh, int byte, int shift) {
+  const __m256i within = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404, 0x08080808, 0x0c0c0c0c);
+  const __m256i bits = _mm256_shuffle_epi8(qh, _mm256_add_epi8(within, _mm256_set1_epi8(static_cast<char>(byte))));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x08040201u << shift));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, mask), mask), _mm256_set1_epi8(16));
+}
+
+template <int G, int64_t T>
 void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, int64_t y_stride) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[G];
   for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* block = span + b * group_block_bytes<HasMin>;
-    prefetch_ahead(block, group_block_bytes<HasMin>);
+    const uint8_t* block = span + b * group_block_bytes<T>;
+    prefetch_ahead(block, group_block_bytes<T>);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));  // [8 rows]
-    const __m256 offset = HasMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    __m256i low[4], high[4];  // lane r: 4 weights of row r, elements 4t.. (low) and 16+4t.. (high)
+    const __m256 offset = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
+                                    : _mm256_mul_ps(d, _mm256_set1_ps(T == Q5_0 ? -16.0f : -8.0f));
+    __m256i low[4], high[4];  // lane r: 4 codes of row r, elements 4t.. (low) and 16+4t.. (high)
     for (int t = 0; t < 4; t++) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + scale_bytes<HasMin> + 32 * t));
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + scale_bytes<T> + 32 * t));
       low[t] = _mm256_and_si256(packed, low_nibbles);
       high[t] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+    }
+    if constexpr (T == Q5_0) {  // codes 0..31: |Σ of 8 maddubs| ≤ 8·2·31·127 = 62992 overflows int16 (below)
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+      for (int t = 0; t < 4; t++) {
+        low[t] = _mm256_or_si256(low[t], fifth_bits(qh, t / 2, 4 * (t % 2)));
+        high[t] = _mm256_or_si256(high[t], fifth_bits(qh, 2 + t / 2, 4 * (t % 2)));
+      }
     }
     for (int g = 0; g < G; g++) {
       const XQ8_1& xb = x[g * nb + b];
@@ -94,11 +126,16 @@ void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, in
       }
       const __m256 sumi = _mm256_cvtepi32_ps(_mm256_add_epi32(sum_low, sum_high));  // [8 rows]
 #else
-      // |Σ of 8 maddubs| ≤ 8·2·15·127 = 30480: the int16 lanes do not overflow
-      __m256i sum16 = _mm256_maddubs_epi16(low[0], _mm256_set1_epi32(xq[0]));
-      for (int t = 1; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(low[t], _mm256_set1_epi32(xq[t])));
-      for (int t = 0; t < 4; t++) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(high[t], _mm256_set1_epi32(xq[4 + t])));
-      const __m256 sumi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));  // [8 rows]
+      // int16 lanes: 4 maddubs sum to ≤ 4·2·15·127 = 15240 (Q4) or 4·2·31·127 = 31496 (Q5_0), so low and high are
+      // widened apart (each below 2^15)
+      __m256i low16 = _mm256_maddubs_epi16(low[0], _mm256_set1_epi32(xq[0]));
+      __m256i high16 = _mm256_maddubs_epi16(high[0], _mm256_set1_epi32(xq[4]));
+      for (int t = 1; t < 4; t++) {
+        low16 = _mm256_add_epi16(low16, _mm256_maddubs_epi16(low[t], _mm256_set1_epi32(xq[t])));
+        high16 = _mm256_add_epi16(high16, _mm256_maddubs_epi16(high[t], _mm256_set1_epi32(xq[4 + t])));
+      }
+      const __m256 sumi = _mm256_cvtepi32_ps(  // [8 rows]
+          _mm256_add_epi32(_mm256_madd_epi16(low16, ones), _mm256_madd_epi16(high16, ones)));
 #endif
       acc[g] = _mm256_fmadd_ps(sumi, _mm256_mul_ps(d, _mm256_set1_ps(xb.d)), acc[g]);
       acc[g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xb.s), acc[g]);
@@ -109,28 +146,28 @@ void dot_span_avx2(const uint8_t* span, const XQ8_1* x, int64_t nb, float* y, in
 #endif
 
 // y[m·y_stride + r] for the M rows of x against the 8 rows of one span, G rows of x at a time.
-template <bool HasMin>
+template <int64_t T>
 void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, float* y, int64_t y_stride, Path path) {
   for (int64_t m = 0; m < M; m += GROUP) {
     const int64_t g = std::min(GROUP, M - m);
 #ifdef RUNNER_GGUF_AVX2
     if (path >= AVX2) {  // AVX512 too: these have no 512-bit code of their own
       with_group(g, [&](auto group) {
-        dot_span_avx2<decltype(group)::value, HasMin>(span, x + m * nb, nb, y + m * y_stride, y_stride);
+        dot_span_avx2<decltype(group)::value, T>(span, x + m * nb, nb, y + m * y_stride, y_stride);
       });
       continue;
     }
 #endif
-    dot_span_scalar<HasMin>(span, x + m * nb, g, nb, y + m * y_stride, y_stride);
+    dot_span_scalar<T>(span, x + m * nb, g, nb, y + m * y_stride, y_stride);
   }
 }
 
 // Several weights against the same x, their spans shared out between the threads as one run (one parallel region).
-template <bool HasMin>
+template <int64_t T>
 void rows_spans(const std::vector<Weight>& weights, const XQ8_1* x, int64_t M, int64_t nb, Path path) {
-  const int64_t span_bytes = nb * group_block_bytes<HasMin>;
+  const int64_t span_bytes = nb * group_block_bytes<T>;
   each_unit(weights, 2, [](const Weight& w) { return w.N / ROWS; }, [&](const Weight& w, int64_t s) {
-    rows_of_span<HasMin>(w.blocks + s * span_bytes, x, M, nb, w.y + s * ROWS, w.N, path);
+    rows_of_span<T>(w.blocks + s * span_bytes, x, M, nb, w.y + s * ROWS, w.N, path);
   });
 }
 
@@ -138,17 +175,20 @@ void rows_spans(const std::vector<Weight>& weights, const XQ8_1* x, int64_t M, i
 
 void rows_interleaved(const std::vector<Weight>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path) {
-  if (type == Q4_1) return rows_spans<true>(weights, x, M, nb, path);
-  rows_spans<false>(weights, x, M, nb, path);
+  if (type == Q4_1) return rows_spans<Q4_1>(weights, x, M, nb, path);
+  if (type == Q5_0) return rows_spans<Q5_0>(weights, x, M, nb, path);
+  rows_spans<Q4_0>(weights, x, M, nb, path);
 }
 
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out) {
-  const int64_t nb = row_bytes / (type == Q4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+  const int64_t block_bytes = type == Q4_1 ? sizeof(BlockQ4_1) : type == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0);
+  const int64_t nb = row_bytes / block_bytes;
   at::parallel_for(0, N / ROWS, 16, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; s++) {
       const int64_t at_byte = s * ROWS * row_bytes;
-      if (type == Q4_1) interleave_span<true>(plain + at_byte, nb, out + at_byte);
-      else interleave_span<false>(plain + at_byte, nb, out + at_byte);
+      if (type == Q4_1) interleave_span<Q4_1>(plain + at_byte, nb, out + at_byte);
+      else if (type == Q5_0) interleave_span<Q5_0>(plain + at_byte, nb, out + at_byte);
+      else interleave_span<Q4_0>(plain + at_byte, nb, out + at_byte);
     }
   });
 }

@@ -398,9 +398,10 @@ std::vector<XB> quantized_rows(const at::Tensor& x, int64_t M, int64_t K, int64_
   return out;
 }
 
-// Q4_0 and Q4_1 are the types gguf_interleaved.cpp reads with 8 rows interleaved.
+// Q4_0, Q4_1 and Q5_0 are the types gguf_interleaved.cpp reads with 8 rows interleaved.
 void check_interleavable(const at::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1, "gguf_rows: only Q4_0 (2) and Q4_1 (3) are read interleaved, not ", type);
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q5_0,
+              "gguf_rows: only Q4_0 (2), Q4_1 (3) and Q5_0 (6) are read interleaved, not ", type);
   TORCH_CHECK(blocks.size(0) % 8 == 0, "gguf_rows: interleaving takes rows in spans of 8, and ", blocks.size(0),
               " rows are not a whole number of them");
 }
