@@ -8,6 +8,9 @@ torch ops
     runner::gguf_rows_group(x, [blocks…], ggml_type, path=0, interleaved=True) → [gguf_rows(x, blocks_i, …)…]
         (x quantized once, one parallel region; the native step calls it for q, k, v and gate, up; `group_products`
         rewrites a compiled graph's interleaved calls that share an x into it)
+    runner::gguf_span_rows(blocks, ids int64 [R], ggml_type) → uint8 [R, row_bytes]: rows of interleaved blocks as
+        the file stores them (an embedding's lookup; one op, not a gather inductor vectorizes: its AVX2 code read
+        indices past what it loaded, 2026-11-27)
     runner::gguf_dequantize(blocks uint8 [R, row_bytes], ggml_type) → float32 [R,K]  (equal to gguf's dequantize)
     runner::gguf_paths() → the paths this build has (1 scalar, 2 AVX2 + FMA, 3 AVX-512: the 32-element types on
         512-bit registers, the K-quants and interleaved layouts their AVX2 code)
@@ -48,6 +51,7 @@ def load() -> bool:
             torch.library.register_fake("runner::gguf_dequantize")(_dequantize_fake)
             torch.library.register_fake("runner::gguf_interleave")(_interleave_fake)
             torch.library.register_fake("runner::gguf_rows_group")(_group_fake)
+            torch.library.register_fake("runner::gguf_span_rows")(_span_rows_fake)
     return _STATE["loaded"]
 
 
@@ -57,6 +61,10 @@ def _rows_fake(x, blocks, ggml_type, path=0, interleaved=False):  # [M,N] float3
 
 def _interleave_fake(blocks, ggml_type):  # the same shape, bytes reordered
     return torch.empty_like(blocks)
+
+
+def _span_rows_fake(blocks, ids, ggml_type):  # [R, row_bytes] uint8
+    return blocks.new_empty(ids.shape[0], blocks.shape[1])
 
 
 def _group_fake(x, blocks, ggml_type, path=0, interleaved=True):  # [M,N_i] float32 each

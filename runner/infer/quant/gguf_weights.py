@@ -90,10 +90,8 @@ class GGUFLinear(torch.nn.Module):
 
 class GGUFEmbedding(torch.nn.Module):
     """An input embedding read from a GGUF tensor as stored: gather the ids' rows of blocks, de-quantize them.
-    `interleaved`: the blocks are in the kernels' 8-row spans (a tied head reads them so): an id's row is gathered
-    from its span through `span_positions`."""
-
-    positions: torch.Tensor | None  # [8, row bytes] where interleaved
+    `interleaved`: the blocks are in the kernels' 8-row spans (a tied head reads them so): an id's row is read back
+    from its span by runner::gguf_span_rows."""
 
     def __init__(self, weight: torch.nn.Parameter, ggml_type: int, embedding_dim: int, dtype: torch.dtype,
                  embed_scale: torch.Tensor | float | None = None, interleaved: bool = False):
@@ -103,34 +101,16 @@ class GGUFEmbedding(torch.nn.Module):
         self.kernels = gguf_rows.load()
         self.embed_scale = embed_scale  # models that scale their embeddings (Gemma) keep doing so
         self.interleaved = interleaved
-        self.register_buffer("positions", span_positions(ggml_type, weight.shape[1]) if interleaved else None,
-                             persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B,T] → [B,T,D]
         flat = ids.reshape(-1)  # [R]
-        if self.positions is not None:
-            span = gguf_rows.INTERLEAVED_ROWS
-            spans = self.weight.view(-1, span * self.weight.shape[1])[flat // span]  # [R, 8·row bytes]
-            blocks = spans.gather(1, self.positions[flat % span])  # [R, row bytes], as the file stores them
+        if self.interleaved:  # [R, row bytes], as the file stores them
+            blocks = torch.ops.runner.gguf_span_rows(self.weight, flat, self.ggml_type)
         else:
             blocks = self.weight[flat]
         rows = _rows(blocks, self.ggml_type, self.kernels).to(self.dtype)  # [R,D]
         rows = rows.reshape(*ids.shape, self.embedding_dim)
         return rows if self.embed_scale is None else rows * self.embed_scale
-
-
-def span_positions(ggml_type: int, row_bytes: int) -> torch.Tensor:
-    """[8, row bytes] long: where byte j of a span's plain row r lands once interleaved. Read from the op itself
-    (it only moves bytes within a span): the bytes' own indices, low and high byte apart, are interleaved and
-    say where each one went."""
-    span = gguf_rows.INTERLEAVED_ROWS
-    index = torch.arange(span * row_bytes)
-    moved = [torch.ops.runner.gguf_interleave(((index >> shift) & 0xFF).to(torch.uint8).reshape(span, -1),
-                                              ggml_type).reshape(-1).long() for shift in (0, 8)]
-    source = moved[0] | (moved[1] << 8)  # interleaved byte p is plain byte source[p]
-    positions = torch.empty_like(source)
-    positions[source] = index
-    return positions.reshape(span, row_bytes)
 
 
 # --- the swap -------------------------------------------------------------------------------------------------------

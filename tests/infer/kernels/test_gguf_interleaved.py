@@ -31,6 +31,17 @@ def test_interleaving_reorders_each_span_of_8_rows_bytes(name):
         assert np.array_equal(np.sort(got[rows], axis=None), np.sort(blocks[rows], axis=None))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_span_rows_read_interleaved_rows_back_as_the_file_stores_them(name):
+    generator = np.random.default_rng(gguf_rows.GGML_TYPES[name] + 60)
+    blocks = random_blocks(name, 24, 576, generator)
+    ids = torch.tensor([0, 7, 8, 23, 13, 13])
+    got = torch.ops.runner.gguf_span_rows(interleaved(blocks, name), ids, gguf_rows.GGML_TYPES[name])
+    assert np.array_equal(got.numpy(), blocks[ids.numpy()])
+    with pytest.raises(RuntimeError, match="gguf_span_rows: id 24 is not a row of 24"):
+        torch.ops.runner.gguf_span_rows(interleaved(blocks, name), torch.tensor([24]), gguf_rows.GGML_TYPES[name])
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])

@@ -194,6 +194,9 @@ void dequantize_q6_K(const BlockQ6_K* blocks, int64_t nb, float* out);
 // of each span of 8 plain rows (the same bytes); rows_interleaved is rows_typed on that layout, for one weight or
 // several of the same type and K against the same x.
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out);
+// The rows ids[0..R) of interleaved blocks [N, row_bytes] as the file stores them → out [R, row_bytes] (an
+// embedding's lookup; ids checked by the caller).
+void span_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, const int64_t* ids, int64_t R, uint8_t* out);
 void rows_interleaved(const std::vector<Weight>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path);
 

@@ -162,6 +162,20 @@ void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, fl
   }
 }
 
+// Row r of a span as the file stores it (interleave_span's inverse for one row).
+template <int64_t T>
+void plain_row(const uint8_t* span, int64_t nb, int64_t r, uint8_t* out) {
+  const int64_t block_bytes = group_block_bytes<T> / ROWS;
+  for (int64_t b = 0; b < nb; b++, out += block_bytes) {
+    const uint8_t* block = span + b * group_block_bytes<T>;
+    std::memcpy(out, block + 2 * r, 2);
+    if constexpr (T == Q4_1) std::memcpy(out + 2, block + 16 + 2 * r, 2);
+    if constexpr (T == Q5_0) std::memcpy(out + 2, block + 16 + 4 * r, 4);
+    uint8_t* qs = out + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : 6);
+    for (int64_t t = 0; t < 4; t++) std::memcpy(qs + 4 * t, block + scale_bytes<T> + t * 32 + r * 4, 4);
+  }
+}
+
 // Several weights against the same x, their spans shared out between the threads as one run (one parallel region).
 template <int64_t T>
 void rows_spans(const std::vector<Weight>& weights, const XQ8_1* x, int64_t M, int64_t nb, Path path) {
@@ -191,6 +205,17 @@ void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_
       else interleave_span<Q4_0>(plain + at_byte, nb, out + at_byte);
     }
   });
+}
+
+void span_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, const int64_t* ids, int64_t R, uint8_t* out) {
+  const int64_t block_bytes = type == Q4_1 ? sizeof(BlockQ4_1) : type == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0);
+  const int64_t nb = row_bytes / block_bytes;
+  for (int64_t i = 0; i < R; i++) {
+    const uint8_t* span = blocks + ids[i] / ROWS * ROWS * row_bytes;
+    if (type == Q4_1) plain_row<Q4_1>(span, nb, ids[i] % ROWS, out + i * row_bytes);
+    else if (type == Q5_0) plain_row<Q5_0>(span, nb, ids[i] % ROWS, out + i * row_bytes);
+    else plain_row<Q4_0>(span, nb, ids[i] % ROWS, out + i * row_bytes);
+  }
 }
 
 }  // namespace runner_gguf

@@ -2,7 +2,8 @@
 // W is uint8 [N, row_bytes], one row of llama.cpp blocks per output row. Registered as the torch ops
 //   runner::gguf_rows(Tensor x, Tensor blocks, int ggml_type, int path=0, bool interleaved=False) -> Tensor
 //   runner::gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor
-//   runner::gguf_interleave(Tensor blocks, int ggml_type) -> Tensor  (Q4_0 / Q4_1 in 8-row spans: gguf_interleaved.cpp)
+//   runner::gguf_interleave(Tensor blocks, int ggml_type) -> Tensor  (Q4_0 / Q4_1 / Q5_0 in 8-row spans: gguf_interleaved.cpp)
+//   runner::gguf_span_rows(Tensor blocks, Tensor ids, int ggml_type) -> Tensor  (interleaved rows as the file stores them)
 //   runner::gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0, bool interleaved=True)
 //       -> Tensor[]  (several weights of one type against one x)
 //   runner::gguf_paths() -> int[]
@@ -461,6 +462,20 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t type) {
   return out;
 }
 
+at::Tensor gguf_span_rows(const at::Tensor& blocks, const at::Tensor& ids_in, int64_t type) {
+  row_elements(blocks, format_of(type));
+  check_interleavable(blocks, type);
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong && ids_in.dim() == 1, "gguf_span_rows: ids must be int64 [R], got ",
+              ids_in.scalar_type(), " ", ids_in.sizes());
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); i++)
+    TORCH_CHECK(id[i] >= 0 && id[i] < blocks.size(0), "gguf_span_rows: id ", id[i], " is not a row of ", blocks.size(0));
+  at::Tensor out = at::empty({ids.size(0), blocks.size(1)}, blocks.options());
+  span_rows(blocks.data_ptr<uint8_t>(), type, blocks.size(1), id, ids.size(0), out.data_ptr<uint8_t>());
+  return out;
+}
+
 template <typename WB>
 void dequantize_rows(const at::Tensor& blocks, int64_t nb, int64_t per_row, float* out,
                      void (*rows)(const WB*, int64_t, float*)) {
@@ -494,12 +509,14 @@ TORCH_LIBRARY_FRAGMENT(runner, m) {
   m.def("gguf_interleave(Tensor blocks, int ggml_type) -> Tensor");
   m.def("gguf_rows_group(Tensor x, Tensor[] blocks, int ggml_type, int path=0, bool interleaved=True) -> Tensor[]");
   m.def("gguf_dequantize(Tensor blocks, int ggml_type) -> Tensor");
+  m.def("gguf_span_rows(Tensor blocks, Tensor ids, int ggml_type) -> Tensor");
   m.def("gguf_paths() -> int[]", &runner_gguf::gguf_paths);
 }
 
 TORCH_LIBRARY_IMPL(runner, CPU, m) {
   m.impl("gguf_rows", &runner_gguf::gguf_rows);
   m.impl("gguf_dequantize", &runner_gguf::gguf_dequantize);
+  m.impl("gguf_span_rows", &runner_gguf::gguf_span_rows);
   m.impl("gguf_interleave", &runner_gguf::gguf_interleave);
   m.impl("gguf_rows_group", &runner_gguf::gguf_rows_group);
 }
