@@ -78,6 +78,17 @@ def main() -> int:
     return 0
 
 
+def _expand_collapsed(page, passes: int) -> None:
+    """Expand every collapsed parent row (the sweep, its points), one per pass: rows move as others open, so a button
+    found before a click may be gone after it (CI once timed out on one)."""
+    for _ in range(passes):
+        collapsed = [b for b in page.locator(EXPAND).all() if PLUS in b.inner_html()]
+        if not collapsed:
+            return
+        collapsed[0].click()
+        page.wait_for_timeout(300)
+
+
 def _check(page, base, out, parent, points, steps, key, value, this_sweep, tag_filter, expected_matches, bench,
            png, png_width) -> None:
     # 1. the runs, the sweep's tree expanded
@@ -89,19 +100,17 @@ def _check(page, base, out, parent, points, steps, key, value, this_sweep, tag_f
     close = page.get_by_role("button", name="Close")
     if close.count():
         close.first.click()  # the assistant's side panel
-    for _ in range(2 * (1 + len(points))):  # expand every collapsed parent (the sweep, its points), one per pass:
-        collapsed = [b for b in page.locator(EXPAND).all() if PLUS in b.inner_html()]  # rows move as others open,
-        if not collapsed:  # so a button found before a click may be gone after it (CI once timed out on one)
+    want = {name: sum(r.info.run_name == name for r in steps) for name in sorted({r.info.run_name for r in steps})}
+    for _ in range(20):  # until every step run is listed: a point's row can render after the pass looked for it
+        _expand_collapsed(page, 2 * (1 + len(points)))
+        for run in [parent, *points]:
+            page.get_by_text(run.info.run_name, exact=True).first.wait_for()
+        shown = {name: page.get_by_text(name, exact=True).count() for name in want}
+        if all(shown[name] >= want[name] for name in want):
             break
-        collapsed[0].click()
-        page.wait_for_timeout(300)
-    for run in [parent, *points]:
-        page.get_by_text(run.info.run_name, exact=True).first.wait_for()
-    step_names = sorted({r.info.run_name for r in steps})
-    for name in step_names:
-        shown = page.get_by_text(name, exact=True).count()
-        want = sum(r.info.run_name == name for r in steps)
-        _require(shown >= want, f"step runs '{name}': {shown} on the page, {want} on the server")
+        page.wait_for_timeout(500)
+    for name, count in want.items():
+        _require(shown[name] >= count, f"step runs '{name}': {shown[name]} on the page, {count} on the server")
     page.screenshot(path=str(out / "runs.png"))
     print(f"[ui] runs: '{parent.info.run_name}' with {len(points)} point runs and {len(steps)} step runs listed")
 
