@@ -23,7 +23,7 @@ from pathlib import Path
 from runner.errors import RunnerError
 from runner.files import cache_folder
 from runner.infer.config.llamacpp import INSTALL_COMMAND
-from runner.infer.kernels.native import march
+from runner.infer.kernels.native import machine_flags, march
 from runner.infer.loading.pinned import pip_download, publish_folder, sha256_file
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,7 @@ def installed_version() -> str | None:
 def cpu_key() -> str:
     """A short hash of what makes a -march=native build machine-specific: the architecture and the CPU's flags (and
     $RUNNER_MARCH where it is set: kernels.native.march())."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        pass
+    flags = " ".join(sorted(machine_flags()))
     target = "" if march() == "native" else f" {march()}"
     return hashlib.sha256(f"{os.uname().machine} {flags}{target}".encode()).hexdigest()[:10]
 

@@ -21,17 +21,25 @@ constexpr int64_t ROWS = 8;
 template <int64_t T> constexpr int64_t scale_bytes = T == Q4_1 ? 32 : T == Q5_0 ? 48 : 16;
 template <int64_t T> constexpr int64_t group_block_bytes = scale_bytes<T> + ROWS * 16;
 
+template <int64_t T> constexpr int64_t block_bytes = group_block_bytes<T> / ROWS;  // a plain block: 18, 20 or 22
+
+// f(offset in the interleaved block, offset in row r's plain block, bytes) for each of row r's fields: the layout,
+// read one way to interleave and the other to read a row back.
+template <int64_t T, typename F>
+inline void each_field(int64_t r, F f) {
+  f(2 * r, 0, 2);                                       // d
+  if constexpr (T == Q4_1) f(16 + 2 * r, 2, 2);         // m
+  if constexpr (T == Q5_0) f(16 + 4 * r, 2, 4);         // qh
+  const int64_t qs = block_bytes<T> - 16;               // the plain block's nibbles follow its header
+  for (int64_t t = 0; t < 4; t++) f(scale_bytes<T> + t * 32 + r * 4, qs + 4 * t, 4);
+}
+
 template <int64_t T>
 void interleave_span(const uint8_t* plain, int64_t nb, uint8_t* out) {
-  const int64_t block_bytes = group_block_bytes<T> / ROWS;  // 18, 20 or 22
   for (int64_t b = 0; b < nb; b++, out += group_block_bytes<T>) {
     for (int64_t r = 0; r < ROWS; r++) {
-      const uint8_t* block = plain + (r * nb + b) * block_bytes;
-      std::memcpy(out + 2 * r, block, 2);                                     // d
-      if constexpr (T == Q4_1) std::memcpy(out + 16 + 2 * r, block + 2, 2);  // m
-      if constexpr (T == Q5_0) std::memcpy(out + 16 + 4 * r, block + 2, 4);  // qh
-      const uint8_t* qs = block + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : 6);
-      for (int64_t t = 0; t < 4; t++) std::memcpy(out + scale_bytes<T> + t * 32 + r * 4, qs + 4 * t, 4);
+      const uint8_t* block = plain + (r * nb + b) * block_bytes<T>;
+      each_field<T>(r, [&](int64_t at, int64_t from, int64_t n) { std::memcpy(out + at, block + from, n); });
     }
   }
 }
@@ -165,15 +173,18 @@ void rows_of_span(const uint8_t* span, const XQ8_1* x, int64_t M, int64_t nb, fl
 // Row r of a span as the file stores it (interleave_span's inverse for one row).
 template <int64_t T>
 void plain_row(const uint8_t* span, int64_t nb, int64_t r, uint8_t* out) {
-  const int64_t block_bytes = group_block_bytes<T> / ROWS;
-  for (int64_t b = 0; b < nb; b++, out += block_bytes) {
+  for (int64_t b = 0; b < nb; b++, out += block_bytes<T>) {
     const uint8_t* block = span + b * group_block_bytes<T>;
-    std::memcpy(out, block + 2 * r, 2);
-    if constexpr (T == Q4_1) std::memcpy(out + 2, block + 16 + 2 * r, 2);
-    if constexpr (T == Q5_0) std::memcpy(out + 2, block + 16 + 4 * r, 4);
-    uint8_t* qs = out + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : 6);
-    for (int64_t t = 0; t < 4; t++) std::memcpy(qs + 4 * t, block + scale_bytes<T> + t * 32 + r * 4, 4);
+    each_field<T>(r, [&](int64_t at, int64_t to, int64_t n) { std::memcpy(out + to, block + at, n); });
   }
+}
+
+// f(std::integral_constant<int64_t, T>) for the interleaved type T named by `type` (Q4_0, Q4_1 or Q5_0).
+template <typename F>
+inline void with_type(int64_t type, F f) {
+  if (type == Q4_1) f(std::integral_constant<int64_t, Q4_1>{});
+  else if (type == Q5_0) f(std::integral_constant<int64_t, Q5_0>{});
+  else f(std::integral_constant<int64_t, Q4_0>{});
 }
 
 // Several weights against the same x, their spans shared out between the threads as one run (one parallel region).
@@ -189,33 +200,28 @@ void rows_spans(const std::vector<Weight>& weights, const XQ8_1* x, int64_t M, i
 
 void rows_interleaved(const std::vector<Weight>& weights, int64_t type, const XQ8_1* x, int64_t M, int64_t nb,
                       Path path) {
-  if (type == Q4_1) return rows_spans<Q4_1>(weights, x, M, nb, path);
-  if (type == Q5_0) return rows_spans<Q5_0>(weights, x, M, nb, path);
-  rows_spans<Q4_0>(weights, x, M, nb, path);
+  with_type(type, [&](auto t) { rows_spans<decltype(t)::value>(weights, x, M, nb, path); });
 }
 
 void interleave_rows(const uint8_t* plain, int64_t type, int64_t N, int64_t row_bytes, uint8_t* out) {
-  const int64_t block_bytes = type == Q4_1 ? sizeof(BlockQ4_1) : type == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0);
-  const int64_t nb = row_bytes / block_bytes;
-  at::parallel_for(0, N / ROWS, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; s++) {
-      const int64_t at_byte = s * ROWS * row_bytes;
-      if (type == Q4_1) interleave_span<Q4_1>(plain + at_byte, nb, out + at_byte);
-      else if (type == Q5_0) interleave_span<Q5_0>(plain + at_byte, nb, out + at_byte);
-      else interleave_span<Q4_0>(plain + at_byte, nb, out + at_byte);
-    }
+  with_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    at::parallel_for(0, N / ROWS, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; s++) {
+        const int64_t at_byte = s * ROWS * row_bytes;
+        interleave_span<T>(plain + at_byte, row_bytes / block_bytes<T>, out + at_byte);
+      }
+    });
   });
 }
 
 void span_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, const int64_t* ids, int64_t R, uint8_t* out) {
-  const int64_t block_bytes = type == Q4_1 ? sizeof(BlockQ4_1) : type == Q5_0 ? sizeof(BlockQ5_0) : sizeof(BlockQ4_0);
-  const int64_t nb = row_bytes / block_bytes;
-  for (int64_t i = 0; i < R; i++) {
-    const uint8_t* span = blocks + ids[i] / ROWS * ROWS * row_bytes;
-    if (type == Q4_1) plain_row<Q4_1>(span, nb, ids[i] % ROWS, out + i * row_bytes);
-    else if (type == Q5_0) plain_row<Q5_0>(span, nb, ids[i] % ROWS, out + i * row_bytes);
-    else plain_row<Q4_0>(span, nb, ids[i] % ROWS, out + i * row_bytes);
-  }
+  with_type(type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    for (int64_t i = 0; i < R; i++)
+      plain_row<T>(blocks + ids[i] / ROWS * ROWS * row_bytes, row_bytes / block_bytes<T>, ids[i] % ROWS,
+                   out + i * row_bytes);
+  });
 }
 
 }  // namespace runner_gguf
