@@ -1,5 +1,5 @@
 """The GGUF file llama.cpp runs for a model: the zoo's own (at its own quantization), a local .gguf, or the torch
-weights written as an f32 GGUF with the `gguf` package (llama architecture only), cached by their content.
+weights written as a GGUF with the `gguf` package (llama and qwen2 architectures), cached by their content.
 
 Writing our own weights is what makes llama.cpp comparable with our engines token for token: the same f32 weights
 on both sides (the zoo's GGUFs are Q4_1 / Q4_K_M, whose matmuls llama.cpp runs on q8 activations).
@@ -70,13 +70,19 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(tensor.n_bytes for tensor in gguf_tensors(path).values())
 
 
+ARCHITECTURES = ("llama", "qwen2")
+
+
 def unsupported(config) -> str | None:
     """Why this writer cannot write the model (None when it can)."""
-    if config.model_type != "llama":
-        return (f"writing a {config.model_type} model as GGUF is not supported (llama only): give the model as "
-                "zoo:NAME or a .gguf file")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+    if config.model_type not in ARCHITECTURES:
+        return (f"writing a {config.model_type} model as GGUF is not supported ({' and '.join(ARCHITECTURES)} "
+                "only): give the model as zoo:NAME or a .gguf file")
+    if config.model_type == "llama" and (getattr(config, "attention_bias", False) or
+                                         getattr(config, "mlp_bias", False)):
         return "writing a llama model with biases as GGUF is not supported"
+    if getattr(config, "use_sliding_window", False):
+        return "writing a model with a sliding window as GGUF is not supported"
     return None
 
 
@@ -87,10 +93,11 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab: dict | None = None) -> None:
-    """A llama model's weights and its tokenizer's vocabulary as a GGUF file llama.cpp loads: all f32, or the
-    matrices (embedding, head, projections) in `weight_type`, one of QUANTIZABLE (the gguf package quantizes them
-    as llama.cpp's reference code does; the norms stay f32). `vocab`: tokenizer settings of a GGUF of the same
-    vocabulary to copy (`_vocab_settings`: how llama.cpp splits text, what its own tools tokenize by)."""
+    """A llama or qwen2 model's weights and its tokenizer's vocabulary as a GGUF file llama.cpp loads: all f32, or
+    the matrices (embedding, head, projections) in `weight_type`, one of QUANTIZABLE (the gguf package quantizes them
+    as llama.cpp's reference code does; the norms and qwen2's q, k, v biases stay f32). `vocab`: tokenizer settings
+    of a GGUF of the same vocabulary to copy (`_vocab_settings`: how llama.cpp splits text, what its own tools
+    tokenize by)."""
     import gguf
 
     if weight_type not in QUANTIZABLE:
@@ -100,7 +107,8 @@ def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab: di
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = getattr(cfg, "rope_parameters", None) or {}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg.model_type  # qwen2's rotary embedding is llama.cpp's NEOX kind: its q and k rows are not permuted
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("runner-written")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -124,13 +132,15 @@ def write_gguf(model, tokenizer, path: Path, weight_type: str = "F32", vocab: di
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down"}
+    biases = {f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"} if arch == "qwen2" else {}
     for i in range(cfg.num_hidden_layers):
         names |= {f"model.layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()}
+        names |= {f"model.layers.{i}.{ours}.bias": f"blk.{i}.{theirs}.bias" for ours, theirs in biases.items()}
     for ours, theirs in names.items():
         tensor = weights[ours]
-        if theirs.endswith("attn_q.weight"):
+        if arch == "llama" and theirs.endswith("attn_q.weight"):
             tensor = _permute(tensor, heads)
-        elif theirs.endswith("attn_k.weight"):
+        elif arch == "llama" and theirs.endswith("attn_k.weight"):
             tensor = _permute(tensor, kv_heads)
         array = tensor.contiguous().numpy()
         if quant_type != gguf.GGMLQuantizationType.F32 and array.ndim == 2:

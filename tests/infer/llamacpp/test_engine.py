@@ -95,6 +95,21 @@ def test_sampling_through_llamacpps_sampler_is_seeded(tiny_gguf):
     assert any(o != first for o in others)  # the seed matters: random weights give a flat distribution
 
 
+def test_a_written_qwen2_gives_llamacpp_our_logits_biases_and_all(tmp_path, monkeypatch):
+    """qwen2 (q, k, v biases; NEOX rotary, so its rows unpermuted) written as f32: llama.cpp's logits are ours."""
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    lm = load_model(config={**LLAMA_32, "model_type": "qwen2"}, device="cpu", seed=0)
+    with torch.no_grad():
+        for name, parameter in lm.model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    engine = LlamaCppEngine(written_gguf(lm.model, lm.tokenizer), kind="fp32", n_ctx=64,
+                            options=LlamaCppOptions(threads=1), logits_all=True)
+    with torch.inference_mode():
+        ours = lm.model(torch.tensor([PROMPT])).logits[0].float().numpy()
+    assert np.abs(engine.logits(PROMPT) - ours).max() < 1e-3
+
+
 def test_a_head_size_a_block_type_cannot_divide_is_an_error_that_says_so(tmp_path, monkeypatch):
     from tests.conftest import TINY_LLAMA
 

@@ -1,5 +1,6 @@
-"""The torch weights written as an f32 GGUF (llama only): read back with the gguf package, every tensor is ours (q and
-k in llama.cpp's interleaved rotary order), the vocabulary is the tokenizer's, and the file is cached by content."""
+"""The torch weights written as an f32 GGUF (llama, qwen2): read back with the gguf package, every tensor is ours (a
+llama's q and k in llama.cpp's interleaved rotary order, qwen2's as they are, with its biases), the vocabulary is the
+tokenizer's, and the file is cached by content."""
 
 import numpy as np
 import pytest
@@ -7,6 +8,8 @@ import torch
 
 from runner.errors import ModelError
 from runner.infer.llamacpp.gguf_file import _permute, gguf_weight_bytes, model_gguf, unsupported, written_gguf
+from runner.infer.loading.models import load_model
+from tests.conftest import LLAMA_32
 
 
 def test_permute_pairs_each_rotary_half_with_its_partner():
@@ -39,7 +42,9 @@ def test_written_gguf_holds_the_models_weights_and_vocabulary(tiny_lm, tmp_path,
 def test_what_the_writer_cannot_write_is_refused(tmp_path):
     from transformers import AutoConfig
 
-    assert "llama only" in unsupported(AutoConfig.for_model("gpt2"))
+    assert "llama and qwen2 only" in unsupported(AutoConfig.for_model("gpt2"))
+    assert "sliding window" in unsupported(AutoConfig.for_model("qwen2", use_sliding_window=True))
+    assert unsupported(AutoConfig.for_model("qwen2")) is None
     with pytest.raises(ModelError, match="no GGUF file"):
         model_gguf(str(tmp_path / "absent.gguf"), None, None)
 
@@ -70,3 +75,26 @@ def test_a_vocabulary_source_gives_the_written_file_its_tokenizer_settings(tiny_
     assert fields["tokenizer.ggml.add_bos_token"].contents() is True
     assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
     assert gguf.GGUFReader(plain).fields["tokenizer.ggml.pre"].contents() == "default"
+
+
+def test_a_qwen2_is_written_with_its_biases_and_its_rows_in_their_own_order(tmp_path, monkeypatch):
+    """qwen2's rotary embedding is llama.cpp's NEOX kind (halves, as HF's): q and k are written unpermuted, and its
+    q, k, v biases go beside them in f32."""
+    import gguf
+
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
+    lm = load_model(config={**LLAMA_32, "model_type": "qwen2"}, device="cpu", seed=0)
+    with torch.no_grad():
+        for name, parameter in lm.model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()
+    reader = gguf.GGUFReader(written_gguf(lm.model, lm.tokenizer))
+    tensors, sd = {t.name: t for t in reader.tensors}, lm.model.state_dict()
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    cfg = lm.model.config  # 9 matrices and norms, 3 biases a layer; a head of its own
+    assert len(tensors) == 2 + 12 * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1)
+    for x in "qk":
+        ours = sd[f"model.layers.1.self_attn.{x}_proj.weight"]
+        assert np.array_equal(np.asarray(tensors[f"blk.1.attn_{x}.weight"].data).reshape(ours.shape), ours.numpy())
+    bias = sd["model.layers.0.self_attn.k_proj.bias"]
+    assert bias.abs().sum() > 0 and np.array_equal(np.asarray(tensors["blk.0.attn_k.bias"].data), bias.numpy())

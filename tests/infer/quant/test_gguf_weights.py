@@ -23,10 +23,16 @@ from tests.conftest import LLAMA_32
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]  # what the gguf package writes; K-quants: the slow tests' Qwen file
 
 
-def _written(tmp_path, weight_type: str, tied: bool = True, seed: int = 0):
-    """A tiny llama written as GGUF in `weight_type`, and the model holding that file's de-quantized weights."""
-    lm = load_model(config={**LLAMA_32, "tie_word_embeddings": tied}, device="cpu", seed=seed)
-    path = tmp_path / f"tiny-{weight_type}-{tied}-{seed}.gguf"
+def _written(tmp_path, weight_type: str, tied: bool = True, seed: int = 0, model_type: str = "llama"):
+    """A tiny llama (or qwen2, its biases random) written as GGUF in `weight_type`, and the model holding that
+    file's de-quantized weights."""
+    lm = load_model(config={**LLAMA_32, "tie_word_embeddings": tied, "model_type": model_type}, device="cpu",
+                    seed=seed)
+    with torch.no_grad():
+        for name, parameter in lm.model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    path = tmp_path / f"tiny-{model_type}-{weight_type}-{tied}-{seed}.gguf"
     write_gguf(lm.model, lm.tokenizer, path, weight_type)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=lm.model)["tensors"]
     lm.model.load_state_dict(tensors, strict=False)  # a tied head has no tensor of its own
@@ -87,6 +93,21 @@ def test_kept_tensors_are_the_files_bytes_and_give_the_float_models_logits(tmp_p
     interleaved = gguf_rows.GGML_TYPES[weight_type] in gguf_rows.INTERLEAVED_TYPES
     assert any(m.interleaved for m in model.modules() if isinstance(m, GGUFLinear)) == interleaved
     assert weight_bytes(model) == gguf_weight_bytes(path)  # the norms are f32 in both
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q5_0"])
+def test_a_written_qwen2_keeps_its_blocks_and_biases_and_gives_the_float_models_logits(tmp_path, weight_type):
+    model, path = _written(tmp_path, weight_type, model_type="qwen2")
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 250]])
+    bias = model.model.layers[1].self_attn.v_proj.bias.detach().clone()
+    with torch.no_grad():
+        want = model(ids).logits
+        assert keep_gguf_formats(model, path) == {weight_type: 2 * 7 + 1}
+        got = model(ids).logits
+    v = model.model.layers[1].self_attn.v_proj
+    assert isinstance(v, GGUFLinear) and torch.equal(v.bias, bias) and bias.abs().sum() > 0
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
