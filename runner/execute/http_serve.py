@@ -1,10 +1,10 @@
 """`run serve m.yaml`: a manifest's `mode: serve` run behind the OpenAI-compatible HTTP server (runner/infer/server).
 
 From the run it takes its target's model, its serve block's scheduler limits (max_batch_size, kv_budget_mib or
-kv_blocks, block_size, max_tokens_per_step, max_queue), its first cache kind and first engine; the load, the SLO and
-the baselines are for `mode: serve`'s measurements and are not used here. The manifest is validated as `run check`
-does (every problem at once, exit 2) and the address is bound before the model loads, so a taken port is said at
-once. Nothing is written to a run folder or MLflow: the server's figures are its /metrics.
+kv_blocks, block_size, max_tokens_per_step, max_queue, prefix_caching), its first cache kind and first engine; the
+load, the SLO and the baselines are for `mode: serve`'s measurements and are not used here. The manifest is
+validated as `run check` does (every problem at once, exit 2) and the address is bound before the model loads, so a
+taken port is said at once. Nothing is written to a run folder or MLflow: the server's figures are its /metrics.
 """
 
 from __future__ import annotations

@@ -163,6 +163,12 @@ class ServeBlock(Strict):
     block_size: int = Field(16, ge=1, le=4096, description="Tokens per KV block.")
     max_tokens_per_step: int = Field(512, ge=1, le=MAX_TOKENS, description=(
         "Tokens one scheduler step may process (chunked prefill mixed with decoding)."))
+    prefix_caching: bool = Field(False, description=(
+        "Our scheduler (eager engine) copies the full prompt blocks a new request shares with a running or finished "
+        "one instead of prefilling them; transformers' baseline shares its blocks. Not for KIVI kinds."))
+    prefix_cache_blocks: int = Field(512, ge=0, le=100_000_000, description=(
+        "prefix_caching: most KV blocks of finished requests' prompts kept for later ones (within the KV budget, "
+        "dropped least recently used first when requests need the blocks)."))
     max_queue: int | None = Field(None, ge=1, le=10_000_000, description=(
         "Most requests waiting; beyond it a request is refused (counted), never held forever. Default: unbounded."))
     cache_kinds: list[str] | None = Field(None, min_length=1, description=(

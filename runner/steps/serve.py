@@ -180,7 +180,7 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
     blocks = block.kv_blocks or (None if block.kv_budget_mib is not None else DEFAULT_TRANSFORMERS_BLOCKS)
     return TransformersServer(lm.model, max_batch_size=block.max_batch_size, block_size=block.block_size,
                               num_blocks=blocks, kv_budget_mb=block.kv_budget_mib if blocks is None else None,
-                              seed=sampling.seed or 0)
+                              prefix_caching=block.prefix_caching, seed=sampling.seed or 0)
 
 
 def _endpoint(block: EndpointBlock) -> Endpoint:
@@ -219,7 +219,8 @@ def scheduler_config(block: ServeBlock, kind: str | None, sampling: GenerateConf
     return SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
                            kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
                            max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
-                           max_queue=block.max_queue, sampling=sampling)
+                           max_queue=block.max_queue, prefix_caching=block.prefix_caching,
+                           prefix_cache_blocks=block.prefix_cache_blocks, sampling=sampling)
 
 
 def slot_columns(block: ServeBlock, max_seq_len: int) -> int:

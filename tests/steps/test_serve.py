@@ -163,6 +163,38 @@ def test_weight_quantizations_are_an_axis_each_served_by_every_system_on_its_wei
             "ours_model_wint8_x100.ratio_static_throughput"} <= set(results["metrics"])
 
 
+PREFIX = """      - id: load
+        mode: serve
+        serve:
+          arrival: constant
+          rate: 100
+          num_requests: 3
+          turns: 2
+          prompt_tokens: 12
+          output_tokens: 5
+          data: text.txt
+          max_batch_size: 4
+          block_size: 4
+          prefix_caching: true
+          baselines: [static]
+"""
+
+
+@pytest.mark.e2e
+def test_prefix_caching_serves_a_conversations_next_turn_from_the_last_ones_blocks(tmp_path):
+    """turns: 2 with prefix_caching: turn 2 arrives when turn 1 has finished, and finds turn 1's full prompt blocks
+    retained (12 tokens: 3 blocks of 4); its greedy tokens are still static batching's."""
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
+    done = run_cli(tiny_manifest(tmp_path, PREFIX), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    step = next((tmp_path / "runs").glob("*-t")) / "tiny" / "load"
+    requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str}).set_index(["system", "id"])
+    ours = requests.loc["ours"]
+    assert (ours["cached_prompt_tokens"] == [0, 12] * 3).all()  # ids: conversation × 2 + turn
+    assert (requests.loc["static", "cached_prompt_tokens"] == 0).all()
+    assert (ours["output_ids"] == requests.loc["static", "output_ids"]).all()
+
+
 def _free_port() -> int:
     import socket
 

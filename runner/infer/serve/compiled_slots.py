@@ -111,8 +111,8 @@ class CompiledSlots(Scheduler):
         self.slot_of[live.request.id] = next(r for r in range(self.slots) if r not in taken)
         return None
 
-    def _leave(self, live: Live) -> None:
-        super()._leave(live)
+    def _leave(self, live: Live, retain: bool = False) -> None:
+        super()._leave(live)  # no prefixes to retain here
         row = self.slot_of.pop(live.request.id)
         self.placed.discard(live.request.id)
         self.mask[row] = 0

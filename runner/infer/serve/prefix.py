@@ -4,16 +4,22 @@ Block i of a prompt hashes (hash of block i − 1, its block_size token ids), so
 (the tokens are compared too: no collision is trusted). A request whose prompt is in registers its full prompt
 blocks with itself as owner; a later request whose prompt starts with the same blocks gets a copy of the owner's
 cache cropped to them (`copy_prefix`) and prefills only the rest; `RequestRecord.cached_prompt_tokens` counts them.
+When an owner finishes, its cache, cropped to its full prompt blocks, stays as a `Retained` owner (`retire`): a
+conversation's next turn, or a request of the same group arriving after the last one left, still finds it. Retained
+prefixes are kept least recently used first out (`evict_oldest`): the scheduler charges their blocks to the KV budget
+and drops them before it preempts anyone, and caps them at `prefix_cache_blocks`.
 What it does not do: share memory (each request still holds its own blocks: prefix caching here saves prefill
-compute, not KV memory), keep prefixes after their owner finishes or is preempted (owners are running requests
-only), or serve KIVI kinds (their groups and residual depend on how the prompt was fed: `eligible` says so).
+compute, not KV memory), keep a preempted request's prefix (its blocks are wanted back at once), or serve KIVI kinds
+(their groups and residual depend on how the prompt was fed: `eligible` says so).
 Exact for kinds that store each token alone: the first n tokens' stored K/V depend on those tokens only.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers.cache_utils import Cache
@@ -35,13 +41,25 @@ def eligible(flushes: Flushes) -> bool:
     return flushes.every == 1
 
 
+@dataclass(eq=False)
+class Retained:
+    """A finished request's full prompt blocks: its cache cropped to them. `key`: its holder id in the block pool
+    (negative: never a request's)."""
+
+    key: int
+    cache: Cache
+    held: int  # tokens: whole blocks
+
+
 class PrefixIndex:
-    """Full prompt blocks of running requests: chained hash → (owner, its prompt). Owners are opaque objects
-    with a `cache` and `held` tokens (the scheduler's Live)."""
+    """Full prompt blocks of running requests and of retained finished ones: chained hash → (owner, its prompt).
+    Owners are opaque objects with a `cache` and `held` tokens (the scheduler's Live, or a Retained)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.owners: dict[int, tuple[Any, tuple[int, ...]]] = {}  # hash → (owner, the owner's prompt)
+        self.retained: OrderedDict[int, Retained] = OrderedDict()  # key → prefix, least recently used first
+        self._keys = 0
 
     def add(self, owner: Any, prompt: tuple[int, ...]) -> None:
         for h in block_hashes(prompt, self.block_size):
@@ -50,6 +68,36 @@ class PrefixIndex:
     def remove(self, owner: Any) -> None:
         for h in [h for h, (o, _) in self.owners.items() if o is owner]:
             del self.owners[h]
+
+    def retire(self, owner: Any, cache: Cache) -> Retained | None:
+        """`owner` leaves: the blocks it owns pass to a Retained: its `cache` cropped to its full prompt blocks, in
+        place (None when it owns none: another owner offers the same blocks)."""
+        owned = [h for h, (o, _) in self.owners.items() if o is owner]
+        if not owned:
+            return None
+        prompt = self.owners[owned[0]][1]
+        tokens = min(owner.held, len(prompt)) // self.block_size * self.block_size
+        if tokens == 0:
+            self.remove(owner)
+            return None
+        for layer in cache.layers:
+            if owner.held > tokens:
+                layer.crop(tokens - owner.held)  # type: ignore[union-attr]
+        self._keys -= 1
+        kept = self.retained[self._keys] = Retained(self._keys, cache, tokens)
+        for h in owned:
+            self.owners[h] = (kept, prompt)
+        return kept
+
+    def drop(self, kept: Retained) -> Retained:
+        """A retained prefix out of the index."""
+        del self.retained[kept.key]
+        self.remove(kept)
+        return kept
+
+    def evict_oldest(self) -> Retained:
+        """The least recently used retained prefix, out of the index."""
+        return self.drop(next(iter(self.retained.values())))
 
     def lookup(self, tokens: Sequence[int], most: int) -> tuple[Any, int]:
         """The owner of the longest run of `tokens`' leading full blocks, at most `most` tokens → (owner, tokens);
@@ -61,6 +109,8 @@ class PrefixIndex:
             if entry is None or tuple(tokens[:end]) != entry[1][:end] or entry[0].held < end:
                 break
             found, length = entry[0], end
+        if isinstance(found, Retained):
+            self.retained.move_to_end(found.key)  # used: the last to go
         return found, length
 
 

@@ -20,8 +20,10 @@ ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting
 Exactness: every request's stored K/V are a solo decode's (its own cache, chunks that end where rows.Flushes says),
 so greedy output equals its solo greedy decode up to float reductions over masked columns (near ties only). Seeded
 sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch never changes it.
-Prefix caching (`prefix_caching`, serve/prefix.py) copies a running request's full prompt blocks into a new
-request's cache, so its prefill skips them. What it does not do: no shared physical KV pool (blocks are accounting;
+Prefix caching (`prefix_caching`, serve/prefix.py) copies a running or finished request's full prompt blocks into a
+new request's cache, so its prefill skips them; finished requests' prompt blocks are kept up to
+`prefix_cache_blocks`, charged to the budget and dropped (least recently used first) before anyone waits or is
+preempted for blocks. What it does not do: no shared physical KV pool (blocks are accounting;
 memory follows real tokens; a prefix hit saves compute, not memory), no CUDA graphs or compiled steps (the compiled
 engine comes later).
 Times come from the injected clock (seconds of the load); `timeline` records (t_s, running, blocks_used, waiting)
@@ -64,7 +66,8 @@ class SchedulerConfig:
     max_tokens_per_step: int = 256  # decode rows + prefill tokens per step
     max_running: int = 64  # most requests in the running batch (vLLM's max_num_seqs)
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
-    prefix_caching: bool = False  # copy running requests' shared prompt blocks (serve/prefix.py; not KIVI)
+    prefix_caching: bool = False  # copy shared prompt blocks of running and finished requests (serve/prefix.py)
+    prefix_cache_blocks: int = 512  # most blocks of finished requests' prompts kept for later ones (0: none)
     sampling: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0))  # temperature, top-k/p,
     # penalties, eos_token_id, stop_strings, max_seq_len, seed; max_new_tokens comes from each Request
 
@@ -187,7 +190,7 @@ class Scheduler:
     def _grow(self) -> None:
         """Every decoding row's next token gets its block; preempt the latest admitted while one is missing."""
         for live in [x for x in self.running if x.decoding]:
-            while live in self.running and not self.pool.hold(live.request.id, live.held + 1):
+            while live in self.running and not self._hold(live.request.id, live.held + 1):
                 self._preempt(self.running[-1])
 
     def _preempt(self, live: Live) -> None:
@@ -200,13 +203,22 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             live = self.waiting[0]
-            if not self.pool.hold(live.request.id, live.target):
+            if not self._hold(live.request.id, live.target):
                 return
             self.waiting.popleft()
             live.cache = self._start_cache(live)
             if live.record.scheduled_s is None:
                 live.record.scheduled_s = self.clock()
             self.running.append(live)
+
+    def _hold(self, rid: int, tokens: int) -> bool:
+        """The pool's hold, dropping retained prefixes (least recently used first) while blocks are short: they
+        go before anyone is kept waiting or preempted."""
+        while not self.pool.hold(rid, tokens):
+            if self.prefixes is None or not self.prefixes.retained:
+                return False
+            self.pool.release(self.prefixes.evict_oldest().key)
+        return True
 
     def _start_cache(self, live: Live) -> Cache:
         """An admitted request's own cache: empty, or a copy of a running request's shared prompt blocks (at
@@ -284,17 +296,27 @@ class Scheduler:
                   or len(request.prompt_ids) + n >= self.sampling_of(live).max_seq_len else "")
         if finish:
             record.finish = finish
-            self._leave(live)
+            self._leave(live, retain=True)
         elif n == 1 and self.prefixes is not None:  # its prompt is in: later requests may copy its blocks
             self.prefixes.add(live, request.prompt_ids)
 
-    def _leave(self, live: Live) -> None:
-        """Out of the running batch: its blocks and cache go, and its prompt blocks stop being offered."""
+    def _leave(self, live: Live, retain: bool = False) -> None:
+        """Out of the running batch: its blocks and cache go, and its prompt blocks stop being offered, or with
+        `retain` (it finished) stay offered as a retained prefix, within prefix_cache_blocks."""
         self.running.remove(live)
         self.pool.release(live.request.id)
-        live.cache = None
-        if self.prefixes is not None:
-            self.prefixes.remove(live)
+        cache, live.cache = live.cache, None
+        if self.prefixes is None:
+            return
+        kept = None
+        if retain and cache is not None and self.config.prefix_cache_blocks > 0:
+            kept = self.prefixes.retire(live, cache)
+        self.prefixes.remove(live)
+        if kept is not None and not self.pool.hold(kept.key, kept.held):  # fits: its own blocks were just released
+            self.prefixes.drop(kept)
+        retained = self.prefixes.retained
+        while retained and sum(self.pool.held[k] for k in retained) > self.config.prefix_cache_blocks:
+            self.pool.release(self.prefixes.evict_oldest().key)
 
     def _hit_stop_string(self, live: Live) -> bool:
         """The Generator's rule: a stop string in the decoded tail of this request's new tokens."""

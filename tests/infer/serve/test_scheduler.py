@@ -130,6 +130,40 @@ def test_prefix_caching_copies_shared_prompt_blocks_exactly(tiny_lm, kind):
     assert hits == ([0, 16, 16, 16, 8] if kind != "kivi4:g8:r16" else [0] * 5)  # KIVI: off (how it was fed counts)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "q4_0"])
+def test_a_finished_requests_prompt_blocks_serve_a_later_request_exactly(tiny_lm, kind):
+    """A conversation's next turn arrives after the last one left: its prompt blocks are still offered (retained),
+    and the later request's tokens are still its solo decode's. prefix_cache_blocks 0 keeps none."""
+    model, g = tiny_lm.model, torch.Generator().manual_seed(5)
+    first = tuple(torch.randint(3, 250, (27,), generator=g).tolist())  # 3 full blocks of 8, then 3 tokens
+    requests = [Request(0, 0.0, first, max_new_tokens=5),
+                Request(1, 100.0, first + tuple(torch.randint(3, 250, (6,), generator=g).tolist()), max_new_tokens=7),
+                Request(2, 200.0, first[:20], max_new_tokens=4)]
+    scheduler, records = _run(model, requests, cache_kind=kind, block_size=8, prefix_caching=True)
+    assert [r.cached_prompt_tokens for r in records] == [0, 24, 16]  # request 1's own 4 blocks are kept too
+    assert [r.output_ids for r in records] == [_solo(model, r, kind, temperature=0) for r in requests]
+    assert [scheduler.pool.held[k] for k in scheduler.prefixes.retained] == [4, 3]  # request 0's, used last, last
+    _, records = _run(model, requests, cache_kind=kind, block_size=8, prefix_caching=True, prefix_cache_blocks=0)
+    assert [r.cached_prompt_tokens for r in records] == [0, 0, 0]
+
+
+def test_retained_prefixes_stay_within_their_cap_and_give_way_to_requests(tiny_lm):
+    """Retained blocks count against the budget, but a request needing them gets them: the least recently used
+    prefixes go first, nobody is preempted or kept waiting for them; and there are never more than the cap."""
+    model, g = tiny_lm.model, torch.Generator().manual_seed(6)
+    prompts = [tuple(torch.randint(3, 250, (16,), generator=g).tolist()) for _ in range(4)]  # 2 blocks each
+    requests = [Request(i, 100.0 * i, p, max_new_tokens=4) for i, p in enumerate(prompts)]
+    scheduler, records = _run(model, requests, block_size=8, prefix_caching=True, prefix_cache_blocks=5)
+    assert [scheduler.pool.held[k] for k in scheduler.prefixes.retained] == [2, 2]  # 3 × 2 blocks > 5: one went
+    assert [r.output_ids for r in records] == [_solo(model, r, None, temperature=0) for r in requests]
+    big = Request(9, 1000.0, tuple(torch.randint(3, 250, (40,), generator=g).tolist()), max_new_tokens=8)
+    scheduler, records = _run(model, [*requests, big], block_size=8, num_blocks=7, prefix_caching=True)
+    assert records[-1].finish == "length" and records[-1].preemptions == 0  # 6 blocks: retained ones made room
+    assert max(used for _, _, used, _ in scheduler.timeline) <= 7
+    assert [k.held for k in scheduler.prefixes.retained.values()] == [40]  # only its own 5 blocks are left
+    assert records[-1].output_ids == _solo(model, big, None, temperature=0)
+
+
 def test_a_stop_string_ends_a_request_as_the_generator_does(tiny_lm):
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     requests = _load(3)
