@@ -76,12 +76,9 @@ class PrefixIndex:
         if not owned:
             return None
         prompt = self.owners[owned[0]][1]
-        tokens = min(owner.held, len(prompt)) // self.block_size * self.block_size
-        if tokens == 0:
-            self.remove(owner)
-            return None
-        for layer in cache.layers:
-            if owner.held > tokens:
+        tokens = len(prompt) // self.block_size * self.block_size  # it holds its prompt: it was added once in
+        if owner.held > tokens:
+            for layer in cache.layers:
                 layer.crop(tokens - owner.held)  # type: ignore[union-attr]
         self._keys -= 1
         kept = self.retained[self._keys] = Retained(self._keys, cache, tokens)
