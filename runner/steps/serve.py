@@ -58,7 +58,8 @@ MIB = 2**20
 DEFAULT_TRANSFORMERS_BLOCKS = 4096  # its paged cache needs a size: with no KV budget given, room for 4096 blocks
 HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
-            "errors", "preemptions", "mean_running", "peak_running", "peak_blocks_used", "compile_s", "recompiles")
+            "errors", "preemptions", "cached_prompt_tokens", "mean_running", "peak_running", "peak_blocks_used",
+            "compile_s", "recompiles")
 OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
 
 

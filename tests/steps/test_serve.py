@@ -193,6 +193,8 @@ def test_prefix_caching_serves_a_conversations_next_turn_from_the_last_ones_bloc
     assert (ours["cached_prompt_tokens"] == [0, 12] * 3).all()  # ids: conversation × 2 + turn
     assert (requests.loc["static", "cached_prompt_tokens"] == 0).all()
     assert (ours["output_ids"] == requests.loc["static", "output_ids"]).all()
+    metrics = json.loads((step / "results.json").read_text())["metrics"]
+    assert metrics["ours_model_x100.cached_prompt_tokens"] == 36  # the point's hits, in MLflow too
 
 
 def _free_port() -> int:
