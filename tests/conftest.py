@@ -71,6 +71,21 @@ def smollm():
     return load_model("zoo:smollm2-135m", device="cpu")
 
 
+def tiny_qwen2(seed: int = 0, **config):
+    """A tiny random qwen2 (LLAMA_32's sizes; `config` on top) whose q, k, v biases are random too: transformers
+    starts them at zero, which would hide a bias written or read wrong."""
+    import torch
+
+    from runner.infer.loading.models import load_model
+
+    lm = load_model(config={**LLAMA_32, "model_type": "qwen2", **config}, device="cpu", seed=seed)
+    with torch.no_grad():
+        for name, parameter in lm.model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    return lm
+
+
 def tiny_manifest(tmp_path, runs_yaml: str, extra: str = "") -> "os.PathLike":
     """Write a manifest on the tiny llama with MLflow and run folders under tmp_path."""
     path = tmp_path / "m.yaml"

@@ -16,7 +16,7 @@ from runner.infer.generation.generator import Generator
 from runner.infer.llamacpp.engine import LlamaCppEngine
 from runner.infer.llamacpp.gguf_file import model_gguf, written_gguf
 from runner.infer.loading.models import load_model
-from tests.conftest import LLAMA_32, NEEDS_LLAMACPP
+from tests.conftest import LLAMA_32, NEEDS_LLAMACPP, tiny_qwen2
 
 pytest.importorskip("llama_cpp", reason=NEEDS_LLAMACPP)
 
@@ -98,11 +98,7 @@ def test_sampling_through_llamacpps_sampler_is_seeded(tiny_gguf):
 def test_a_written_qwen2_gives_llamacpp_our_logits_biases_and_all(tmp_path, monkeypatch):
     """qwen2 (q, k, v biases; NEOX rotary, so its rows unpermuted) written as f32: llama.cpp's logits are ours."""
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
-    lm = load_model(config={**LLAMA_32, "model_type": "qwen2"}, device="cpu", seed=0)
-    with torch.no_grad():
-        for name, parameter in lm.model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.5)
+    lm = tiny_qwen2()
     engine = LlamaCppEngine(written_gguf(lm.model, lm.tokenizer), kind="fp32", n_ctx=64,
                             options=LlamaCppOptions(threads=1), logits_all=True)
     with torch.inference_mode():

@@ -8,8 +8,7 @@ import torch
 
 from runner.errors import ModelError
 from runner.infer.llamacpp.gguf_file import _permute, gguf_weight_bytes, model_gguf, unsupported, written_gguf
-from runner.infer.loading.models import load_model
-from tests.conftest import LLAMA_32
+from tests.conftest import tiny_qwen2
 
 
 def test_permute_pairs_each_rotary_half_with_its_partner():
@@ -83,11 +82,7 @@ def test_a_qwen2_is_written_with_its_biases_and_its_rows_in_their_own_order(tmp_
     import gguf
 
     monkeypatch.setenv("RUNNER_CACHE", str(tmp_path))
-    lm = load_model(config={**LLAMA_32, "model_type": "qwen2"}, device="cpu", seed=0)
-    with torch.no_grad():
-        for name, parameter in lm.model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_()
+    lm = tiny_qwen2()
     reader = gguf.GGUFReader(written_gguf(lm.model, lm.tokenizer))
     tensors, sd = {t.name: t for t in reader.tensors}, lm.model.state_dict()
     assert reader.fields["general.architecture"].contents() == "qwen2"

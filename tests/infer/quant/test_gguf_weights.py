@@ -18,7 +18,7 @@ from runner.infer.quant import gguf_weights
 from runner.infer.quant.gguf_tensors import gguf_tensors, tensor_blocks
 from runner.infer.quant.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_formats
 from runner.infer.quant.weights import weight_bytes
-from tests.conftest import LLAMA_32
+from tests.conftest import LLAMA_32, tiny_qwen2
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]  # what the gguf package writes; K-quants: the slow tests' Qwen file
 
@@ -26,12 +26,9 @@ TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]  # what the gguf package writes; K-quan
 def _written(tmp_path, weight_type: str, tied: bool = True, seed: int = 0, model_type: str = "llama"):
     """A tiny llama (or qwen2, its biases random) written as GGUF in `weight_type`, and the model holding that
     file's de-quantized weights."""
-    lm = load_model(config={**LLAMA_32, "tie_word_embeddings": tied, "model_type": model_type}, device="cpu",
-                    seed=seed)
-    with torch.no_grad():
-        for name, parameter in lm.model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.5)
+    config = {**LLAMA_32, "tie_word_embeddings": tied}
+    lm = (tiny_qwen2(seed, tie_word_embeddings=tied) if model_type == "qwen2"
+          else load_model(config=config, device="cpu", seed=seed))
     path = tmp_path / f"tiny-{model_type}-{weight_type}-{tied}-{seed}.gguf"
     write_gguf(lm.model, lm.tokenizer, path, weight_type)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=lm.model)["tensors"]
