@@ -86,15 +86,11 @@ class PrefixIndex:
             self.owners[h] = (kept, prompt)
         return kept
 
-    def drop(self, kept: Retained) -> Retained:
-        """A retained prefix out of the index."""
-        del self.retained[kept.key]
-        self.remove(kept)
-        return kept
-
     def evict_oldest(self) -> Retained:
         """The least recently used retained prefix, out of the index."""
-        return self.drop(next(iter(self.retained.values())))
+        _, oldest = self.retained.popitem(last=False)
+        self.remove(oldest)
+        return oldest
 
     def lookup(self, tokens: Sequence[int], most: int) -> tuple[Any, int]:
         """The owner of the longest run of `tokens`' leading full blocks, at most `most` tokens → (owner, tokens);

@@ -308,12 +308,11 @@ class Scheduler:
         cache, live.cache = live.cache, None
         if self.prefixes is None:
             return
-        kept = None
         if retain and cache is not None and self.config.prefix_cache_blocks > 0:
             kept = self.prefixes.retire(live, cache)
+            if kept is not None:
+                self.pool.hold(kept.key, kept.held)  # always fits: at most the blocks it just released
         self.prefixes.remove(live)
-        if kept is not None and not self.pool.hold(kept.key, kept.held):  # fits: its own blocks were just released
-            self.prefixes.drop(kept)
         retained = self.prefixes.retained
         while retained and sum(self.pool.held[k] for k in retained) > self.config.prefix_cache_blocks:
             self.pool.release(self.prefixes.evict_oldest().key)

@@ -26,9 +26,8 @@ TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0"]  # what the gguf package writes; K-quan
 def _written(tmp_path, weight_type: str, tied: bool = True, seed: int = 0, model_type: str = "llama"):
     """A tiny llama (or qwen2, its biases random) written as GGUF in `weight_type`, and the model holding that
     file's de-quantized weights."""
-    config = {**LLAMA_32, "tie_word_embeddings": tied}
     lm = (tiny_qwen2(seed, tie_word_embeddings=tied) if model_type == "qwen2"
-          else load_model(config=config, device="cpu", seed=seed))
+          else load_model(config={**LLAMA_32, "tie_word_embeddings": tied}, device="cpu", seed=seed))
     path = tmp_path / f"tiny-{model_type}-{weight_type}-{tied}-{seed}.gguf"
     write_gguf(lm.model, lm.tokenizer, path, weight_type)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=lm.model)["tensors"]
