@@ -3,6 +3,8 @@ quantization, eviction and both (issue 35, items 5, 7 and 8).
 
     python benchmarks/eviction_frontier.py                  # the default run (~35-45 min on a shared 2-core CPU)
     python benchmarks/eviction_frontier.py --quick          # a smoke run: 1 sample of 256 tokens, 2 presses
+    python benchmarks/eviction_frontier.py --model zoo:qwen2.5-coder-1.5b --length 4096 --methods tova h2o \
+        --threads 2                                         # item 8 at 4k, part 1 skipped (~1 h)
 
 One process, one model (default zoo:smollm2-135m, fp32 weights), one set of task samples (default niah_single_1,
 niah_multikey_1 and vt at 1024 tokens, --count each, seed 0) answered greedily on every configuration below; every
@@ -23,7 +25,10 @@ sample's answer is capped at --max-new-tokens (both sides) so that the two imple
    needle's value, vt's names, wherever they occur in the prompt) kept, averaged over layers and KV heads.
 2. the frontier: bytes (measured after the prefill, summed over the samples, over fp16's on the same samples)
    against the average score over every sample: quantization only (--quant), eviction only (fp16 + the --best
-   methods of part 1 at every --ratios), and both (--stack kinds × the best methods × --ratios). The frontier of
+   methods of part 1, or the --methods named, at every --ratios), and both (--stack kinds × those methods).
+   The evicting kinds of the frontier share one prompt forward a sample (task_eval.answer_kinds: the same
+   answers and bytes as one forward each; their prefill seconds are the shared forward's plus their own store,
+   their peak memory is the group's), so each costs little more than its decoding: what makes 4k affordable. The frontier of
    each family is its Pareto set. The target (item 8): a configuration at ≤ 0.15× fp16's bytes within 2 points of
    fp16's average, beating the best quantization alone and the best eviction alone at no more bytes.
 
@@ -80,32 +85,37 @@ def capped(samples, cap: int):
 # ---- ours
 
 
-def run_ours(model, tokenizer, samples, kind: str | None) -> dict:
-    """Every sample answered on `kind` (one prompt forward), with the kept columns of each evicting layer."""
-    made: list = []
+def run_ours(model, tokenizer, samples, kinds: list[str], share: bool) -> dict[str, dict]:
+    """Every sample answered on each of `kinds` (one prompt forward each, or with `share` one for all evicting
+    kinds: task_eval.answer_kinds), with the kept columns of each evicting layer; the peak RSS added per sample
+    is the group's when shared."""
+    made: dict = {}
     make_cache = task_eval.make_cache
 
     def recording(kind_, model_):
-        cache = make_cache(kind_, model_)
-        made.append(cache)
+        made[kind_] = cache = make_cache(kind_, model_)  # the last cache made for a kind is the one it answered on
         return cache
 
     task_eval.make_cache = recording
-    results, kept, peaks = [], [], []
+    got: dict[str, dict] = {kind: {"results": [], "kept": [], "peaks": []} for kind in kinds}
     try:
         for sample in samples:
-            made.clear()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back: the peak starts from the live set
-            base = rss_bytes()
-            with PeakMemory(torch.device("cpu")) as peak:
-                results.append(task_eval.answer(model, tokenizer, sample, kind, q_chunk=None))
-            peaks.append(peak.bytes - base)
-            layers = [layer for layer in made[0].layers if isinstance(layer, EvictingMixin)] if made else []
-            kept.append([layer.kept_index[0].tolist() for layer in layers if layer.kept_index is not None] or None)
-            made.clear()
+            for group in [kinds] if share else [[kind] for kind in kinds]:
+                made.clear()
+                ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back: the peak starts from the live set
+                base = rss_bytes()
+                with PeakMemory(torch.device("cpu")) as peak:
+                    results = task_eval.answer_kinds(model, tokenizer, sample, group, q_chunk=None)
+                for kind, result in zip(group, results):
+                    layers = [layer for layer in made[kind].layers if isinstance(layer, EvictingMixin)]
+                    got[kind]["results"].append(result)
+                    got[kind]["kept"].append([layer.kept_index[0].tolist() for layer in layers
+                                              if layer.kept_index is not None] or None)
+                    got[kind]["peaks"].append(peak.bytes - base)
+                made.clear()
     finally:
         task_eval.make_cache = make_cache
-    return {"results": results, "kept": kept, "peak": max(peaks)}
+    return {kind: {"results": g["results"], "kept": g["kept"], "peak": max(g["peaks"])} for kind, g in got.items()}
 
 
 # ---- kvpress
@@ -275,6 +285,8 @@ def main() -> None:
     parser.add_argument("--skip-kvpress", action="store_true", help="part 1 without kvpress (ours only)")
     parser.add_argument("--skip-frontier", action="store_true", help="part 1 only")
     parser.add_argument("--best", type=int, default=2, help="methods of part 1 carried into the frontier")
+    parser.add_argument("--methods", nargs="+", choices=list(PRESSES),
+                        help="the frontier's eviction methods, chosen here: part 1 is skipped")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.875])
     parser.add_argument("--quant", nargs="+", default=["q8_0", "q4_0", "kivi4", "kivi2"])
     parser.add_argument("--stack", nargs="+", default=["q8_0:0.75", "q8_0:0.875", "q4_0:0.5", "q4_0:0.75",
@@ -310,33 +322,40 @@ def main() -> None:
     per_sample = Writer(out / "samples.csv")
     done: dict[str, dict] = {}
 
-    def ours(kind: str) -> dict:
-        if kind not in done:
-            t0 = time.perf_counter()
-            got = run_ours(model, tok, samples, kind)
+    def ours(kinds: list[str], share: bool = False) -> None:
+        todo = [kind for kind in dict.fromkeys(kinds) if kind not in done]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        for kind, got in run_ours(model, tok, samples, todo, share).items():
             got["scores"] = [r.score for r in got["results"]]
             got["bytes"] = sum(r.cache_bytes for r in got["results"])
+            got["shared"] = share and len(todo) > 1
             done[kind] = got
             for r in got["results"]:
                 per_sample.add({"side": "ours", "kind": kind, "task": r.sample.task, "index": r.sample.index,
                                 "prompt_tokens": r.prompt_tokens, "score": r.score, "prediction": r.prediction,
                                 "stop": r.stop, "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3),
                                 "new_tokens": r.new_tokens, "cache_bytes": r.cache_bytes})
-            print(f"  {kind}: {summary(got['scores'])} ({task_scores(samples, got['scores'])}), "
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
-        return done[kind]
+            print(f"  {kind}: {summary(got['scores'])} ({task_scores(samples, got['scores'])})", flush=True)
+        print(f"  ({len(todo)} kind{'s' * (len(todo) > 1)}{', one prompt forward a sample' * got['shared']}: "
+              f"{time.perf_counter() - t0:.0f} s)", flush=True)
 
     print("\nreference", flush=True)
-    reference = ours("fp16")
+    ours(["fp16"])
+    reference = done["fp16"]
     ref_bytes = reference["bytes"]
 
     # ---- part 1
-    print(f"\n1. ours against kvpress at ratio {args.ratio} (kvpress: the whole prompt as its context)", flush=True)
+    if not args.methods:
+        print(f"\n1. ours against kvpress at ratio {args.ratio} (kvpress: the whole prompt as its context)",
+              flush=True)
     compare = Writer(out / "compare.csv")
     compare_rows = []
     part1: dict[str, float] = {}
-    for method in args.presses:
-        mine = ours(f"fp16+{method}:{args.ratio}")
+    for method in [] if args.methods else args.presses:
+        ours([f"fp16+{method}:{args.ratio}"])
+        mine = done[f"fp16+{method}:{args.ratio}"]
         part1[method] = statistics.fmean(mine["scores"])
         row = {"press": f"{method} / {PRESSES[method]}", "n": n, "ours": summary(mine["scores"])}
         ours_prefill = statistics.fmean(r.prefill_s for r in mine["results"])
@@ -392,22 +411,25 @@ def main() -> None:
         return
 
     # ---- part 2
-    best = sorted(part1, key=lambda m: (-part1[m], PREFERENCE.index(m)))[: args.best]
-    print(f"\n2. the frontier (best methods at ratio {args.ratio}: {', '.join(best)})", flush=True)
+    best = args.methods or sorted(part1, key=lambda m: (-part1[m], PREFERENCE.index(m)))[: args.best]
+    print(f"\n2. the frontier ({'methods' if args.methods else f'best methods at ratio {args.ratio}'}: "
+          f"{', '.join(best)})", flush=True)
     configs = [("reference", "fp16")] + [("quantization", k) for k in args.quant]
     configs += [("eviction", f"fp16+{m}:{r}") for m in best for r in args.ratios]
     configs += [("both", f"{pair.rsplit(':', 1)[0]}+{m}:{pair.rsplit(':', 1)[1]}") for m in best for pair in args.stack]
+    ours([kind for family, kind in configs if family in ("reference", "quantization")])
+    ours([kind for family, kind in configs if family in ("eviction", "both")], share=True)
     frontier = Writer(out / "frontier.csv")
     rows = []
     for family, kind in configs:
-        got = ours(kind)
+        got = done[kind]
         iv = interval(got["scores"])
         row = {"family": family, "kind": kind, "bytes_vs_fp16": got["bytes"] / ref_bytes,
                "score": 100 * statistics.fmean(got["scores"]), "low": iv.low, "high": iv.high, "n": n,
                "Δ vs fp16": 100 * statistics.fmean(got["scores"]) - 100 * statistics.fmean(reference["scores"]),
                "per task": task_scores(samples, got["scores"]),
                "prefill_s": statistics.fmean(r.prefill_s for r in got["results"]),
-               "peak_mib_added": got["peak"] / 2**20}
+               "peak_mib_added": "shared" if got["shared"] else got["peak"] / 2**20}
         frontier.add(row)
         rows.append(row)
     ref_row = rows[0]

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner.infer.cache.evicting import EvictingMixin
 from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
 from runner.infer.config.kinds import parse_kind
-from runner.infer.decode.forward import DecodeState, eos_ids
+from runner.infer.decode.forward import DecodeState, eos_ids, trim_mask
 from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.measure.timing import Stopwatch, on_device
 from runner.infer.tasks.ruler import Sample, make_samples, task
@@ -138,37 +139,133 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
            stop_at_newline: bool = True, compress: str = "prompt") -> SampleResult:
     """One sample's greedy answer on a fresh cache of `cache_kind`, scored by the sample's metric. `compress`
     (COMPRESSES): what an evicting kind presses, the whole prompt in one forward or the haystack alone."""
-    if compress not in COMPRESSES:
-        raise ValueError(f"compress must be one of {', '.join(COMPRESSES)} (got {compress!r})")
-    device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer(sample.prompt)["input_ids"]], device=device)
-    if ids.shape[1] != sample.tokens:  # a sample made with another tokenizer
-        log.warning("%s sample %d has %d tokens with this tokenizer (made with %d)", sample.task, sample.index,
-                    ids.shape[1], sample.tokens)
-    limit = context_limit(model)
-    room = sample.max_new_tokens if limit is None else max(0, min(sample.max_new_tokens, limit - ids.shape[1]))
-    eos = eos_ids(model)
+    prompt = _Prompt.of(model, tokenizer, sample, cache_kind, compress)
     state = DecodeState(make_cache(cache_kind, model))
-    options = parse_kind(cache_kind)
-    evicting = options is not None and options.eviction is not None
-    if evicting:
-        q_chunk = None  # eviction runs on each prompt forward: the whole prompt at once, as kvpress presses it
-    pressed, question = ids, ids[:, ids.shape[1]:]
-    if evicting and compress == "context":
-        cut = question_start(tokenizer, sample)
-        pressed, question = ids[:, :cut], ids[:, cut:]
-    live = torch.ones(1, dtype=torch.long, device=device)
-    watch = Stopwatch(**on_device(device))
-    logits, _ = state.prefill(model, pressed, torch.ones_like(pressed), q_chunk)
-    for column in question[0]:  # one token a step: stored as it comes, never pressed (kvpress's question)
+    watch = Stopwatch(**on_device(prompt.ids.device))
+    logits, _ = state.prefill(model, prompt.pressed, torch.ones_like(prompt.pressed),
+                              None if prompt.evicting else q_chunk)
+    return _finish(model, tokenizer, prompt, state, logits, watch, watch.lap(), stop_at_newline)
+
+
+@torch.inference_mode()
+def answer_kinds(model, tokenizer, sample: Sample, cache_kinds: Sequence[str | None], *, q_chunk: int | None = 512,
+                 stop_at_newline: bool = True, compress: str = "prompt") -> list[SampleResult]:
+    """`answer` on each of `cache_kinds`, the evicting kinds sharing one prompt forward (same results, faster).
+
+    Why this is exact: a layer that presses a forward on an empty cache (EvictingMixin) gives that forward's
+    attention the forward's own float K/V whatever its kind stores, so every layer's input, and the last logits,
+    are the same for every evicting kind; only what each layer keeps and stores differs. So the first evicting
+    kind's forward records what each layer's `update` received, and each other kind's layers get the same calls
+    directly. A kind whose layers would not all press (a ratio that keeps the whole prompt, a layer without
+    eviction) gets its own forward, through `answer`; so does every kind without eviction. Prefill seconds of a
+    replayed kind: the shared forward's plus its own store."""
+    results: dict[int, SampleResult] = {}
+    shared: list[int] = []
+    for i, kind in enumerate(cache_kinds):
+        options = parse_kind(kind)
+        if options is None or options.eviction is None:
+            results[i] = answer(model, tokenizer, sample, kind, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
+                                compress=compress)
+        else:
+            shared.append(i)
+    calls: list[list] | None = None
+    forward_s = 0.0
+    for i in shared:
+        prompt = _Prompt.of(model, tokenizer, sample, cache_kinds[i], compress)
+        cache = make_cache(cache_kinds[i], model)
+        watch = Stopwatch(**on_device(prompt.ids.device))
+        if calls is None:
+            state, recorded = DecodeState(cache), _record(cache)
+            logits, _ = state.prefill(model, prompt.pressed, torch.ones_like(prompt.pressed), None)
+            _stop_recording(cache)
+            forward_s = watch.lap()
+            if _pressed(cache):
+                calls, first_logits = recorded, logits
+            results[i] = _finish(model, tokenizer, prompt, state, logits, watch, forward_s, stop_at_newline)
+            continue
+        _replay(cache, calls)
+        if not _pressed(cache):  # this kind's own forward would not have pressed every layer
+            results[i] = answer(model, tokenizer, sample, cache_kinds[i], stop_at_newline=stop_at_newline,
+                                compress=compress)
+            continue
+        columns = prompt.pressed.shape[1]
+        state = DecodeState(cache, mask=trim_mask(torch.ones_like(prompt.pressed), cache),
+                            seen=torch.tensor([columns], device=prompt.ids.device), length=columns)  # as prefill
+        results[i] = _finish(model, tokenizer, prompt, state, first_logits, watch, forward_s + watch.lap(),
+                             stop_at_newline)
+    return [results[i] for i in range(len(cache_kinds))]
+
+
+def _record(cache) -> list[list[tuple]]:
+    """Wrap each layer's `update` to keep what it receives (its eviction inputs first) → the calls per layer."""
+    calls: list[list[tuple]] = [[] for _ in cache.layers]
+    for made, layer in zip(calls, cache.layers):
+        def update(key_states, value_states, *args, _made=made, _layer=layer, _update=layer.update, **kwargs):
+            _made.append((getattr(_layer, "evict_inputs", None), key_states, value_states, args, kwargs))
+            return _update(key_states, value_states, *args, **kwargs)
+        layer.update = update
+    return calls
+
+
+def _stop_recording(cache) -> None:
+    for layer in cache.layers:
+        del layer.update  # the instance's wrapper: the class's method again
+
+
+def _replay(cache, calls: list[list[tuple]]) -> None:
+    for layer, made in zip(cache.layers, calls):
+        for inputs, key_states, value_states, args, kwargs in made:
+            layer.evict_inputs = inputs
+            layer.update(key_states, value_states, *args, **kwargs)
+
+
+def _pressed(cache) -> bool:
+    """Whether every layer evicted from its one prompt forward (and so returned the forward's own K/V)."""
+    return all(isinstance(layer, EvictingMixin) and layer.kept_index is not None for layer in cache.layers)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A sample's prompt ids, split into what is pressed in one forward and the question fed after it."""
+
+    sample: Sample
+    ids: torch.Tensor  # [1,T]
+    pressed: torch.Tensor  # [1,c]: the whole prompt, or the haystack with compress="context" on an evicting kind
+    question: torch.Tensor  # [1,T−c]
+    room: int  # answer tokens allowed: the task's cap within the model's context
+    evicting: bool
+
+    @classmethod
+    def of(cls, model, tokenizer, sample: Sample, cache_kind: str | None, compress: str) -> _Prompt:
+        if compress not in COMPRESSES:
+            raise ValueError(f"compress must be one of {', '.join(COMPRESSES)} (got {compress!r})")
+        device = next(model.parameters()).device
+        ids = torch.tensor([tokenizer(sample.prompt)["input_ids"]], device=device)
+        if ids.shape[1] != sample.tokens:  # a sample made with another tokenizer
+            log.warning("%s sample %d has %d tokens with this tokenizer (made with %d)", sample.task, sample.index,
+                        ids.shape[1], sample.tokens)
+        limit = context_limit(model)
+        room = sample.max_new_tokens if limit is None else max(0, min(sample.max_new_tokens, limit - ids.shape[1]))
+        options = parse_kind(cache_kind)
+        evicting = options is not None and options.eviction is not None
+        cut = question_start(tokenizer, sample) if evicting and compress == "context" else ids.shape[1]
+        return cls(sample, ids, ids[:, :cut], ids[:, cut:], room, evicting)
+
+
+def _finish(model, tokenizer, prompt: _Prompt, state: DecodeState, logits: torch.Tensor, watch: Stopwatch,
+            pressed_s: float, stop_at_newline: bool) -> SampleResult:
+    """From the pressed prompt's last logits: feed the question (one token a step: stored as it comes, never
+    pressed, kvpress's question), measure the cache, decode greedily to a stop, score."""
+    sample, eos, live = prompt.sample, eos_ids(model), torch.ones(1, dtype=torch.long, device=prompt.ids.device)
+    for column in prompt.question[0]:
         logits = state.feed(model, column[None], live)
     token = greedy_tokens(logits)
-    prefill_s = watch.lap()
+    prefill_s = pressed_s + watch.lap()
     nbytes = cache_bytes(state.cache)
     watch.lap()  # the bytes are not decode time
     new: list[int] = []
-    text, stop = "", "max_tokens" if room == sample.max_new_tokens else "context"
-    while len(new) < room:
+    text, stop = "", "max_tokens" if prompt.room == sample.max_new_tokens else "context"
+    while len(new) < prompt.room:
         if int(token) in eos:
             stop = "eos"
             break
@@ -180,13 +277,13 @@ def answer(model, tokenizer, sample: Sample, cache_kind: str | None = None, *, q
         if stop_at_newline and "\n" in text.lstrip():
             stop = "newline"
             break
-        if len(new) == room:
+        if len(new) == prompt.room:
             break
         token = greedy_tokens(state.feed(model, token, live))
     decode_s = watch.lap()
     prediction = postprocess(text)
-    return SampleResult(sample, prediction, score(sample.metric, prediction, sample.answers), ids.shape[1], len(new),
-                        stop, prefill_s, decode_s, nbytes)
+    return SampleResult(sample, prediction, score(sample.metric, prediction, sample.answers), prompt.ids.shape[1],
+                        len(new), stop, prefill_s, decode_s, nbytes)
 
 
 def question_start(tokenizer, sample: Sample) -> int:
@@ -199,5 +296,5 @@ def question_start(tokenizer, sample: Sample) -> int:
                 len(spans))
 
 
-__all__ = ["COMPRESSES", "Evaluation", "SampleResult", "answer", "check_length", "context_limit", "evaluate",
-           "evaluate_tasks", "question_start"]
+__all__ = ["COMPRESSES", "Evaluation", "SampleResult", "answer", "answer_kinds", "check_length", "context_limit",
+           "evaluate", "evaluate_tasks", "question_start"]

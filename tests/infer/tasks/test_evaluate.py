@@ -1,7 +1,7 @@
 import pytest
 
 from runner.infer.loading.zoo import zoo_cached
-from runner.infer.tasks.evaluate import answer, check_length, evaluate, evaluate_tasks, question_start
+from runner.infer.tasks.evaluate import answer, answer_kinds, check_length, evaluate, evaluate_tasks, question_start
 from runner.infer.tasks.ruler import make_sample, make_samples
 
 
@@ -49,6 +49,32 @@ def test_compressing_the_context_alone_presses_the_haystack_and_stores_the_quest
     assert plain[0].prediction == plain[1].prediction and plain[0].cache_bytes == plain[1].cache_bytes
     with pytest.raises(ValueError, match="compress must be one of prompt, context"):
         answer(tiny_lm.model, tok, sample, "fp16", compress="question")
+
+
+@pytest.mark.parametrize("compress", ["prompt", "context"])
+def test_evicting_kinds_sharing_one_prompt_forward_answer_as_each_alone(tiny_lm, one_thread, words, compress):
+    """answer_kinds = answer per kind, field by field (a random model's answer is a fingerprint of every logit it
+    read): evicting kinds of every method, quantized or not, with a decode schedule, replayed from one forward; a
+    kind that would keep the whole prompt (500 tokens at 0.001) and the kinds without eviction on their own."""
+    tok = tiny_lm.tokenizer
+    sample = make_sample("niah_single_1", tok, 500, words=words)
+    kinds = ["fp16+knorm:0.5", "q4_0+snapkv:0.5", None, "kivi2+tova:0.75", "fp16+h2o:0.5", "q8_0+expected:0.5",
+             "q8_0+snapkv:0.5:e4", "fp16+streaming:0.001", "q8_0", "fp16+tova:0.875"]
+    prompt_forwards = []
+    hook = tiny_lm.model.register_forward_pre_hook(
+        lambda module, args, kwargs: prompt_forwards.append(kwargs["input_ids"].shape[1] > 1), with_kwargs=True)
+    try:
+        together = answer_kinds(tiny_lm.model, tok, sample, kinds, q_chunk=128, compress=compress)
+    finally:
+        hook.remove()
+    assert sum(prompt_forwards) == 4 + 4 + 1 + 1  # None and q8_0 in chunks of 128, streaming:0.001, one shared
+    alone = [answer(tiny_lm.model, tok, sample, kind, q_chunk=128, compress=compress) for kind in kinds]
+    for kind, got, want in zip(kinds, together, alone):
+        assert (got.prediction, got.new_tokens, got.stop, got.cache_bytes) == (
+            want.prediction, want.new_tokens, want.stop, want.cache_bytes), kind
+        assert got.prefill_s > 0
+    assert len({r.cache_bytes for r in together}) >= 6  # the kinds really stored differently
+    assert len({r.prediction for r in together}) >= 2  # and the answers tell them apart
 
 
 def test_a_length_above_the_context_and_an_unknown_task_are_value_errors(tiny_lm):
