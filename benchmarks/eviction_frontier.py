@@ -28,9 +28,10 @@ sample's answer is capped at --max-new-tokens (both sides) so that the two imple
    methods of part 1, or the --methods named, at every --ratios), and both (--stack kinds × those methods).
    The evicting kinds of the frontier share one prompt forward a sample (task_eval.answer_kinds: the same
    answers and bytes as one forward each; their prefill seconds are the shared forward's plus their own store,
-   their peak memory is the group's), so each costs little more than its decoding: what makes 4k affordable. The frontier of
-   each family is its Pareto set. The target (item 8): a configuration at ≤ 0.15× fp16's bytes within 2 points of
-   fp16's average, beating the best quantization alone and the best eviction alone at no more bytes.
+   their peak memory is the group's), so each costs little more than its decoding: what makes 4k affordable.
+   The frontier of each family is its Pareto set. The target (item 8): a configuration at ≤ 0.15× fp16's bytes
+   within 2 points of fp16's average, beating the best quantization alone and the best eviction alone at no more
+   bytes.
 
 Writes --out (default runs/eviction_frontier/): compare.csv, frontier.csv, samples.csv (every sample of
 every configuration: prediction, score, seconds, bytes), frontier.png; prints both tables as markdown.

@@ -4,8 +4,9 @@ reference) and on each cache kind of the block (quantized, evicting, or both), o
 One table, task × length × cache kind: the score (points of 100), its sample count and 95 % interval, whether the
 reference's score is informative (a task the model cannot do uncompressed gates nothing), the drop beyond the
 reference's interval, the cache's measured MiB after the prompt and its ratio to the reference's, and seconds per
-sample. Tables are written after each cache kind, so an interrupt keeps what finished; the frontier (mean score
-against bytes) is plotted.
+sample. The evicting kinds are evaluated together, sharing one prompt forward a sample (tasks.evaluate_kinds);
+the others one at a time. Tables are written after each kind (the evicting ones: after all of them), so an
+interrupt keeps what finished; the frontier (mean score against bytes) is plotted.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import StepError
+from runner.infer.config.kinds import parse_kind
 from runner.infer.loading.models import LoadedModel
 from runner.infer.select.autocache import reference_kind
-from runner.infer.tasks.evaluate import check_length, evaluate
+from runner.infer.tasks.evaluate import Evaluation, check_length, evaluate_kinds
 from runner.infer.tasks.ruler import make_samples
 from runner.infer.tasks.scoring import drop_beyond_noise
 from runner.manifest.eval_block import EvalBlock
@@ -45,29 +47,36 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
         raise StepError(f"step {step.key}: eval.lengths: {error}") from None
     reference_name = reference_kind(lm.model)
     kinds = [None, *(k for k in block.cache_kinds if k != reference_name)]
+    evicting = [k for k in kinds if _evicts(k)]
+    groups = [[k] for k in kinds if not _evicts(k)] + ([evicting] if evicting else [])
     rows: list[dict] = []
     answers: list[dict] = []
-    reference, ref_bytes = None, {}
-    for kind in kinds:
-        name = kind or reference_name
-        evaluation = evaluate(lm.model, lm.tokenizer, samples, kind, q_chunk=block.prefill_chunk,
-                              compress=block.compress, progress=progress)
-        if reference is None:  # the first kind (None): the uncompressed cache every other is judged against
-            reference = evaluation
-            ref_bytes = {(r["task"], r["length"]): r["cache_bytes"] for r in evaluation.rows()}
-        for row in evaluation.rows():
-            key = (row["task"], row["length"])
-            base, mine = reference.scores[key], evaluation.scores[key]
-            rows.append({**row, "cache_kind": name, "reference_score": base.score, "informative": base.informative,
-                         "drop": drop_beyond_noise(base, mine), "cache_mib": row["cache_bytes"] / MIB,
-                         "bytes_ratio": row["cache_bytes"] / ref_bytes[key] if ref_bytes[key] else float("nan")})
-        answers += [{"task": r.sample.task, "length": r.sample.length, "index": r.sample.index, "cache_kind": name,
-                     "score": r.score, "prediction": r.prediction, "answers": " | ".join(r.sample.answers),
-                     "stop": r.stop, "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens}
-                    for r in evaluation.results]
-        _write(out_dir, rows, answers)  # after every kind: an interrupt keeps what finished
-        log.info("[%s] %s: mean score %.1f", step.key, name, statistics.fmean(r.score for r in evaluation.results)
-                 * 100)
+    reference: Evaluation | None = None
+    ref_bytes: dict = {}
+    for group in groups:
+        for evaluation in evaluate_kinds(lm.model, lm.tokenizer, samples, group, q_chunk=block.prefill_chunk,
+                                         compress=block.compress, progress=progress):
+            name = evaluation.cache_kind or reference_name
+            if reference is None:  # the first kind (None): the uncompressed cache every other is judged against
+                reference = evaluation
+                ref_bytes = {(r["task"], r["length"]): r["cache_bytes"] for r in evaluation.rows()}
+            for row in evaluation.rows():
+                key = (row["task"], row["length"])
+                base, mine = reference.scores[key], evaluation.scores[key]
+                rows.append({**row, "cache_kind": name, "reference_score": base.score,
+                             "informative": base.informative, "drop": drop_beyond_noise(base, mine),
+                             "cache_mib": row["cache_bytes"] / MIB,
+                             "bytes_ratio": row["cache_bytes"] / ref_bytes[key] if ref_bytes[key] else float("nan")})
+            answers += [{"task": r.sample.task, "length": r.sample.length, "index": r.sample.index,
+                         "cache_kind": name, "score": r.score, "prediction": r.prediction,
+                         "answers": " | ".join(r.sample.answers), "stop": r.stop, "prompt_tokens": r.prompt_tokens,
+                         "new_tokens": r.new_tokens} for r in evaluation.results]
+            log.info("[%s] %s: mean score %.1f", step.key, name,
+                     statistics.fmean(r.score for r in evaluation.results) * 100)
+        order = {kind or reference_name: i for i, kind in enumerate(kinds)}  # the manifest's order, not the groups'
+        rows.sort(key=lambda row: order[row["cache_kind"]])
+        answers.sort(key=lambda row: order[row["cache_kind"]])
+        _write(out_dir, rows, answers)  # after every group: an interrupt keeps what finished
     table = pd.DataFrame(rows)[COLUMNS]
     summary = _summary(table)
     _plot(summary, out_dir / "eval_frontier.png")
@@ -77,6 +86,11 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     return {"scores": table.astype(object).where(table.notna(), None).to_dict("records"),
             "summary": summary.astype(object).where(summary.notna(), None).to_dict("records"),
             "metrics": _metrics(summary), "params": {"eval.samples": len(samples), "eval.cache_kinds": len(kinds)}}
+
+
+def _evicts(kind: str | None) -> bool:
+    options = parse_kind(kind)
+    return options is not None and options.eviction is not None
 
 
 def _write(out_dir: Path, rows: list[dict], answers: list[dict]) -> None:

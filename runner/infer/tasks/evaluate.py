@@ -6,6 +6,7 @@ except for an evicting kind, whose prompt goes in one forward since eviction act
 `feed` one token at a time on a cache from `make_cache(kind, model)`, so any kind string `make_cache` accepts
 works, eviction options included), the stop rules, the cache's measured bytes after the prefill, prefill and decode
 seconds through the timing harness's `Stopwatch`, and the per-task scores (`scoring.TaskScore`). Batch 1.
+Several kinds at once (`answer_kinds`, `evaluate_kinds`): the evicting ones share one prompt forward a sample.
 Stops: the model's EOS; the task's max answer tokens (RULER's tokens_to_generate); the model's context; a line break
 after some answer text (`stop_at_newline`, RULER has no stop words); every reference already in the answer (more
 text cannot lower a substring score, so stopping there changes no score and saves decoding).
@@ -113,17 +114,33 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None
              q_chunk: int | None = 512, stop_at_newline: bool = True, compress: str = "prompt",
              progress: ProgressFactory = no_progress) -> Evaluation:
     """Greedy answers to `samples` on a fresh cache of `cache_kind` each (None = the model's dtype), scored."""
+    return evaluate_kinds(model, tokenizer, samples, [cache_kind], q_chunk=q_chunk, stop_at_newline=stop_at_newline,
+                          compress=compress, progress=progress)[0]
+
+
+def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Sequence[str | None], *,
+                   q_chunk: int | None = 512, stop_at_newline: bool = True, compress: str = "prompt",
+                   progress: ProgressFactory = no_progress) -> list[Evaluation]:
+    """`evaluate` on each of `cache_kinds`, sample by sample, the evicting kinds sharing one prompt forward a
+    sample (`answer_kinds`): N evicting candidates cost one prefill and N decodes, not N prefills."""
     for sample in samples:
         check_length(model, sample.length)
-    bar = progress(f"tasks on {cache_kind or 'the uncompressed cache'}", len(samples), "sample")
-    results = []
+    named = ", ".join(kind or "the uncompressed cache" for kind in cache_kinds)
+    bar = progress(f"tasks on {named}", len(samples), "sample")
+    results: list[list[SampleResult]] = [[] for _ in cache_kinds]
     try:
         for sample in samples:
-            results.append(answer(model, tokenizer, sample, cache_kind, q_chunk=q_chunk,
-                                  stop_at_newline=stop_at_newline, compress=compress))
-            bar.update(1, f"{sample.task}@{sample.length}: {results[-1].score:.2f}")
+            for mine, result in zip(results, answer_kinds(model, tokenizer, sample, cache_kinds, q_chunk=q_chunk,
+                                                          stop_at_newline=stop_at_newline, compress=compress)):
+                mine.append(result)
+            scores = " ".join(f"{mine[-1].score:.2f}" for mine in results)
+            bar.update(1, f"{sample.task}@{sample.length}: {scores}")
     finally:
         bar.close()
+    return [_scored(kind, mine) for kind, mine in zip(cache_kinds, results)]
+
+
+def _scored(cache_kind: str | None, results: list[SampleResult]) -> Evaluation:
     groups: dict[tuple[str, int], list[float]] = {}
     for r in results:
         groups.setdefault((r.sample.task, r.sample.length), []).append(r.score)
@@ -297,4 +314,4 @@ def question_start(tokenizer, sample: Sample) -> int:
 
 
 __all__ = ["COMPRESSES", "Evaluation", "SampleResult", "answer", "answer_kinds", "check_length", "context_limit",
-           "evaluate", "evaluate_tasks", "question_start"]
+           "evaluate", "evaluate_kinds", "evaluate_tasks", "question_start"]
