@@ -66,8 +66,8 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
         max_seq_len = int(getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN)
         sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
         kind = block.cache_kinds[0] if block.cache_kinds else None
-        config = scheduler_config(block, kind, sampling)
         engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
+        config = scheduler_config(block, kind, sampling, speculating=block.speculative[0] == "prompt-lookup")
         if len(block.cache_kinds or []) > 1 or len(block.engines) > 1 or len(block.quantizations or []) > 1:
             log.warning("serving one setting: cache kind %s on engine %s, weights %s (the first of the run's axes)",
                         kind or "of the model's dtype", engine, weights.get("quantization", "as the model block's"))

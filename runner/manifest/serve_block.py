@@ -179,6 +179,11 @@ class ServeBlock(Strict):
     engines: list[Literal["eager", "compiled"]] = Field(["eager"], description=(
         "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
         "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
+    speculative: list[Literal["none", "prompt-lookup"]] = Field(["none"], description=(
+        "Speculative decoding in our eager continuous batching, an axis: none (system ours), prompt-lookup (system "
+        "ours-lookup: each greedy request drafts up to spec_k tokens from its own prompt and output, verified in "
+        "the step's one forward; sampled requests decode a token a step). Not on the compiled engine, not KIVI."))
+    spec_k: int = Field(4, ge=1, le=64, description="Most tokens a request drafts a step (speculative: prompt-lookup).")
     baselines: list[Literal["static", "transformers", "none"]] = Field(["static", "transformers"], description=(
         "Served on the same requests beside continuous batching: static (fixed batches of max_batch_size, after "
         "max_wait_ms), transformers (its own continuous batching, generate_batch); none = no baseline."))
@@ -239,7 +244,12 @@ class ServeBlock(Strict):
             raise ValueAt(("duration_s",), "give num_requests or duration_s, not both")
         if self.kv_budget_mib is not None and self.kv_blocks is not None:
             raise ValueAt(("kv_blocks",), "give kv_budget_mib or kv_blocks, not both")
-        taken = {"ours", "ours-compiled", "static", "transformers"}
+        if "prompt-lookup" in self.speculative and "eager" not in self.engines:
+            raise ValueAt(("speculative",), "speculative: prompt-lookup runs on the eager engine: add eager to "
+                                            f"engines (got {self.engines})")
+        if len(set(self.speculative)) != len(self.speculative):
+            raise ValueAt(("speculative",), f"each setting once (got {self.speculative})")
+        taken = {"ours", "ours-compiled", "ours-lookup", "static", "transformers"}
         for i, endpoint in enumerate(self.endpoints):
             if endpoint.name in taken:
                 raise ValueAt(("endpoints", i, "name"), f"endpoint name {endpoint.name!r} is taken (by one of ours, a "

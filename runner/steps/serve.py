@@ -23,7 +23,7 @@ from runner.errors import StepError
 from runner.infer.compiled.engine import length_bucket
 from runner.infer.config.architecture import compiled_refusal
 from runner.infer.config.decoding import GenerateConfig
-from runner.infer.config.kinds import compiled_serve_reason
+from runner.infer.config.kinds import compiled_serve_reason, parse_kind
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
 from runner.infer.loading.zoo import fetch_gguf, zoo_entry
@@ -58,9 +58,10 @@ MIB = 2**20
 DEFAULT_TRANSFORMERS_BLOCKS = 4096  # its paged cache needs a size: with no KV budget given, room for 4096 blocks
 HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_ms", "p90_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "completed", "refused",
-            "errors", "preemptions", "cached_prompt_tokens", "mean_running", "peak_running", "peak_blocks_used",
-            "compile_s", "recompiles")
+            "errors", "preemptions", "cached_prompt_tokens", "acceptance", "mean_running", "peak_running",
+            "peak_blocks_used", "compile_s", "recompiles")
 OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
+LOOKUP = "ours-lookup"  # the eager engine with prompt-lookup speculation (speculative: prompt-lookup)
 
 
 def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -69,7 +70,7 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     prompts = _prompts_file(block, base_dir)
     sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=_max_seq_len(lm))
     kinds: list[str | None] = list(block.cache_kinds) if block.cache_kinds else [None]  # None: the model dtype
-    systems = [(name, kind) for name in (*(OURS[e] for e in block.engines), *block.baselines) for kind in kinds]
+    systems = [(name, kind) for name in (*_ours(block), *block.baselines) for kind in kinds]
     systems += [(endpoint.name, ENDPOINT) for endpoint in block.endpoints]
     specs = block.load_specs()
     own = step.model.get("quantization", "none")
@@ -143,6 +144,9 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
     timeline = getattr(server, "timeline", [])
     summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
     point = {**keys, "status": "ok", **summary, **_occupancy(timeline)}
+    if isinstance(server, Scheduler) and server.config.spec_k:
+        point |= {"drafted_tokens": server.drafted, "accepted_tokens": server.accepted,
+                  "acceptance": server.accepted / server.drafted if server.drafted else float("nan")}
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases}
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
@@ -169,8 +173,8 @@ def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, s
     if endpoint is not None:
         return RemoteServer(_endpoint(endpoint), lm.tokenizer, max_in_flight=_max_in_flight(block),
                             seed=sampling.seed)
-    if system in OURS.values():
-        config = scheduler_config(block, kind, sampling)
+    if system in (*OURS.values(), LOOKUP):
+        config = scheduler_config(block, kind, sampling, speculating=system == LOOKUP)
         if system == OURS["compiled"]:
             return CompiledSlots(lm.model, config, tokenizer=lm.tokenizer,
                                  columns=slot_columns(block, sampling.max_seq_len))
@@ -212,12 +216,23 @@ def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -
         return transformers_cb_reason(lm.model, kind)
     if system == OURS["compiled"]:
         return compiled_refusal(lm.model.config) or compiled_serve_reason(kind)
+    options = parse_kind(kind)
+    if system == LOOKUP and options is not None and options.family == "kivi":
+        return "prompt-lookup speculation needs a kind that stores each token alone (KIVI codes groups of tokens)"
     return ""
 
 
-def scheduler_config(block: ServeBlock, kind: str | None, sampling: GenerateConfig) -> SchedulerConfig:
+def _ours(block: ServeBlock) -> list[str]:
+    """Our systems: one per engine (eager's only if speculative has none), then ours-lookup if asked."""
+    names = [OURS[e] for e in block.engines if e != "eager" or "none" in block.speculative]
+    return names + [LOOKUP] * ("prompt-lookup" in block.speculative)
+
+
+def scheduler_config(block: ServeBlock, kind: str | None, sampling: GenerateConfig,
+                     speculating: bool = False) -> SchedulerConfig:
     """Our scheduler's limits as a serve block gives them: for `mode: serve` and for `run serve` alike."""
     return SchedulerConfig(cache_kind=kind, block_size=block.block_size, num_blocks=block.kv_blocks,
+                           spec_k=block.spec_k if speculating else 0,
                            kv_budget_bytes=int(block.kv_budget_mib * MIB) if block.kv_budget_mib is not None else None,
                            max_tokens_per_step=block.max_tokens_per_step, max_running=block.max_batch_size,
                            max_queue=block.max_queue, prefix_caching=block.prefix_caching,
@@ -311,14 +326,14 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
                     & (ok["x"] == row["x"])]
         for baseline in ("static", "transformers"):
             other = beside[beside["system"] == baseline]
-            if row["system"] in OURS.values() and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
+            if row["system"] in (*OURS.values(), LOOKUP) and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
                 out[f"{name}.ratio_{baseline}_throughput"] = (row["output_tokens_per_s"]
                                                             / other.iloc[0]["output_tokens_per_s"])
         eager = beside[beside["system"] == OURS["eager"]]
-        if row["system"] == OURS["compiled"] and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
+        if row["system"] in (OURS["compiled"], LOOKUP) and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
             out[f"{name}.ratio_eager_throughput"] = (row["output_tokens_per_s"]
                                                      / eager.iloc[0]["output_tokens_per_s"])
-    ours = ok[ok["system"].isin(list(OURS.values()))] if len(ok) else ok
+    ours = ok[ok["system"].isin([*OURS.values(), LOOKUP])] if len(ok) else ok
     if len(ours):  # headline figures `run results` shows by default
         out["max_output_tokens_per_s"] = float(ours["output_tokens_per_s"].max())
     ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]

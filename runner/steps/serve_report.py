@@ -18,7 +18,7 @@ PLAIN_WEIGHTS = ("none", ENDPOINT)  # weights that add nothing to a series' name
 POINT_COLUMNS = [*SERIES, "x", "status", "completed", "refused", "errors", "output_tokens_per_s",
                  "requests_per_s", "goodput_per_s", "meets_slo", "p50_ttft_ms", "p90_ttft_ms",
                  "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "p90_e2e_ms", "mean_running",
-                 "peak_running", "peak_blocks_used", "preemptions", "cached_prompt_tokens", "weight_mib"]
+                 "peak_running", "peak_blocks_used", "preemptions", "cached_prompt_tokens", "acceptance", "weight_mib"]
 
 
 def write_tables(out_dir: Path, points: list[dict], requests: list[dict], timelines: list[dict]) -> None:

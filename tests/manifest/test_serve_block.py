@@ -89,6 +89,9 @@ def test_a_closed_loop_is_one_point_and_a_duration_replaces_the_count(tmp_path):
     ("{rate: 2, prompts_file: prompts.csv}", "serve.prompts_file: 'prompts_file' must end in .txt (one prompt per "
      "line) or .jsonl (got 'prompts.csv')"),
     ("{rate: 2, engines: [eager, eager]}", "serve.engines: each engine once (got ['eager', 'eager'])"),
+    ("{rate: 2, engines: [compiled], speculative: [prompt-lookup]}", "serve.speculative: speculative: prompt-lookup "
+     "runs on the eager engine: add eager to engines (got ['compiled'])"),
+    ("{rate: 2, speculative: [none, none]}", "serve.speculative: each setting once (got ['none', 'none'])"),
     ("{rate: 2, baselines: [static, none]}", "serve.baselines: none means no baseline: give it alone, or leave it "
      "out (got ['static', 'none'])"),
 ])

@@ -49,6 +49,13 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tenso
     return out.logits[:, -1, :], out.hidden_states[-1] if hidden else None
 
 
+def forward_tail(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+                 keep: int) -> torch.Tensor:
+    """Run `ids` [B,T] into `cache` → logits of the last `keep` positions [B,keep,V] (a speculative verify)."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                 use_cache=True, logits_to_keep=keep).logits
+
+
 def forward_last(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """Run `ids` through the model into `cache`; logits of the last position. [B,T] → [B,V]."""
     return forward(model, ids, mask, positions, cache)[0]

@@ -60,6 +60,9 @@ class CompiledSlots(Scheduler):
         config = config or SchedulerConfig()
         if reason := compiled_serve_reason(config.cache_kind):
             raise ValueError(f"cache kind {config.cache_kind!r} cannot be served on the compiled engine: {reason}")
+        if config.spec_k:
+            raise ValueError("speculation (spec_k) runs on the eager engine's scheduler only; the compiled slots "
+                             "decode one token a step")
         if config.prefix_caching:
             log.warning("prefix caching is off on the compiled engine (prompts are prefilled whole, then copied)")
         super().__init__(model, config, clock, tokenizer)

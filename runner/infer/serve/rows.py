@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from runner.infer.cache.layers import CastLayer, KiviLayer, QuantLayer
-from runner.infer.decode.forward import forward_last
+from runner.infer.decode.forward import forward_tail
 
 
 def rows_reason(cache: Cache) -> str:
@@ -66,10 +66,11 @@ class RowsLayer(DynamicLayer):
         return self.past
 
 
-def feed_rows(model, chunks: list[list[int]], caches: list[Cache], lengths: list[int]) -> torch.Tensor:
-    """One forward of B requests, each feeding its own chunk of tokens (decode: one each) into its own cache that
-    holds lengths[r] tokens → [B,V] logits of each row's last token. Rows are left-padded to the longest chunk T;
-    the padding is neither stored nor attended to."""
+def feed_rows(model, chunks: list[list[int]], caches: list[Cache], lengths: list[int], keep: int = 1) -> torch.Tensor:
+    """One forward of B requests, each feeding its own chunk of tokens (decode: one each, or one and its draft)
+    into its own cache that holds lengths[r] tokens → [B,keep,V] logits of the last `keep` columns (row r's last
+    min(keep, len(chunk r)) are its own). Rows are left-padded to the longest chunk T; the padding is neither
+    stored nor attended to."""
     device = next(model.parameters()).device
     t = max(len(c) for c in chunks)
     news = [len(c) for c in chunks]
@@ -83,7 +84,7 @@ def feed_rows(model, chunks: list[list[int]], caches: list[Cache], lengths: list
         mask[r, width - held - len(chunk):] = 1
     n_layers = len(caches[0].layers)
     batch = Cache(layers=[RowsLayer([c.layers[i] for c in caches], width - t, news) for i in range(n_layers)])
-    return forward_last(model, ids.to(device), mask.to(device), positions.to(device), batch)
+    return forward_tail(model, ids.to(device), mask.to(device), positions.to(device), batch, keep)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ One `Scheduler.step()`, in order:
            running request (its blocks freed, back to the front of the waiting queue, recomputed later from its
            prompt + the tokens it has made; never dropped; `RequestRecord.preemptions` counts it)
     admit  waiting requests, first come first served, while the blocks for all they must prefill are free
-    decode one batched forward of the decoding rows (serve/rows.py: each row's own cache, its exact K/V)
+    decode one batched forward of the decoding rows (serve/rows.py: each row's own cache, its exact K/V); with
+           `spec_k`, a greedy row feeds its last token and a prompt-lookup draft of ≤ spec_k tokens from its own
+           sequence (as its blocks allow), keeps the draft's prefix that is the target's argmax and one more
+           token, and crops the rest from its cache (kinds that store each token alone: a crop leaves no trace)
     prefill chunks of the admitted requests under the step's token budget (`max_tokens_per_step` − decode rows),
            in one more forward (rows.feed_rows); a chunk ends where the kind's stored K/V stay those of a solo
            decode (rows.chunk_end)
@@ -48,6 +51,7 @@ from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
 from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
+from runner.infer.speculative.rounds import lookup_proposal
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ class SchedulerConfig:
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
     prefix_caching: bool = False  # copy shared prompt blocks of running and finished requests (serve/prefix.py)
     prefix_cache_blocks: int = 512  # most blocks of finished requests' prompts kept for later ones (0: none)
+    spec_k: int = 0  # prompt-lookup speculation: a greedy decoding row drafts ≤ spec_k tokens (0: none)
     sampling: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0))  # temperature, top-k/p,
     # penalties, eos_token_id, stop_strings, max_seq_len, seed; max_new_tokens comes from each Request
 
@@ -118,6 +123,9 @@ class Scheduler:
         if reason := rows_reason(probe):
             raise ValueError(f"cache kind {self.config.cache_kind!r} cannot be scheduled: {reason}")
         self.flushes = Flushes.of(probe)
+        if self.config.spec_k and self.flushes.every != 1:
+            raise ValueError(f"speculation needs a cache kind that stores each token alone: {self.config.cache_kind} "
+                             f"codes groups of {self.flushes.every} tokens, which a rejected draft would leave coded")
         spec = block_spec(model.config, self.config.cache_kind, self.config.block_size, model.dtype)
         total = (self.config.num_blocks if self.config.num_blocks is not None
                  else blocks_in(self.config.kv_budget_bytes, spec) if self.config.kv_budget_bytes is not None
@@ -133,6 +141,7 @@ class Scheduler:
         self.records: dict[int, RequestRecord] = {}
         self.timeline: list[tuple[float, int, int, int]] = []  # (t_s, running, blocks used, waiting) per step
         self.forward_s = 0.0  # seconds inside model forwards (profiling: the rest of step() is the scheduler's)
+        self.drafted = self.accepted = 0  # speculation: draft tokens verified, and accepted
 
     @property
     def busy(self) -> bool:
@@ -233,8 +242,23 @@ class Scheduler:
         return make_cache(self.config.cache_kind, self.model)
 
     def _decode(self, rows: list[Live]) -> None:
-        """One forward of every decoding row: each feeds its last output token."""
-        self._forward(rows, [[live.record.output_ids[-1]] for live in rows], [True] * len(rows))
+        """One forward of every decoding row: each feeds its last output token, and with spec_k its draft."""
+        drafts = [self._draft(live) for live in rows]
+        self._forward(rows, [[live.record.output_ids[-1], *d] for live, d in zip(rows, drafts)], [True] * len(rows),
+                      drafts)
+
+    def _draft(self, live: Live) -> list[int]:
+        """A greedy row's prompt-lookup draft: ≤ spec_k tokens from its own prompt and output, fewer where its
+        length limits or free blocks leave less room (the verify emits the accepted ones and one more)."""
+        if not self.config.spec_k or not _plain(self.sampling_of(live)):
+            return []
+        request, record = live.request, live.record
+        room = min(request.max_new_tokens - len(record.output_ids),
+                   self.sampling_of(live).max_seq_len - len(live.sequence)) - 1
+        draft = lookup_proposal(torch.tensor(live.sequence), min(self.config.spec_k, room)).tolist() if room > 0 else []
+        while draft and not self._hold(request.id, live.held + 1 + len(draft)):
+            draft.pop()
+        return draft
 
     def _prefill(self, budget: int) -> None:
         """Chunks of the prefilling requests, in admission order, while the budget lasts, in one forward (the
@@ -256,24 +280,45 @@ class Scheduler:
             self._forward(rows, chunks, [live.held + len(c) == live.target and not live.record.output_ids
                                          for live, c in zip(rows, chunks)])
 
-    def _forward(self, rows: list[Live], chunks: list[list[int]], sampled: list[bool]) -> None:
-        """One forward of `rows`, each feeding its chunk; the rows marked `sampled` choose and emit a token."""
+    def _forward(self, rows: list[Live], chunks: list[list[int]], sampled: list[bool],
+                 drafts: list[list[int]] | None = None) -> None:
+        """One forward of `rows`, each feeding its chunk; the rows marked `sampled` choose and emit a token, or
+        those with a draft (the chunk's tail) the tokens their verify accepts and one more."""
         start = self.clock()
+        drafts = drafts or [[] for _ in rows]
         caches = [live.cache for live in rows]
-        logits = feed_rows(self.model, chunks, caches, [live.held for live in rows])  # type: ignore[arg-type]
+        logits = feed_rows(self.model, chunks, caches, [live.held for live in rows],  # type: ignore[arg-type]
+                           keep=1 + max(map(len, drafts)))  # [B,keep,V]
         for live, chunk in zip(rows, chunks):
             live.held += len(chunk)
-        picked = [r for r, s in enumerate(sampled) if s]
-        chosen = self._choose([rows[r] for r in picked], logits[picked]) if picked else []  # syncs (tolist)
+        picked = [r for r, s in enumerate(sampled) if s and not drafts[r]]
+        chosen = self._choose([rows[r] for r in picked], logits[picked, -1]) if picked else []  # syncs (tolist)
+        emitted = {r: [token] for r, token in zip(picked, chosen)}
+        emitted |= {r: self._verify(rows[r], d, logits[r, -len(d) - 1:]) for r, d in enumerate(drafts) if d}
         self.forward_s += self.clock() - start
         now = self.clock()
-        for r, token in zip(picked, chosen):
-            self._emit(rows[r], token, now)
+        for r in sorted(emitted):
+            for token in emitted[r]:
+                self._emit(rows[r], token, now)
+                if rows[r].record.finish:
+                    break
+
+    def _verify(self, live: Live, draft: list[int], logits: torch.Tensor) -> list[int]:
+        """Greedy verify: logits [k+1,V] of the last output and the k drafted tokens → the draft's prefix that is
+        the target's argmax, then the target's next token; the rejected drafts are cropped from the row's cache."""
+        target = greedy_tokens(logits).tolist()
+        n = next((i for i, (x, y) in enumerate(zip(draft, target)) if x != y), len(draft))
+        if n < len(draft):
+            live.cache.crop(n - len(draft))  # type: ignore[union-attr]  # a negative count: the last ones go
+            live.held -= len(draft) - n
+        self.drafted += len(draft)
+        self.accepted += n
+        return target[:n + 1]
 
     def _choose(self, rows: list[Live], logits: torch.Tensor) -> list[int]:
         """[B,V] logits → each row's next token: greedy as one argmax; sampling from each row's own generator."""
         configs = [self.sampling_of(live) for live in rows]
-        plain = [c.greedy and c.repetition_penalty == 1.0 and not c.no_repeat_ngram_size for c in configs]
+        plain = [_plain(c) for c in configs]
         if all(plain):
             return greedy_tokens(logits).tolist()
         chosen = []
@@ -325,6 +370,11 @@ class Scheduler:
         tail = max(len(s) for s in stops) + 8  # tokens: enough to hold the longest stop string
         text = self.tokenizer.decode(live.record.output_ids[-tail:], skip_special_tokens=False)
         return any(s in text for s in stops)
+
+
+def _plain(config: GenerateConfig) -> bool:
+    """Greedy with nothing that reads past tokens: the next token is the logits' argmax."""
+    return config.greedy and config.repetition_penalty == 1.0 and not config.no_repeat_ngram_size
 
 
 def _zero() -> float:

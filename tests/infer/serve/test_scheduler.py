@@ -249,3 +249,32 @@ def test_a_request_samples_by_its_own_settings(tiny_lm):
     assert records[0].output_ids == records[1].output_ids
     assert records[2].output_ids == _solo(tiny_lm.model, requests[2], None, temperature=0)
     assert records[0].output_ids != records[2].output_ids  # sampled at temperature 1 over 258 tokens: not greedy
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "q4_0"])
+def test_prompt_lookup_speculation_keeps_every_greedy_output_and_accepts_drafts(tiny_lm, kind):
+    """spec_k: each decoding row feeds its last token and ≤ spec_k drafted ones in the step's one forward, keeps
+    the target's argmax prefix and crops the rest: the same tokens as a solo greedy decode, roomy or preempted."""
+    model = tiny_lm.model
+    requests = [Request(r.id, r.arrival_s, r.prompt_ids * 3, r.max_new_tokens + 16) for r in _load()]  # lookups
+    solo = [_solo(model, r, kind, temperature=0) for r in requests]
+    roomy, records = _run(model, requests, cache_kind=kind, block_size=4, max_tokens_per_step=16, spec_k=4)
+    assert [r.output_ids for r in records] == solo
+    assert 0 < roomy.accepted < roomy.drafted  # drafts were made, some kept and some cropped
+    spec = block_spec(model.config, kind, 4, model.dtype)
+    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + spec.reserve + 3
+    scheduler, records = _run(model, requests, cache_kind=kind, block_size=4, num_blocks=tight,
+                              max_tokens_per_step=16, spec_k=4)
+    assert [r.output_ids for r in records] == solo
+    assert sum(r.preemptions for r in records) > 0 and scheduler.accepted > 0
+    assert max(t[2] for t in scheduler.timeline) <= tight
+
+
+def test_speculation_leaves_sampled_requests_alone_and_refuses_grouped_kinds(tiny_lm):
+    requests = _load(n=4)
+    sampling = GenerateConfig(temperature=1.0, top_k=50, seed=7)
+    plain, records = _run(tiny_lm.model, requests, sampling=sampling)
+    speculating, same = _run(tiny_lm.model, requests, sampling=sampling, spec_k=4)
+    assert [r.output_ids for r in same] == [r.output_ids for r in records] and speculating.drafted == 0
+    with pytest.raises(ValueError, match="speculation needs a cache kind that stores each token alone"):
+        Scheduler(tiny_lm.model, SchedulerConfig(cache_kind="kivi4:g8:r16", spec_k=4))
