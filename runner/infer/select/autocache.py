@@ -172,10 +172,12 @@ def measure_candidates(model, tokenizer, config: GenerateConfig, batch_size: int
         bar.update(note=row["kind"])
         row.update(metrics, measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB)
         failures = gate_failures(metrics, config)
-        if tasks is not None and not failures:  # the costly gate last, on the cheap gates' survivors only
-            failures = tasks.judge(model, row["kind"], row)
         row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     bar.close()
+    if tasks is not None:  # the costly gate last, on the cheap gates' survivors only, all at once
+        judged = [row for row in fitting if row["passed"]]
+        for row, failures in zip(judged, tasks.judge(model, judged)):
+            row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
     survivors = [row for row in fitting if row["passed"]]
     time_survivors({row["kind"]: (row, model) for row in survivors}, tokenizer, text, config, batch_size)
     return rows

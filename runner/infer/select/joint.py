@@ -109,15 +109,18 @@ def measure_pairs(model, tokenizer, config: GenerateConfig, batch_size: int, tex
     for weights in dict.fromkeys(row["weights"] for row in fitting):
         candidate = model if weights == "none" else quantize_model(copy.deepcopy(model), weights)
         measured_mib = weight_bytes(candidate) / MIB
-        for row in (r for r in fitting if r["weights"] == weights):
+        group = [r for r in fitting if r["weights"] == weights]
+        for row in group:
             metrics = compare(reference, run_probe(candidate, probe, row["kind"]))
             failures = gate_failures(metrics, config)
-            if tasks is not None and not failures:  # the costly gate last, on the cheap gates' survivors only
-                failures = tasks.judge(candidate, row["kind"], row)
             row.update(metrics, measured_weight_mib=measured_mib, passed=not failures,
                        measured_mib=metrics["measured_bytes_per_token"] * config.max_seq_len * batch_size / MIB,
                        verdict="; ".join(failures) or "passed gates")
             bar.update(note=f"{weights} + {row['kind']}")
+        if tasks is not None:  # the costly gate last, on the cheap gates' survivors only, all at once
+            judged = [r for r in group if r["passed"]]
+            for row, failures in zip(judged, tasks.judge(candidate, judged)):
+                row.update(passed=not failures, verdict="; ".join(failures) or "passed gates")
         if any(r["passed"] for r in fitting if r["weights"] == weights):
             models[weights] = candidate  # kept for the speed pick
         del candidate

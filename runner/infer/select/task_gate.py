@@ -2,7 +2,8 @@
 accuracy against the reference cache, beyond the noise of the sample count.
 
     TaskGate(model, tokenizer, gates)   the reference's scores, once: every task × length, `samples` each, seeded
-    gate.judge(model, kind, row)        the same samples on the candidate → the row's task figures and failures
+    gate.judge(model, rows)             the same samples on each row's kind → each row's task figures and failures
+                                        (the evicting kinds share one prompt forward a sample: tasks.evaluate_kinds)
 
 Per (task, length) the drop is how far the candidate's score falls below the reference's 95 % interval
 (`tasks.scoring.drop_beyond_noise`: a drop within the interval is not a drop); pairs the reference cannot do
@@ -26,18 +27,22 @@ class TaskGate:
 
     def __init__(self, model, tokenizer, gates: TaskGates, progress: ProgressFactory = no_progress):
         self.gates, self.tokenizer, self.progress = gates, tokenizer, progress
-        self.reference = self._evaluate(model, None)
+        self.reference = self._evaluate(model, [None])[0]
 
-    def _evaluate(self, model, kind: str | None) -> Evaluation:
+    def _evaluate(self, model, kinds: list[str | None]) -> list[Evaluation]:
         g = self.gates
-        return evaluate_tasks(model, self.tokenizer, g.tasks, g.lengths, g.samples, g.seed, kind,
+        return evaluate_tasks(model, self.tokenizer, g.tasks, g.lengths, g.samples, g.seed, kinds,
                               compress=g.compress, progress=self.progress)
 
-    def judge(self, model, kind: str, row: dict) -> list[str]:
-        """Score `kind` on the reference's samples; put its figures in `row`; the failures, each with its figure."""
-        figures, failures = verdict(self.reference.scores, self._evaluate(model, kind).scores, self.gates)
-        row.update(figures)
-        return failures
+    def judge(self, model, rows: list[dict]) -> list[list[str]]:
+        """Score each row's kind on the reference's samples; put its figures in its row; → each row's failures,
+        each with its figure."""
+        out = []
+        for row, evaluation in zip(rows, self._evaluate(model, [row["kind"] for row in rows])):
+            figures, failures = verdict(self.reference.scores, evaluation.scores, self.gates)
+            row.update(figures)
+            out.append(failures)
+        return out
 
 
 def verdict(reference: dict[tuple[str, int], TaskScore], candidate: dict[tuple[str, int], TaskScore],

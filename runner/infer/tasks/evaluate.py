@@ -98,16 +98,18 @@ def check_length(model, length: int) -> None:
 
 
 def evaluate_tasks(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], count: int, seed: int = 0,
-                   cache_kind: str | None = None, *, q_chunk: int | None = 512, stop_at_newline: bool = True,
-                   compress: str = "prompt", progress: ProgressFactory = no_progress) -> Evaluation:
-    """`count` samples of every task at every length (checked before any is made), evaluated on `cache_kind`."""
+                   cache_kinds: Sequence[str | None] = (None,), *, q_chunk: int | None = 512,
+                   stop_at_newline: bool = True, compress: str = "prompt",
+                   progress: ProgressFactory = no_progress) -> list[Evaluation]:
+    """`count` samples of every task at every length (checked before any is made), evaluated on each of
+    `cache_kinds` (evaluate_kinds)."""
     for name in tasks:
         task(name)
     for length in lengths:
         check_length(model, length)
     samples = [s for name in tasks for length in lengths for s in make_samples(name, tokenizer, length, count, seed)]
-    return evaluate(model, tokenizer, samples, cache_kind, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
-                    compress=compress, progress=progress)
+    return evaluate_kinds(model, tokenizer, samples, cache_kinds, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
+                          compress=compress, progress=progress)
 
 
 def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None = None, *,

@@ -53,3 +53,20 @@ def test_selection_runs_the_gate_on_the_cheap_gates_survivors_and_records_its_fi
     for row in rows.values():  # a random model finds no needle: nothing informative, so the gate passes all
         assert row["task_pairs"] == 0 and row["task_uninformative"] == 1 and row["task_samples"] == 1
         assert row["passed"], row["verdict"]
+
+
+def test_joint_selection_judges_each_weights_candidates_kinds_together(tmp_path, tiny_lm):
+    """weight_candidates: each weights' cheap-gate survivors go through the task gate in one call (their evicting
+    kinds share a prompt forward a sample), and every surviving row carries its task figures."""
+    from tests.infer.select.test_joint import _config as joint_config
+    from tests.infer.select.test_joint import _select as joint_select
+
+    gates = {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1}
+    selection = joint_select(tiny_lm, joint_config(
+        tmp_path, weight_candidates=["none", "int8"], cache_candidates=["fp32+knorm:0.5", "q8_0+tova:0.5"],
+        max_seq_len=1024, cache_quality_max_delta_nll=100, cache_quality_max_ppl_ratio=100,
+        cache_quality_max_mean_kl=100, cache_quality_tasks=gates, cache_auto_benchmark=False))
+    judged = [row for row in selection.rows if "task_samples" in row]
+    assert {(row["weights"], row["kind"]) for row in judged} == {
+        (w, k) for w in ("none", "int8") for k in ("fp32+knorm:0.5", "q8_0+tova:0.5")}
+    assert all(row["passed"] and row["task_samples"] == 1 for row in judged)

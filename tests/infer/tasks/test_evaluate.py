@@ -92,6 +92,6 @@ def test_smollm2_finds_the_needle_over_noise_at_1024(one_thread):
     from runner.infer.loading.models import load_model
 
     lm = load_model("zoo:smollm2-135m", device="cpu")
-    ev = evaluate_tasks(lm.model, lm.tokenizer, ["niah_single_1"], [1024], 3, cache_kind="fp16")
+    ev = evaluate_tasks(lm.model, lm.tokenizer, ["niah_single_1"], [1024], 3, cache_kinds=["fp16"])[0]
     result = ev.scores[("niah_single_1", 1024)]
     assert result.n == 3 and result.score >= 66  # seen: 100 (3 of 3) on fp16, and on the fp32 cache
