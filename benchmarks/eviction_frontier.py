@@ -27,7 +27,7 @@ sample's answer is capped at --max-new-tokens (both sides) so that the two imple
    against the average score over every sample: quantization only (--quant), eviction only (fp16 + the --best
    methods of part 1, or the --methods named, at every --ratios), and both (--stack kinds × those methods).
    The evicting kinds of the frontier share one prompt forward a sample (task_eval.answer_kinds: the same
-   answers and bytes as one forward each; their prefill seconds are the shared forward's plus their own store,
+   answers and bytes as one forward each; their prefill seconds are the shared forward's, every kind's store in it,
    their peak memory is the group's), so each costs little more than its decoding: what makes 4k affordable.
    The frontier of each family is its Pareto set. The target (item 8): a configuration at ≤ 0.15× fp16's bytes
    within 2 points of fp16's average, beating the best quantization alone and the best eviction alone at no more

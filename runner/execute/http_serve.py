@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runner.errors import ServerError
 from runner.infer.config.decoding import GenerateConfig
+from runner.infer.config.kinds import speculative_serve_reason
 from runner.infer.loading.models import load_model_block
 from runner.infer.server.lifecycle import HttpServer, bind, make_scheduler
 from runner.manifest.compose import load_manifest
@@ -67,7 +68,13 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
         sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
         kind = block.cache_kinds[0] if block.cache_kinds else None
         engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
-        config = scheduler_config(block, kind, sampling, speculating=block.speculative[0] == "prompt-lookup")
+        asked = block.speculative[0] == "prompt-lookup"
+        why = "" if not asked else ("it runs on the eager engine, this server on the compiled one" if engine != "eager"
+                                    else speculative_serve_reason(kind))
+        if why:
+            log.warning("prompt-lookup speculation is off: %s", why)
+        speculating = asked and not why
+        config = scheduler_config(block, kind, sampling, speculating=speculating)
         if len(block.cache_kinds or []) > 1 or len(block.engines) > 1 or len(block.quantizations or []) > 1:
             log.warning("serving one setting: cache kind %s on engine %s, weights %s (the first of the run's axes)",
                         kind or "of the model's dtype", engine, weights.get("quantization", "as the model block's"))

@@ -19,10 +19,9 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import StepError
-from runner.infer.config.kinds import parse_kind
 from runner.infer.loading.models import LoadedModel
 from runner.infer.select.autocache import reference_kind
-from runner.infer.tasks.evaluate import Evaluation, check_length, evaluate_kinds
+from runner.infer.tasks.evaluate import Evaluation, check_length, evaluate_kinds, evicting
 from runner.infer.tasks.ruler import make_samples
 from runner.infer.tasks.scoring import drop_beyond_noise
 from runner.manifest.eval_block import EvalBlock
@@ -47,8 +46,8 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
         raise StepError(f"step {step.key}: eval.lengths: {error}") from None
     reference_name = reference_kind(lm.model)
     kinds = [None, *(k for k in block.cache_kinds if k != reference_name)]
-    evicting = [k for k in kinds if _evicts(k)]
-    groups = [[k] for k in kinds if not _evicts(k)] + ([evicting] if evicting else [])
+    pressing = [k for k in kinds if evicting(k)]  # one group: they share a prompt forward a sample
+    groups = [[k] for k in kinds if not evicting(k)] + ([pressing] if pressing else [])
     rows: list[dict] = []
     answers: list[dict] = []
     reference: Evaluation | None = None
@@ -86,11 +85,6 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     return {"scores": table.astype(object).where(table.notna(), None).to_dict("records"),
             "summary": summary.astype(object).where(summary.notna(), None).to_dict("records"),
             "metrics": _metrics(summary), "params": {"eval.samples": len(samples), "eval.cache_kinds": len(kinds)}}
-
-
-def _evicts(kind: str | None) -> bool:
-    options = parse_kind(kind)
-    return options is not None and options.eviction is not None
 
 
 def _write(out_dir: Path, rows: list[dict], answers: list[dict]) -> None:

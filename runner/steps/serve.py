@@ -23,7 +23,7 @@ from runner.errors import StepError
 from runner.infer.compiled.engine import length_bucket
 from runner.infer.config.architecture import compiled_refusal
 from runner.infer.config.decoding import GenerateConfig
-from runner.infer.config.kinds import compiled_serve_reason, parse_kind
+from runner.infer.config.kinds import compiled_serve_reason, speculative_serve_reason
 from runner.infer.loading.models import LoadedModel
 from runner.infer.loading.texts import load_text
 from runner.infer.loading.zoo import fetch_gguf, zoo_entry
@@ -216,9 +216,8 @@ def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -
         return transformers_cb_reason(lm.model, kind)
     if system == OURS["compiled"]:
         return compiled_refusal(lm.model.config) or compiled_serve_reason(kind)
-    options = parse_kind(kind)
-    if system == LOOKUP and options is not None and options.family == "kivi":
-        return "prompt-lookup speculation needs a kind that stores each token alone (KIVI codes groups of tokens)"
+    if system == LOOKUP:
+        return speculative_serve_reason(kind)
     return ""
 
 
@@ -336,7 +335,7 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
     ours = ok[ok["system"].isin([*OURS.values(), LOOKUP])] if len(ok) else ok
     if len(ours):  # headline figures `run results` shows by default
         out["max_output_tokens_per_s"] = float(ours["output_tokens_per_s"].max())
-    ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput")]
+    ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput") and not k.startswith(LOOKUP)]
     if ratios:
         out["median_ratio_static_throughput"] = float(pd.Series(ratios).median())
     for series, rate in best.items():

@@ -67,7 +67,7 @@ def _against_x(points: pd.DataFrame, path: Path, figures: list[str], ylabel: str
     for ax, figure in zip(axes, figures):
         for series, line in points.groupby(SERIES):
             line = line.sort_values("x")
-            ax.plot(line["x"], line[figure], marker="o", linestyle="-" if series[0] == "ours" else "--",
+            ax.plot(line["x"], line[figure], marker="o", linestyle="-" if series[0].startswith("ours") else "--",
                     label=series_label(series))
         ax.set_title(figure, fontsize=9)
         ax.set_xlabel("rate (requests/s)" if points["arrival"].iloc[0] != "concurrency" else "concurrency")

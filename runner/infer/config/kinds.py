@@ -213,6 +213,15 @@ def compiled_serve_reason(kind: str | None) -> str:
     return ""
 
 
+def speculative_serve_reason(kind: str | None) -> str:
+    """Why continuous batching cannot speculate (prompt lookup, serve/scheduler.py) on `kind`, or "" when it can."""
+    options = parse_kind(kind)
+    if options is not None and options.family == "kivi":
+        return ("prompt-lookup speculation needs a kind that stores each token alone: KIVI codes groups of tokens, "
+                "which a rejected draft would leave coded")
+    return ""
+
+
 def _letter(part: str) -> str:
     """The option a KIVI field spells: its letter (g, r, s, o, b), k..v for split bits, or the flag itself."""
     return part if part in KIVI_FLAGS else "k..v" if _SPLIT_BITS.fullmatch(part) else part[:1]

@@ -37,7 +37,9 @@ class TaskGate:
     def judge(self, model, rows: list[dict]) -> list[list[str]]:
         """Score each row's kind on the reference's samples; put its figures in its row; → each row's failures,
         each with its figure."""
-        out = []
+        if not rows:
+            return []
+        out: list[list[str]] = []
         for row, evaluation in zip(rows, self._evaluate(model, [row["kind"] for row in rows])):
             figures, failures = verdict(self.reference.scores, evaluation.scores, self.gates)
             row.update(figures)

@@ -78,5 +78,12 @@ class BlockPool:
             self.used += more
         return True
 
+    def trim(self, rid: int, tokens: int) -> None:
+        """Shrink `rid`'s holding to what `tokens` tokens need (a rejected draft's blocks back to the pool)."""
+        keep = min(self.held.get(rid, 0), self.spec.blocks_for(tokens))
+        self.used -= self.held.get(rid, 0) - keep
+        if rid in self.held:
+            self.held[rid] = keep
+
     def release(self, rid: int) -> None:
         self.used -= self.held.pop(rid, 0)

@@ -256,8 +256,8 @@ class Scheduler:
         room = min(request.max_new_tokens - len(record.output_ids),
                    self.sampling_of(live).max_seq_len - len(live.sequence)) - 1
         draft = lookup_proposal(torch.tensor(live.sequence), min(self.config.spec_k, room)).tolist() if room > 0 else []
-        while draft and not self._hold(request.id, live.held + 1 + len(draft)):
-            draft.pop()
+        while draft and not self.pool.hold(request.id, live.held + 1 + len(draft)):  # free blocks only: a draft
+            draft.pop()  # never drops a retained prefix nor makes anyone wait
         return draft
 
     def _prefill(self, budget: int) -> None:
@@ -294,7 +294,9 @@ class Scheduler:
         picked = [r for r, s in enumerate(sampled) if s and not drafts[r]]
         chosen = self._choose([rows[r] for r in picked], logits[picked, -1]) if picked else []  # syncs (tolist)
         emitted = {r: [token] for r, token in zip(picked, chosen)}
-        emitted |= {r: self._verify(rows[r], d, logits[r, -len(d) - 1:]) for r, d in enumerate(drafts) if d}
+        if any(drafts):
+            argmax = greedy_tokens(logits.flatten(0, 1)).view(len(rows), -1).tolist()  # [B,keep], one sync
+            emitted |= {r: self._verify(rows[r], d, argmax[r][-len(d) - 1:]) for r, d in enumerate(drafts) if d}
         self.forward_s += self.clock() - start
         now = self.clock()
         for r in sorted(emitted):
@@ -303,14 +305,15 @@ class Scheduler:
                 if rows[r].record.finish:
                     break
 
-    def _verify(self, live: Live, draft: list[int], logits: torch.Tensor) -> list[int]:
-        """Greedy verify: logits [k+1,V] of the last output and the k drafted tokens → the draft's prefix that is
-        the target's argmax, then the target's next token; the rejected drafts are cropped from the row's cache."""
-        target = greedy_tokens(logits).tolist()
+    def _verify(self, live: Live, draft: list[int], target: list[int]) -> list[int]:
+        """Greedy verify: the target's argmax after the last output and after each of the k drafted tokens [k+1] →
+        the draft's prefix that matches, then the target's next token; the rejected drafts are cropped from the
+        row's cache and their blocks given back."""
         n = next((i for i, (x, y) in enumerate(zip(draft, target)) if x != y), len(draft))
         if n < len(draft):
             live.cache.crop(n - len(draft))  # type: ignore[union-attr]  # a negative count: the last ones go
             live.held -= len(draft) - n
+            self.pool.trim(live.request.id, live.held)
         self.drafted += len(draft)
         self.accepted += n
         return target[:n + 1]

@@ -16,7 +16,8 @@ Does not know about manifests; a length above the model's context or an unknown 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,8 @@ def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Seq
                    progress: ProgressFactory = no_progress) -> list[Evaluation]:
     """`evaluate` on each of `cache_kinds`, sample by sample, the evicting kinds sharing one prompt forward a
     sample (`answer_kinds`): N evicting candidates cost one prefill and N decodes, not N prefills."""
+    if not cache_kinds:
+        return []
     for sample in samples:
         check_length(model, sample.length)
     named = ", ".join(kind or "the uncompressed cache" for kind in cache_kinds)
@@ -174,68 +177,65 @@ def answer_kinds(model, tokenizer, sample: Sample, cache_kinds: Sequence[str | N
     Why this is exact: a layer that presses a forward on an empty cache (EvictingMixin) gives that forward's
     attention the forward's own float K/V whatever its kind stores, so every layer's input, and the last logits,
     are the same for every evicting kind; only what each layer keeps and stores differs. So the first evicting
-    kind's forward records what each layer's `update` received, and each other kind's layers get the same calls
-    directly. A kind whose layers would not all press (a ratio that keeps the whole prompt, a layer without
-    eviction) gets its own forward, through `answer`; so does every kind without eviction. Prefill seconds of a
-    replayed kind: the shared forward's plus its own store."""
+    kind's forward hands each layer's `update` call (its eviction inputs with it) to the same layer of every other
+    evicting kind's cache as it happens (`_tee`: nothing is kept beyond the caches). A kind whose layers did not
+    all press (a ratio that keeps the whole prompt, a layer without eviction) is answered again on its own, through
+    `answer`; every kind is if the first one did not press; so is every kind without eviction. Prefill seconds of
+    a shared forward: the forward's, every kind's store included, for each."""
     results: dict[int, SampleResult] = {}
-    shared: list[int] = []
+    shared = [i for i, kind in enumerate(cache_kinds) if evicting(kind)]
     for i, kind in enumerate(cache_kinds):
-        options = parse_kind(kind)
-        if options is None or options.eviction is None:
+        if i not in shared or len(shared) == 1:
             results[i] = answer(model, tokenizer, sample, kind, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
                                 compress=compress)
-        else:
-            shared.append(i)
-    calls: list[list] | None = None
-    forward_s = 0.0
-    for i in shared:
-        prompt = _Prompt.of(model, tokenizer, sample, cache_kinds[i], compress)
-        cache = make_cache(cache_kinds[i], model)
+    if len(shared) > 1:
+        prompt = _Prompt.of(model, tokenizer, sample, cache_kinds[shared[0]], compress)
+        caches = [make_cache(cache_kinds[i], model) for i in shared]
         watch = Stopwatch(**on_device(prompt.ids.device))
-        if calls is None:
-            state, recorded = DecodeState(cache), _record(cache)
-            logits, _ = state.prefill(model, prompt.pressed, torch.ones_like(prompt.pressed), None)
-            _stop_recording(cache)
-            forward_s = watch.lap()
-            if _pressed(cache):
-                calls, first_logits = recorded, logits
+        first = DecodeState(caches[0])
+        with _tee(caches[0], caches[1:]):
+            logits, _ = first.prefill(model, prompt.pressed, torch.ones_like(prompt.pressed), None)
+        forward_s = watch.lap()
+        columns, led = prompt.pressed.shape[1], _pressed(caches[0])
+        for n, (i, cache) in enumerate(zip(shared, caches)):
+            if not (led and _pressed(cache)):  # its own forward would not be this one
+                results[i] = answer(model, tokenizer, sample, cache_kinds[i], stop_at_newline=stop_at_newline,
+                                    compress=compress)
+                continue
+            state = first if n == 0 else DecodeState(  # what prefill leaves (batch 1, no padding)
+                cache, mask=trim_mask(torch.ones_like(prompt.pressed), cache),
+                seen=torch.tensor([columns], device=prompt.ids.device), length=columns)
+            watch.lap()
             results[i] = _finish(model, tokenizer, prompt, state, logits, watch, forward_s, stop_at_newline)
-            continue
-        _replay(cache, calls)
-        if not _pressed(cache):  # this kind's own forward would not have pressed every layer
-            results[i] = answer(model, tokenizer, sample, cache_kinds[i], stop_at_newline=stop_at_newline,
-                                compress=compress)
-            continue
-        columns = prompt.pressed.shape[1]
-        state = DecodeState(cache, mask=trim_mask(torch.ones_like(prompt.pressed), cache),
-                            seen=torch.tensor([columns], device=prompt.ids.device), length=columns)  # as prefill
-        results[i] = _finish(model, tokenizer, prompt, state, first_logits, watch, forward_s + watch.lap(),
-                             stop_at_newline)
+            caches[n] = None  # type: ignore[call-overload]  # answered: its memory can go
     return [results[i] for i in range(len(cache_kinds))]
 
 
-def _record(cache) -> list[list[tuple]]:
-    """Wrap each layer's `update` to keep what it receives (its eviction inputs first) → the calls per layer."""
-    calls: list[list[tuple]] = [[] for _ in cache.layers]
-    for made, layer in zip(calls, cache.layers):
-        def update(key_states, value_states, *args, _made=made, _layer=layer, _update=layer.update, **kwargs):
-            _made.append((getattr(_layer, "evict_inputs", None), key_states, value_states, args, kwargs))
+def evicting(kind: str | None) -> bool:
+    """Whether `kind` evicts (its options after a '+')."""
+    options = parse_kind(kind)
+    return options is not None and options.eviction is not None
+
+
+@contextmanager
+def _tee(cache, others: list) -> Iterator[None]:
+    """Within: each layer's `update` of `cache` also makes the same call, eviction inputs first, on the same layer
+    of every cache in `others`."""
+    for i, layer in enumerate(cache.layers):
+        followers = [other.layers[i] for other in others]
+
+        def update(key_states, value_states, *args, _layer=layer, _update=layer.update, _followers=followers,
+                   **kwargs):
+            for follower in _followers:
+                follower.evict_inputs = _layer.evict_inputs
+                follower.update(key_states, value_states, *args, **kwargs)
             return _update(key_states, value_states, *args, **kwargs)
         layer.update = update
-    return calls
-
-
-def _stop_recording(cache) -> None:
-    for layer in cache.layers:
-        del layer.update  # the instance's wrapper: the class's method again
-
-
-def _replay(cache, calls: list[list[tuple]]) -> None:
-    for layer, made in zip(cache.layers, calls):
-        for inputs, key_states, value_states, args, kwargs in made:
-            layer.evict_inputs = inputs
-            layer.update(key_states, value_states, *args, **kwargs)
+    try:
+        yield
+    finally:
+        for layer in cache.layers:
+            del layer.update  # the instance's wrapper: the class's method again
 
 
 def _pressed(cache) -> bool:
@@ -265,10 +265,9 @@ class _Prompt:
                         ids.shape[1], sample.tokens)
         limit = context_limit(model)
         room = sample.max_new_tokens if limit is None else max(0, min(sample.max_new_tokens, limit - ids.shape[1]))
-        options = parse_kind(cache_kind)
-        evicting = options is not None and options.eviction is not None
-        cut = question_start(tokenizer, sample) if evicting and compress == "context" else ids.shape[1]
-        return cls(sample, ids, ids[:, :cut], ids[:, cut:], room, evicting)
+        presses = evicting(cache_kind)
+        cut = question_start(tokenizer, sample) if presses and compress == "context" else ids.shape[1]
+        return cls(sample, ids, ids[:, :cut], ids[:, cut:], room, presses)
 
 
 def _finish(model, tokenizer, prompt: _Prompt, state: DecodeState, logits: torch.Tensor, watch: Stopwatch,
@@ -316,4 +315,4 @@ def question_start(tokenizer, sample: Sample) -> int:
 
 
 __all__ = ["COMPRESSES", "Evaluation", "SampleResult", "answer", "answer_kinds", "check_length", "context_limit",
-           "evaluate", "evaluate_kinds", "evaluate_tasks", "question_start"]
+           "evaluate", "evaluate_kinds", "evaluate_tasks", "evicting", "question_start"]

@@ -278,3 +278,19 @@ def test_speculation_leaves_sampled_requests_alone_and_refuses_grouped_kinds(tin
     assert [r.output_ids for r in same] == [r.output_ids for r in records] and speculating.drafted == 0
     with pytest.raises(ValueError, match="speculation needs a cache kind that stores each token alone"):
         Scheduler(tiny_lm.model, SchedulerConfig(cache_kind="kivi4:g8:r16", spec_k=4))
+
+
+def test_a_rejected_draft_gives_its_blocks_back(tiny_lm):
+    """After every step a decoding request holds exactly the blocks of the tokens in its cache: the blocks its
+    draft took are trimmed back when the verify rejects part of it."""
+    scheduler = Scheduler(tiny_lm.model, SchedulerConfig(block_size=2, max_tokens_per_step=64, spec_k=6))
+    for r in _load(n=4, gap_s=0.0):
+        scheduler.submit(Request(r.id, 0.0, r.prompt_ids * 3, r.max_new_tokens + 16))
+    rejected = 0
+    while scheduler.busy:
+        before = scheduler.drafted - scheduler.accepted
+        scheduler.step()
+        rejected += scheduler.drafted - scheduler.accepted > before
+        for live in (x for x in scheduler.running if x.decoding):
+            assert scheduler.pool.held[live.request.id] == scheduler.pool.spec.blocks_for(live.held)
+    assert rejected > 0
