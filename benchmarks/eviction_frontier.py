@@ -86,10 +86,11 @@ def capped(samples, cap: int):
 # ---- ours
 
 
-def run_ours(model, tokenizer, samples, kinds: list[str], share: bool) -> dict[str, dict]:
+def run_ours(model, tokenizer, samples, kinds: list[str], share: bool, done_one=lambda kind, result: None
+             ) -> dict[str, dict]:
     """Every sample answered on each of `kinds` (one prompt forward each, or with `share` one for all evicting
     kinds: task_eval.answer_kinds), with the kept columns of each evicting layer; the peak RSS added per sample
-    is the group's when shared."""
+    is the group's when shared. `done_one(kind, result)` as each answer is in (samples.csv, row by row)."""
     made: dict = {}
     make_cache = task_eval.make_cache
 
@@ -113,6 +114,7 @@ def run_ours(model, tokenizer, samples, kinds: list[str], share: bool) -> dict[s
                     got[kind]["kept"].append([layer.kept_index[0].tolist() for layer in layers
                                               if layer.kept_index is not None] or None)
                     got[kind]["peaks"].append(peak.bytes - base)
+                    done_one(kind, result)
                 made.clear()
     finally:
         task_eval.make_cache = make_cache
@@ -328,16 +330,17 @@ def main() -> None:
         if not todo:
             return
         t0 = time.perf_counter()
-        for kind, got in run_ours(model, tok, samples, todo, share).items():
+        def one(kind: str, r) -> None:
+            per_sample.add({"side": "ours", "kind": kind, "task": r.sample.task, "index": r.sample.index,
+                            "prompt_tokens": r.prompt_tokens, "score": r.score, "prediction": r.prediction,
+                            "stop": r.stop, "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3),
+                            "new_tokens": r.new_tokens, "cache_bytes": r.cache_bytes})
+
+        for kind, got in run_ours(model, tok, samples, todo, share, one).items():
             got["scores"] = [r.score for r in got["results"]]
             got["bytes"] = sum(r.cache_bytes for r in got["results"])
             got["shared"] = share and len(todo) > 1
             done[kind] = got
-            for r in got["results"]:
-                per_sample.add({"side": "ours", "kind": kind, "task": r.sample.task, "index": r.sample.index,
-                                "prompt_tokens": r.prompt_tokens, "score": r.score, "prediction": r.prediction,
-                                "stop": r.stop, "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3),
-                                "new_tokens": r.new_tokens, "cache_bytes": r.cache_bytes})
             print(f"  {kind}: {summary(got['scores'])} ({task_scores(samples, got['scores'])})", flush=True)
         print(f"  ({len(todo)} kind{'s' * (len(todo) > 1)}{', one prompt forward a sample' * got['shared']}: "
               f"{time.perf_counter() - t0:.0f} s)", flush=True)
