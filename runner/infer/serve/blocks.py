@@ -80,9 +80,9 @@ class BlockPool:
 
     def trim(self, rid: int, tokens: int) -> None:
         """Shrink `rid`'s holding to what `tokens` tokens need (a rejected draft's blocks back to the pool)."""
-        keep = min(self.held.get(rid, 0), self.spec.blocks_for(tokens))
-        self.used -= self.held.get(rid, 0) - keep
         if rid in self.held:
+            keep = min(self.held[rid], self.spec.blocks_for(tokens))
+            self.used -= self.held[rid] - keep
             self.held[rid] = keep
 
     def release(self, rid: int) -> None:

@@ -250,12 +250,12 @@ class Scheduler:
     def _draft(self, live: Live) -> list[int]:
         """A greedy row's prompt-lookup draft: ≤ spec_k tokens from its own prompt and output, fewer where its
         length limits or free blocks leave less room (the verify emits the accepted ones and one more)."""
-        if not self.config.spec_k or not _plain(self.sampling_of(live)):
+        sampling = self.sampling_of(live)
+        if not self.config.spec_k or not _plain(sampling):
             return []
-        request, record = live.request, live.record
-        room = min(request.max_new_tokens - len(record.output_ids),
-                   self.sampling_of(live).max_seq_len - len(live.sequence)) - 1
-        draft = lookup_proposal(torch.tensor(live.sequence), min(self.config.spec_k, room)).tolist() if room > 0 else []
+        request, sequence = live.request, live.sequence
+        room = min(request.max_new_tokens - len(live.record.output_ids), sampling.max_seq_len - len(sequence)) - 1
+        draft = lookup_proposal(torch.tensor(sequence), min(self.config.spec_k, room)).tolist() if room > 0 else []
         while draft and not self.pool.hold(request.id, live.held + 1 + len(draft)):  # free blocks only: a draft
             draft.pop()  # never drops a retained prefix nor makes anyone wait
         return draft
