@@ -35,7 +35,8 @@ sample's answer is capped at --max-new-tokens (both sides) so that the two imple
 
 Writes --out (default runs/eviction_frontier/): compare.csv, frontier.csv, samples.csv (every sample of
 every configuration: prediction, score, seconds, bytes), frontier.png; prints both tables as markdown.
-Rows are written as they finish, so an interrupted run leaves what it measured.
+Rows are written as they finish, so an interrupted run leaves what it measured, and a rerun with the same model,
+tasks, length, count, seed and cap (run.json in --out) takes our answers from samples.csv instead of answering again.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import argparse
 import csv
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -86,11 +88,13 @@ def capped(samples, cap: int):
 # ---- ours
 
 
-def run_ours(model, tokenizer, samples, kinds: list[str], share: bool, done_one=lambda kind, result: None
-             ) -> dict[str, dict]:
+def run_ours(model, tokenizer, samples, kinds: list[str], share: bool, done_one=lambda kind, result: None,
+             previous: dict | None = None) -> dict[str, dict]:
     """Every sample answered on each of `kinds` (one prompt forward each, or with `share` one for all evicting
     kinds: task_eval.answer_kinds), with the kept columns of each evicting layer; the peak RSS added per sample
-    is the group's when shared. `done_one(kind, result)` as each answer is in (samples.csv, row by row)."""
+    is the group's when shared. `done_one(kind, result)` as each answer is in (samples.csv, row by row).
+    `previous[(kind, task, index)]`: answers of an interrupted run, taken as they are (no kept columns, no peak)."""
+    previous = previous or {}
     made: dict = {}
     make_cache = task_eval.make_cache
 
@@ -102,7 +106,12 @@ def run_ours(model, tokenizer, samples, kinds: list[str], share: bool, done_one=
     got: dict[str, dict] = {kind: {"results": [], "kept": [], "peaks": []} for kind in kinds}
     try:
         for sample in samples:
-            for group in [kinds] if share else [[kind] for kind in kinds]:
+            for kind in kinds:
+                if (kind, sample.task, sample.index) in previous:
+                    got[kind]["results"].append(previous[kind, sample.task, sample.index])
+                    got[kind]["kept"].append(None)
+            todo = [kind for kind in kinds if (kind, sample.task, sample.index) not in previous]
+            for group in ([todo] if share else [[kind] for kind in todo]) if todo else []:
                 made.clear()
                 ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back: the peak starts from the live set
                 base = rss_bytes()
@@ -118,7 +127,29 @@ def run_ours(model, tokenizer, samples, kinds: list[str], share: bool, done_one=
                 made.clear()
     finally:
         task_eval.make_cache = make_cache
-    return {kind: {"results": g["results"], "kept": g["kept"], "peak": max(g["peaks"])} for kind, g in got.items()}
+    return {kind: {"results": g["results"], "kept": g["kept"], "peak": max(g["peaks"], default=0)}
+            for kind, g in got.items()}
+
+
+def resumed(out: Path, setup: dict, samples) -> dict:
+    """Our answers in out/samples.csv when out/run.json holds the same `setup`, by (kind, task, index); else none
+    (and run.json is written for the next run)."""
+    meta, rows = out / "run.json", out / "samples.csv"
+    if not (meta.exists() and rows.exists() and json.loads(meta.read_text()) == setup):
+        meta.write_text(json.dumps(setup, indent=1))
+        rows.unlink(missing_ok=True)
+        return {}
+    by_key = {(s.task, s.index): s for s in samples}
+    previous = {}
+    with rows.open(newline="") as f:
+        for r in csv.DictReader(f):
+            sample = by_key.get((r["task"], int(r["index"])))
+            if r["side"] == "ours" and sample is not None:
+                previous[r["kind"], sample.task, sample.index] = task_eval.SampleResult(
+                    sample=sample, prediction=r["prediction"], score=float(r["score"]),
+                    prompt_tokens=int(r["prompt_tokens"]), new_tokens=int(r["new_tokens"]), stop=r["stop"],
+                    prefill_s=float(r["prefill_s"]), decode_s=float(r["decode_s"]), cache_bytes=int(r["cache_bytes"]))
+    return previous
 
 
 # ---- kvpress
@@ -216,11 +247,15 @@ def task_scores(samples, scores) -> str:
 
 
 class Writer:
-    """CSV rows appended as they come (the header from the first row's keys)."""
+    """CSV rows appended as they come (the header from the first row's keys, or from the file `keep` extends)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep: bool = False):
         self.path, self.fields = path, None
-        path.unlink(missing_ok=True)
+        if keep and path.exists():
+            with path.open(newline="") as f:
+                self.fields = next(csv.reader(f), None)
+        else:
+            path.unlink(missing_ok=True)
 
     def add(self, row: dict) -> None:
         new = self.fields is None
@@ -322,7 +357,12 @@ def main() -> None:
     print(f"{args.model} fp32, {n} samples ({', '.join(args.tasks)} × {args.count}) at {args.length} tokens "
           f"(prompts {min(s.tokens for s in samples)}..{max(s.tokens for s in samples)}), answers ≤ "
           f"{args.max_new_tokens} tokens, torch threads {torch.get_num_threads()}", flush=True)
-    per_sample = Writer(out / "samples.csv")
+    setup = {"model": args.model, "tasks": args.tasks, "length": args.length, "count": args.count, "seed": args.seed,
+             "max_new_tokens": args.max_new_tokens}
+    previous = resumed(out, setup, samples)
+    if previous:
+        print(f"resuming: {len(previous)} answers of ours from {out}/samples.csv", flush=True)
+    per_sample = Writer(out / "samples.csv", keep=bool(previous))
     done: dict[str, dict] = {}
 
     def ours(kinds: list[str], share: bool = False) -> None:
@@ -336,7 +376,7 @@ def main() -> None:
                             "stop": r.stop, "prefill_s": round(r.prefill_s, 3), "decode_s": round(r.decode_s, 3),
                             "new_tokens": r.new_tokens, "cache_bytes": r.cache_bytes})
 
-        for kind, got in run_ours(model, tok, samples, todo, share, one).items():
+        for kind, got in run_ours(model, tok, samples, todo, share, one, previous).items():
             got["scores"] = [r.score for r in got["results"]]
             got["bytes"] = sum(r.cache_bytes for r in got["results"])
             got["shared"] = share and len(todo) > 1
@@ -421,8 +461,8 @@ def main() -> None:
     configs = [("reference", "fp16")] + [("quantization", k) for k in args.quant]
     configs += [("eviction", f"fp16+{m}:{r}") for m in best for r in args.ratios]
     configs += [("both", f"{pair.rsplit(':', 1)[0]}+{m}:{pair.rsplit(':', 1)[1]}") for m in best for pair in args.stack]
-    ours([kind for family, kind in configs if family in ("reference", "quantization")])
-    ours([kind for family, kind in configs if family in ("eviction", "both")], share=True)
+    ours([kind for family, kind in configs if family in ("eviction", "both")], share=True)  # first: item 8's question
+    ours([kind for family, kind in configs if family == "quantization"])
     frontier = Writer(out / "frontier.csv")
     rows = []
     for family, kind in configs:
