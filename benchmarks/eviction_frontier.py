@@ -3,8 +3,10 @@ quantization, eviction and both (issue 35, items 5, 7 and 8).
 
     python benchmarks/eviction_frontier.py                  # the default run (~35-45 min on a shared 2-core CPU)
     python benchmarks/eviction_frontier.py --quick          # a smoke run: 1 sample of 256 tokens, 2 presses
-    python benchmarks/eviction_frontier.py --model zoo:qwen2.5-coder-1.5b --length 4096 --methods tova h2o \
-        --threads 2                                         # item 8 at 4k, part 1 skipped (~1 h)
+    python benchmarks/eviction_frontier.py --model zoo:qwen2.5-coder-1.5b --length 4096 --threads 2 \
+        --methods tova snapkv --skip-kvpress --ratios 0.5 0.75 0.875 0.9375 0.96875 --quant q8_0 kivi4 kivi2 \
+        --stack q8_0:0.75 q8_0:0.875 q8_0:0.9375 kivi4:0.5 kivi4:0.625 kivi4:0.75 kivi4:0.875 kivi4:0.9375
+                                                            # item 8 at 4k, part 1 skipped (~70 min alone)
 
 One process, one model (default zoo:smollm2-135m, fp32 weights), one set of task samples (default niah_single_1,
 niah_multikey_1 and vt at 1024 tokens, --count each, seed 0) answered greedily on every configuration below; every
