@@ -26,7 +26,7 @@ Owns `EvictingMixin`, `EvictInputs`, `install_hooks`, `evicting_layer`. Does not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,8 @@ class EvictInputs:
     position_ids: torch.Tensor | None  # [B,t]
     mask: torch.Tensor | None  # 4-D attention mask [B,1,t,kv] (bool or additive) or None: nothing masked
     rotary: Any  # the model's rotary embedding (Expected Attention's future positions)
+    scores: dict = field(default_factory=dict, repr=False)  # by what decides them: kinds that share a forward
+    # (tasks/evaluate._tee hands every cache the same inputs and K/V) score once per method, whatever they store
 
     def valid(self, columns: int) -> torch.Tensor | None:
         """[B,columns] bool: which of the last `columns` key columns are real (the last query's row); None: all."""
@@ -189,9 +191,12 @@ def choose_columns(options: EvictionOptions, inputs: EvictInputs, keys: torch.Te
         cos, sin = inputs.rotary(keys, positions)
         return cos[0], sin[0]
 
+    decided_by = (options.method, options.sinks, options.window, first, keys.data_ptr(), tuple(keys.shape))
     with torch.no_grad():
-        scores = eviction.score(options, module, keys, values, valid, q_post,
-                                lambda: eviction.queries(module, inputs.hidden), future, first)
+        if (scores := inputs.scores.get(decided_by)) is None:
+            scores = inputs.scores[decided_by] = eviction.score(
+                options, module, keys, values, valid, q_post, lambda: eviction.queries(module, inputs.hidden), future,
+                first)
         window = min(options.window, keys.shape[-2] - first) if first else options.window
         return eviction.choose(scores, kept, valid, options.sinks, window)
 

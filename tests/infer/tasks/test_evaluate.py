@@ -77,6 +77,31 @@ def test_evicting_kinds_sharing_one_prompt_forward_answer_as_each_alone(tiny_lm,
     assert len({r.prediction for r in together}) >= 2  # and the answers tell them apart
 
 
+def test_kinds_sharing_a_forward_score_once_per_method_and_layer(tiny_lm, one_thread, words, monkeypatch):
+    """H2O's scores (the whole prompt's attention) depend on neither ratio nor storage: three H2O kinds sharing a
+    forward score each layer once, two SnapKV kinds once, and each answers as it does alone."""
+    from runner.infer.cache import eviction
+
+    calls = {"h2o": 0, "snapkv": 0}
+    for method in calls:
+        real = getattr(eviction, f"score_{method}")
+
+        def counted(*args, _method=method, _real=real, **kwargs):
+            calls[_method] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(eviction, f"score_{method}", counted)
+    tok = tiny_lm.tokenizer
+    sample = make_sample("niah_single_1", tok, 500, words=words)
+    kinds = ["fp16+h2o:0.5", "q8_0+h2o:0.75", "kivi4+h2o:0.875", "fp16+snapkv:0.5", "q4_0+snapkv:0.75"]
+    together = answer_kinds(tiny_lm.model, tok, sample, kinds, q_chunk=None)
+    layers = tiny_lm.model.config.num_hidden_layers
+    assert calls == {"h2o": layers, "snapkv": layers}
+    alone = [answer(tiny_lm.model, tok, sample, kind, q_chunk=None) for kind in kinds]
+    assert calls == {"h2o": 4 * layers, "snapkv": 3 * layers}
+    for kind, got, want in zip(kinds, together, alone):
+        assert (got.prediction, got.cache_bytes) == (want.prediction, want.cache_bytes), kind
+
+
 def test_a_length_above_the_context_and_an_unknown_task_are_value_errors(tiny_lm):
     limit = tiny_lm.model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"above the model's context \\({limit} tokens"):
