@@ -58,3 +58,12 @@ def test_quick_run_compares_with_kvpress_and_prints_the_frontier(tmp_path):
     with (tmp_path / "frontier.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert float(rows[0]["bytes_vs_fp16"]) == 1.0 and rows[0]["kind"] == "fp16"
+
+    # a rerun of the same setup answers nothing of ours again: it reads samples.csv and gives the same frontier
+    ours_rows = sum(r["side"] == "ours" for r in csv.DictReader((tmp_path / "samples.csv").open()))
+    again = subprocess.run(command + ["--skip-kvpress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming: {ours_rows} answers of ours" in again.stdout
+    assert sum(r["side"] == "ours" for r in csv.DictReader((tmp_path / "samples.csv").open())) == ours_rows
+    assert table_rows(again.stdout, "| family |") == frontier
