@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from runner.errors import ValueAt
+from runner.infer.config.tasks import length_problem
 from runner.infer.loading.zoo import DEFAULT_MODEL, ZOO, ZOO_PREFIX
 from runner.manifest.blocks import (
     MAX_SEED,
@@ -105,15 +106,15 @@ class Target(Strict):
             raise ValueError(f"run {joint[0].id!r} chooses among weight_candidates, gated against the unquantized "
                              f"model: remove model.quantization ({self.model.quantization})")
         context = model_context(self.model)
-        for i, run in enumerate(self.runs):  # a task longer than the model's context could only be cut
+        for i, run in enumerate(self.runs):  # a prompt that fills the model's context leaves no room to answer
             suite, key = ((run.eval, ("eval", "lengths")) if run.eval is not None else
                           (run.generate.cache_quality_tasks, ("generate", "cache_quality_tasks", "lengths"))
                           if run.generate is not None else (None, ()))
-            lengths = suite.lengths if suite is not None else []
-            too_long = [j for j, n in enumerate(lengths) if context and n > context]
-            if too_long:
-                raise RunError(i, run.id, (*key, too_long[0]), f"length {lengths[too_long[0]]} is above the model's "
-                               f"context of {context} tokens: use lengths up to {context}")
+            if suite is None:
+                continue
+            for j, length in enumerate(suite.lengths):
+                if problem := length_problem(length, suite.tasks, context):
+                    raise RunError(i, run.id, (*key, j), problem)
         for i, run in enumerate(self.runs):  # int4 weights need bfloat16: each run judged by its own dtypes
             if run.bench is not None:
                 quantizations, dtypes = run.bench.quantizations or [], run.bench.dtypes or [self.model.dtype]

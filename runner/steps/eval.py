@@ -39,7 +39,7 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     block = step_block(EvalBlock, step)
     try:  # a length past the model's context, or too short for a task's smallest prompt with this tokenizer
         for length in block.lengths:
-            check_length(lm.model, length)
+            check_length(lm.model, length, block.tasks)
         samples = [s for name in block.tasks for length in block.lengths
                    for s in make_samples(name, lm.tokenizer, length, block.samples, block.seed)]
     except ValueError as error:

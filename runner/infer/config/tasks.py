@@ -18,7 +18,19 @@ from runner.errors import ValueAt
 # RULER's synthetic tasks that need no downloaded dataset (its QA tasks need SQuAD / HotpotQA: left out).
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+ANSWER_TOKENS = {name: 128 for name in TASK_NAMES if name.startswith("niah")} | {"vt": 30, "cwe": 120, "fwe": 50}
+# RULER's tokens_to_generate per task: a prompt of `length` tokens needs this much more room in the model's context
 MAX_LENGTH = 1_000_000  # tokens: beyond every model's context; the model's own limit is checked where it is known
+
+
+def length_problem(length: int, tasks: list[str], context: int | None) -> str:
+    """Why prompts of `length` tokens leave no room in a context of `context` tokens for the answers of `tasks`;
+    "" when they fit (or the context is not known)."""
+    answer = max(ANSWER_TOKENS.get(name, 0) for name in tasks)
+    if context is None or length + answer <= context:
+        return ""
+    return (f"length {length} leaves no room for the answers in the model's context of {context} tokens (prompt + up "
+            f"to {answer} generated): use lengths up to {context - answer}")
 
 
 def task_problem(name: str) -> str:
@@ -40,7 +52,8 @@ class TaskSuite(BaseModel):
                              description="Tasks of the suite (docs/long-context.md): niah_single_1..3, "
                                          "niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe.")
     lengths: list[int] = Field(default_factory=lambda: [1024], min_length=1, description=(
-        "Prompt lengths in tokens (each at most the model's context): every task is built at each."))
+        "Prompt lengths in tokens: every task is built at each. Each, plus the longest answer a task may generate "
+        "(RULER's tokens_to_generate: 128 for the niah tasks), must fit the model's context."))
     samples: int = Field(5, ge=1, le=10_000, description=(
         "Samples per task and length. Every score is reported with its count and a 95 % interval: few samples, "
         "wide intervals."))

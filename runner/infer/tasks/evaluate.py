@@ -26,6 +26,7 @@ from runner.infer.cache.evicting import EvictingMixin
 from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
 from runner.infer.config.kinds import parse_kind
+from runner.infer.config.tasks import length_problem
 from runner.infer.decode.forward import DecodeState, eos_ids, trim_mask
 from runner.infer.decode.sampling import greedy_tokens
 from runner.infer.measure.timing import Stopwatch, on_device
@@ -90,12 +91,11 @@ def context_limit(model) -> int | None:
     return int(limit) if limit else None
 
 
-def check_length(model, length: int) -> None:
-    """A ValueError when `length` tokens exceed the model's context."""
-    limit = context_limit(model)
-    if limit is not None and length > limit:
-        raise ValueError(f"length {length} is above the model's context ({limit} tokens, max_position_embeddings); "
-                         f"use a length of at most {limit}")
+def check_length(model, length: int, tasks: Sequence[str]) -> None:
+    """A ValueError when prompts of `length` tokens leave no room in the model's context (max_position_embeddings)
+    for the answers of `tasks`."""
+    if problem := length_problem(length, list(tasks), context_limit(model)):
+        raise ValueError(problem)
 
 
 def evaluate_tasks(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int], count: int, seed: int = 0,
@@ -107,7 +107,7 @@ def evaluate_tasks(model, tokenizer, tasks: Sequence[str], lengths: Sequence[int
     for name in tasks:
         task(name)
     for length in lengths:
-        check_length(model, length)
+        check_length(model, length, tasks)
     samples = [s for name in tasks for length in lengths for s in make_samples(name, tokenizer, length, count, seed)]
     return evaluate_kinds(model, tokenizer, samples, cache_kinds, q_chunk=q_chunk, stop_at_newline=stop_at_newline,
                           compress=compress, progress=progress)
@@ -129,7 +129,7 @@ def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Seq
     if not cache_kinds:
         return []
     for sample in samples:
-        check_length(model, sample.length)
+        check_length(model, sample.length, [sample.task])
     named = ", ".join(kind or "the uncompressed cache" for kind in cache_kinds)
     bar = progress(f"tasks on {named}", len(samples), "sample")
     results: list[list[SampleResult]] = [[] for _ in cache_kinds]

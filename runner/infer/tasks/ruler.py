@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from runner.infer.config.tasks import ANSWER_TOKENS
 from runner.infer.loading.texts import load_text
 from runner.infer.tasks.words import WordLists, word_lists
 
@@ -63,8 +64,8 @@ class Task:
 
 def _niah(name: str, haystack: str, key: str = "words", value: str = "numbers", k: int = 1, v: int = 1,
           q: int = 1) -> Task:
-    return Task(name, "niah", 128, args={"haystack": haystack, "key": key, "value": value, "keys": max(k, q),
-                                         "values": v, "queries": q})
+    return Task(name, "niah", ANSWER_TOKENS[name], args={"haystack": haystack, "key": key, "value": value,
+                                                         "keys": max(k, q), "values": v, "queries": q})
 
 
 TASKS: dict[str, Task] = {t.name: t for t in [
@@ -76,9 +77,9 @@ TASKS: dict[str, Task] = {t.name: t for t in [
     _niah("niah_multikey_3", "needle", key="uuids", value="uuids"),
     _niah("niah_multivalue", "essay", v=4),
     _niah("niah_multiquery", "essay", q=4),
-    Task("vt", "vt", 30, args={"chains": 1, "hops": 4}),
-    Task("cwe", "cwe", 120, args={"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
-    Task("fwe", "fwe", 50, args={"alpha": 2.0, "coded_wordlen": 6}),
+    Task("vt", "vt", ANSWER_TOKENS["vt"], args={"chains": 1, "hops": 4}),
+    Task("cwe", "cwe", ANSWER_TOKENS["cwe"], args={"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
+    Task("fwe", "fwe", ANSWER_TOKENS["fwe"], args={"alpha": 2.0, "coded_wordlen": 6}),
 ]}
 
 

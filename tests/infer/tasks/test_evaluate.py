@@ -102,10 +102,17 @@ def test_kinds_sharing_a_forward_score_once_per_method_and_layer(tiny_lm, one_th
         assert (got.prediction, got.cache_bytes) == (want.prediction, want.cache_bytes), kind
 
 
-def test_a_length_above_the_context_and_an_unknown_task_are_value_errors(tiny_lm):
+def test_a_length_without_room_for_the_answer_and_an_unknown_task_are_value_errors(tiny_lm):
+    """A prompt of the model's whole context could generate nothing (RULER counts tokens_to_generate in the length):
+    the niah tasks need 128 tokens of room, vt 30."""
     limit = tiny_lm.model.config.max_position_embeddings
-    with pytest.raises(ValueError, match=f"above the model's context \\({limit} tokens"):
-        check_length(tiny_lm.model, limit + 1)
+    check_length(tiny_lm.model, limit - 128, ["niah_single_1", "vt"])
+    check_length(tiny_lm.model, limit - 30, ["vt"])
+    for length, tasks in ((limit - 127, ["vt", "niah_single_1"]), (limit - 29, ["vt"]), (limit + 1, ["vt"])):
+        room = 128 if "niah_single_1" in tasks else 30
+        with pytest.raises(ValueError, match=f"model's context of {limit} tokens \\(prompt \\+ up to {room} "
+                                             f"generated\\): use lengths up to {limit - room}"):
+            check_length(tiny_lm.model, length, tasks)
     with pytest.raises(ValueError, match="did you mean 'cwe'"):
         evaluate_tasks(tiny_lm.model, tiny_lm.tokenizer, ["cwf"], [256], 1)
 
