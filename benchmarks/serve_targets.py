@@ -218,6 +218,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="requests per sweep point")
     parser.add_argument("--kv-budget-mib", type=float, help="target 3's budget (default: fp16 room for two of the "
                         "longest requests)")
+    parser.add_argument("--goodput-rates", type=float, nargs="+", help="target 3's goodput per kind at each of "
+                        "these Poisson rates (default: the sweep's highest alone)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager",
                         help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock; "
@@ -326,6 +328,9 @@ def main() -> None:
         admitted = {kind: admission(b, kind, budget) for kind in KINDS}
         base = points["continuous"][top]  # the same load, the model's dtype, no budget
         good = {kind: goodput(b, kind, budget, top, slo) for kind in KINDS}
+        curve = {rate: {kind: good[kind] if rate == top else goodput(b, kind, budget, rate, slo) for kind in KINDS}
+                 | {"none": base if rate == top else goodput(b, None, None, rate, slo)}
+                 for rate in sorted(set(args.goodput_rates or [top]))}
         print(f"\n3. KV budget {budget / MIB:.2f} MiB; admission: a burst of {size['admit']} sweep-shaped requests, "
               f"stepped to the first finish; goodput: Poisson {top:g}/s")
         print(f"{'kind':>6} {'blocks':>6} {'reserve':>7} {'peak':>5} {'predicted':>9} {'÷ fp16':>7} "
@@ -340,6 +345,11 @@ def main() -> None:
         print(f"{'none':>6} {'':>6} {'':>7} {'':>5} {'':>9} {'':>7} {'':>11} {'':>7} "
               f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_tokens_per_s']:7.1f} "
               f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
+        print(f"\n3b. goodput req/s at the SLO against rate (budget {budget / MIB:.2f} MiB; none: no budget)")
+        print(f"{'rate':>6} " + " ".join(f"{kind:>7}" for kind in (*KINDS, "none")) + "   mean running")
+        for rate, by_kind in curve.items():
+            print(f"{rate:>6g} " + " ".join(f"{by_kind[k]['goodput_per_s']:7.3f}" for k in (*KINDS, "none")) + "   "
+                  + " ".join(f"{by_kind[k].get('mean_running', math.nan):.1f}" for k in (*KINDS, "none")))
         for kind in KINDS:
             a = admitted[kind]
             error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
