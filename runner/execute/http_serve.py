@@ -23,6 +23,7 @@ from runner.manifest.paths import model_source
 from runner.manifest.plan import Step, make_plan
 from runner.manifest.serve_block import ServeBlock
 from runner.steps.serve import scheduler_config, slot_columns
+from runner.steps.shared import load_draft
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN = 2048  # a model whose config names no context length
@@ -68,18 +69,23 @@ def start_server(target: ServeTarget, host: str = "127.0.0.1", port: int = 8000)
         sampling = GenerateConfig(temperature=0.0, seed=step.seed, max_seq_len=max_seq_len)
         kind = block.cache_kinds[0] if block.cache_kinds else None
         engine = block.engines[0] if block.engines else "eager"  # engines: [] (endpoints only): our default
-        asked = block.speculative[0] == "prompt-lookup"
+        asked = block.speculative[0] != "none"
         why = "" if not asked else ("it runs on the eager engine, this server on the compiled one" if engine != "eager"
                                     else speculative_serve_reason(kind))
+        draft = None
+        if asked and not why and block.speculative[0] == "draft":
+            draft, draft_tokenizer = load_draft(block, lm, step, target.base_dir)
+            why = "the draft has another tokenizer than the target's" if draft_tokenizer is not None else ""
         if why:
-            log.warning("prompt-lookup speculation is off: %s", why)
+            log.warning("%s speculation is off: %s", block.speculative[0], why)
         speculating = asked and not why
         config = scheduler_config(block, kind, sampling, speculating=speculating)
         if len(block.cache_kinds or []) > 1 or len(block.engines) > 1 or len(block.quantizations or []) > 1:
             log.warning("serving one setting: cache kind %s on engine %s, weights %s (the first of the run's axes)",
                         kind or "of the model's dtype", engine, weights.get("quantization", "as the model block's"))
         try:
-            scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, slot_columns(block, max_seq_len))
+            scheduler = make_scheduler(lm.model, lm.tokenizer, config, engine, slot_columns(block, max_seq_len),
+                                       draft if speculating else None)
         except ValueError as exc:  # a kind the scheduler cannot serve
             raise ServerError(f"{step.key}: {exc}") from None
         server = HttpServer(scheduler, lm.tokenizer, target.model_name, sock, max_seq_len)

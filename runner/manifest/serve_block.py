@@ -19,7 +19,7 @@ from runner.infer.config.quantization import check_quantizations
 from runner.infer.loading.zoo import zoo_entry
 from runner.infer.serve.load import DEFAULT_PROMPT, Lengths, LoadSpec
 from runner.infer.serve.metrics import PERCENTILES, Slo
-from runner.manifest.blocks import MAX_SEED, Strict, no_baseline
+from runner.manifest.blocks import MAX_SEED, ModelBlock, Strict, no_baseline
 
 MAX_TOKENS = 1_000_000
 Count = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
@@ -179,11 +179,16 @@ class ServeBlock(Strict):
     engines: list[Literal["eager", "compiled"]] = Field(["eager"], description=(
         "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
         "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
-    speculative: list[Literal["none", "prompt-lookup"]] = Field(["none"], description=(
+    speculative: list[Literal["none", "prompt-lookup", "draft"]] = Field(["none"], description=(
         "Speculative decoding in our eager continuous batching, an axis: none (system ours), prompt-lookup (system "
         "ours-lookup: each greedy request drafts up to spec_k tokens from its own prompt and output, verified in "
-        "the step's one forward; sampled requests decode a token a step). Not on the compiled engine, not KIVI."))
-    spec_k: int = Field(4, ge=1, le=64, description="Most tokens a request drafts a step (speculative: prompt-lookup).")
+        "the step's one forward), draft (system ours-draft: the draft model proposes spec_k tokens for every greedy "
+        "request in batched forwards of its own); sampled requests decode a token a step. Not on the compiled "
+        "engine, not KIVI."))
+    spec_k: int = Field(4, ge=1, le=64, description="Most tokens a request drafts a step (speculative).")
+    draft: ModelBlock | None = Field(None, description=(
+        "The draft model of speculative: draft, sharing the target's tokenizer (its KV cache is outside "
+        "kv_budget_mib)."))
     baselines: list[Literal["static", "transformers", "none"]] = Field(["static", "transformers"], description=(
         "Served on the same requests beside continuous batching: static (fixed batches of max_batch_size, after "
         "max_wait_ms), transformers (its own continuous batching, generate_batch); none = no baseline."))
@@ -244,12 +249,19 @@ class ServeBlock(Strict):
             raise ValueAt(("duration_s",), "give num_requests or duration_s, not both")
         if self.kv_budget_mib is not None and self.kv_blocks is not None:
             raise ValueAt(("kv_blocks",), "give kv_budget_mib or kv_blocks, not both")
-        if "prompt-lookup" in self.speculative and "eager" not in self.engines:
-            raise ValueAt(("speculative",), "speculative: prompt-lookup runs on the eager engine: add eager to "
-                                            f"engines (got {self.engines})")
+        for way in {"prompt-lookup", "draft"} & set(self.speculative):
+            if "eager" not in self.engines:
+                raise ValueAt(("speculative",), f"speculative: {way} runs on the eager engine: add eager to "
+                                                f"engines (got {self.engines})")
+        if "draft" in self.speculative and self.draft is None:
+            raise ValueAt(("speculative",), "speculative: draft needs the draft model: add draft: {id: zoo:NAME} "
+                                            "(a model sharing the target's tokenizer)")
+        if self.draft is not None and "draft" not in self.speculative:
+            raise ValueAt(("draft",), "a draft model serves only with speculative: draft: add draft to speculative "
+                                      f"(got {self.speculative}), or remove draft")
         if len(set(self.speculative)) != len(self.speculative):
             raise ValueAt(("speculative",), f"each setting once (got {self.speculative})")
-        taken = {"ours", "ours-compiled", "ours-lookup", "static", "transformers"}
+        taken = {"ours", "ours-compiled", "ours-lookup", "ours-draft", "static", "transformers"}
         for i, endpoint in enumerate(self.endpoints):
             if endpoint.name in taken:
                 raise ValueAt(("endpoints", i, "name"), f"endpoint name {endpoint.name!r} is taken (by one of ours, a "

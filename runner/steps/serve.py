@@ -51,7 +51,7 @@ from runner.steps.serve_report import (
     series_parts,
     write_tables,
 )
-from runner.steps.shared import is_number, reload_model, step_block
+from runner.steps.shared import is_number, load_draft, reload_model, step_block
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -62,6 +62,8 @@ HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_per_s", "p50_ttft_
             "peak_blocks_used", "compile_s", "recompiles")
 OURS = {"eager": "ours", "compiled": "ours-compiled"}  # engine → our system's name
 LOOKUP = "ours-lookup"  # the eager engine with prompt-lookup speculation (speculative: prompt-lookup)
+DRAFT = "ours-draft"  # the eager engine with a draft model's speculation (speculative: draft)
+SPECULATING = (LOOKUP, DRAFT)
 
 
 def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progress: ProgressFactory) -> dict:
@@ -76,6 +78,8 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     own = step.model.get("quantization", "none")
     weights = block.quantizations or [own]  # the model is loaded again for each but its own
     points, requests, timelines = [], [], []
+    draft, draft_tokenizer = load_draft(block, lm, step, base_dir) if "draft" in block.speculative else (None, None)
+    drafting = _Drafting(draft, draft_tokenizer)
     bar = progress(step.key, len(specs) * len(systems) * len(weights) * _count(specs[0]), "request")
     with ExitStack() as servers:  # launched endpoints: up for the whole step, stopped after it (or on a failure)
         for endpoint in block.endpoints:
@@ -93,13 +97,13 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                         continue
                     keys = _point_keys(system, kind, spec, ENDPOINT if kind == ENDPOINT else quantization)
                     label = f"{series_label(tuple(keys[k] for k in SERIES))} {_x_label(spec)}"
-                    reason = _reason(system, kind, served, block)
+                    reason = _reason(system, kind, served, block, drafting)
                     if reason:
                         points.append({**keys, "status": f"not run: {reason}"})
                         log.info("[%s] %s: not run: %s", step.key, label, reason)
                         bar.update(_count(spec), note=f"{label} not run")
                         continue
-                    point, records, timeline = _point(keys, kind, spec, served, block, sampling,
+                    point, records, timeline = _point(keys, kind, spec, served, block, sampling, drafting.model,
                                                       partial(build_load, spec, served.tokenizer, text, prompts),
                                                       lambda _r: bar.update(1))
                     if kind != ENDPOINT:
@@ -127,7 +131,7 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
 
 
 def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block: ServeBlock,
-           sampling: GenerateConfig, load: Callable[..., Load], on_finish: Callable[[RequestRecord], None]
+           sampling: GenerateConfig, draft, load: Callable[..., Load], on_finish: Callable[[RequestRecord], None]
            ) -> tuple[dict, list[RequestRecord], list]:
     """One point (`keys`: its system, kind, weights, x): the warm-up load (if any) on a server of its own, then the
     measured load → (its row, its requests' records, the scheduler's timeline)."""
@@ -135,10 +139,10 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
     warm = load(warmup=True)
     compile_s = 0.0  # the compiled engine's warm-up compile, before any clock starts
     if warm.requests:  # warm-up: its own requests on a server of its own, outside the measured load
-        warm_server = _server(system, kind, lm, block, sampling)
+        warm_server = _server(system, kind, lm, block, sampling, draft)
         compile_s += getattr(warm_server, "compile_s", 0.0)
         _serve(warm_server, warm)
-    server = _server(system, kind, lm, block, sampling)
+    server = _server(system, kind, lm, block, sampling, draft)
     compile_s += getattr(server, "compile_s", 0.0)
     records = _serve(server, load(), on_finish)
     timeline = getattr(server, "timeline", [])
@@ -168,17 +172,18 @@ def _serve(server, load, on_finish=None) -> list[RequestRecord]:
             server.close()
 
 
-def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig):
+def _server(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, sampling: GenerateConfig,
+            draft=None):
     endpoint = next((e for e in block.endpoints if e.name == system), None)
     if endpoint is not None:
         return RemoteServer(_endpoint(endpoint), lm.tokenizer, max_in_flight=_max_in_flight(block),
                             seed=sampling.seed)
-    if system in (*OURS.values(), LOOKUP):
-        config = scheduler_config(block, kind, sampling, speculating=system == LOOKUP)
+    if system in (*OURS.values(), *SPECULATING):
+        config = scheduler_config(block, kind, sampling, speculating=system in SPECULATING)
         if system == OURS["compiled"]:
             return CompiledSlots(lm.model, config, tokenizer=lm.tokenizer,
                                  columns=slot_columns(block, sampling.max_seq_len))
-        return Scheduler(lm.model, config, tokenizer=lm.tokenizer)
+        return Scheduler(lm.model, config, tokenizer=lm.tokenizer, draft=draft if system == DRAFT else None)
     if system == "static":
         return StaticBatcher(lm.model, max_batch_size=block.max_batch_size, max_wait_ms=block.max_wait_ms,
                              sampling=sampling.model_copy(update={"cache_kind": kind}))
@@ -210,21 +215,30 @@ def _command(command: list[str], base_dir: Path) -> list[str]:
     return [re.sub(r"\{([^{}]*)\}", fill, arg) for arg in command]
 
 
-def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock) -> str:
-    """Why a baseline, or our compiled engine, cannot serve this point ('' when it can)."""
+def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, drafting: _Drafting) -> str:
+    """Why a baseline, our compiled engine or a speculating system cannot serve this point ('' when it can)."""
     if system == "transformers":
         return transformers_cb_reason(lm.model, kind)
     if system == OURS["compiled"]:
         return compiled_refusal(lm.model.config) or compiled_serve_reason(kind)
-    if system == LOOKUP:
-        return speculative_serve_reason(kind)
+    if system in SPECULATING:
+        return speculative_serve_reason(kind) or (drafting.reason if system == DRAFT else "")
     return ""
 
 
+class _Drafting:
+    """The step's draft model (speculative: draft), loaded once, or why it cannot serve."""
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.reason = ("the draft has another tokenizer than the target's: under load a draft must share it (text "
+                       "drafts run in mode: speculative)") if tokenizer is not None else ""
+
+
 def _ours(block: ServeBlock) -> list[str]:
-    """Our systems: one per engine (eager's only if speculative has none), then ours-lookup if asked."""
+    """Our systems: one per engine (eager's only if speculative has none), then ours-lookup and ours-draft if asked."""
     names = [OURS[e] for e in block.engines if e != "eager" or "none" in block.speculative]
-    return names + [LOOKUP] * ("prompt-lookup" in block.speculative)
+    return names + [LOOKUP] * ("prompt-lookup" in block.speculative) + [DRAFT] * ("draft" in block.speculative)
 
 
 def scheduler_config(block: ServeBlock, kind: str | None, sampling: GenerateConfig,
@@ -318,6 +332,7 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
     kind, weights and x), and the highest rate meeting the SLO per series."""
     out: dict[str, float] = {"points": float(len(table))}
     ok = table[table["status"] == "ok"] if "status" in table else table
+    ours = [*OURS.values(), *SPECULATING]
     for row in ok.to_dict("records"):
         name = _name(row["system"], row["cache_kind"], row["quantization"], row["x"])
         out |= {f"{name}.{k}": float(row[k]) for k in HEADLINE if is_number(row.get(k))}
@@ -325,17 +340,18 @@ def _metrics(table: pd.DataFrame, best: dict) -> dict:
                     & (ok["x"] == row["x"])]
         for baseline in ("static", "transformers"):
             other = beside[beside["system"] == baseline]
-            if row["system"] in (*OURS.values(), LOOKUP) and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
+            if row["system"] in ours and len(other) and other.iloc[0]["output_tokens_per_s"] > 0:
                 out[f"{name}.ratio_{baseline}_throughput"] = (row["output_tokens_per_s"]
                                                             / other.iloc[0]["output_tokens_per_s"])
         eager = beside[beside["system"] == OURS["eager"]]
-        if row["system"] in (OURS["compiled"], LOOKUP) and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
+        faster = row["system"] in (OURS["compiled"], *SPECULATING)  # than the eager engine alone?
+        if faster and len(eager) and eager.iloc[0]["output_tokens_per_s"] > 0:
             out[f"{name}.ratio_eager_throughput"] = (row["output_tokens_per_s"]
                                                      / eager.iloc[0]["output_tokens_per_s"])
-    ours = ok[ok["system"].isin([*OURS.values(), LOOKUP])] if len(ok) else ok
-    if len(ours):  # headline figures `run results` shows by default
-        out["max_output_tokens_per_s"] = float(ours["output_tokens_per_s"].max())
-    ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput") and not k.startswith(LOOKUP)]
+    mine = ok[ok["system"].isin(ours)] if len(ok) else ok
+    if len(mine):  # headline figures `run results` shows by default
+        out["max_output_tokens_per_s"] = float(mine["output_tokens_per_s"].max())
+    ratios = [v for k, v in out.items() if k.endswith(".ratio_static_throughput") and not k.startswith(SPECULATING)]
     if ratios:
         out["median_ratio_static_throughput"] = float(pd.Series(ratios).median())
     for series, rate in best.items():

@@ -30,6 +30,7 @@ from runner.infer.speculative.text import same_tokenizer
 from runner.manifest.blocks import DraftSource, GenerateBlock, PromptSource
 from runner.manifest.paths import model_source, read_text, text_source
 from runner.manifest.plan import Step
+from runner.manifest.serve_block import ServeBlock
 from runner.report import ProgressFactory, show
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,11 @@ def load_prompts(block: PromptSource, base_dir: Path) -> list[str]:
     return prompts
 
 
-def load_draft(block: DraftSource, lm: LoadedModel, step: Step, base_dir: Path):
+def load_draft(block: DraftSource | ServeBlock, lm: LoadedModel, step: Step, base_dir: Path):
     """(the draft model or the string prompt-lookup, the draft's tokenizer when it is not the target's, else None).
     A draft with another tokenizer proposes through text (runner.infer.speculative.text)."""
     d = block.draft
+    assert d is not None  # a serve block's draft is checked present with speculative: draft
     if isinstance(d, str):  # PROMPT_LOOKUP, the one string a draft may be
         return PROMPT_LOOKUP, None
     log.info("loading draft %s (%s)", d.id or "config model", d.dtype)

@@ -94,3 +94,28 @@ def test_ctrl_c_drains_then_a_second_cancels(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_draft_model_speculates_behind_the_server(tmp_path):
+    """speculative: [draft] first: `run serve` loads the draft and the scheduler drafts with it; the twin of the
+    target is always accepted and the completion is the plain server's."""
+    from runner.execute.http_serve import serve_target, start_server
+    from tests.conftest import TINY_LLAMA
+
+    block = ("{rate: 1, max_batch_size: 4, kv_blocks: 400, speculative: [draft, none], spec_k: 3, "
+             f"draft: {{config: {TINY_LLAMA}, device: cpu}}}}")
+    path = tiny_manifest(tmp_path, f"      - id: a\n        mode: serve\n        serve: {block}\n")
+    body = {"model": "tiny", "prompt": [5, 9, 14] * 4, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    completions, schedulers = [], []
+    for overrides in ([], ["targets.0.runs.0.serve.speculative=[none]", "targets.0.runs.0.serve.draft=null"]):
+        server = start_server(serve_target(path, overrides), port=0)
+        try:
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            completions.append(answer["choices"][0]["text"])
+            schedulers.append(server.engine.scheduler)
+        finally:
+            server.stop()
+    assert completions[0] == completions[1]
+    drafting, plain = schedulers
+    assert drafting.drafter is not None and drafting.accepted == drafting.drafted > 0
+    assert plain.drafter is None and plain.drafted == 0

@@ -92,6 +92,12 @@ def test_a_closed_loop_is_one_point_and_a_duration_replaces_the_count(tmp_path):
     ("{rate: 2, engines: [compiled], speculative: [prompt-lookup]}", "serve.speculative: speculative: prompt-lookup "
      "runs on the eager engine: add eager to engines (got ['compiled'])"),
     ("{rate: 2, speculative: [none, none]}", "serve.speculative: each setting once (got ['none', 'none'])"),
+    ("{rate: 2, speculative: [draft]}", "serve.speculative: speculative: draft needs the draft model: add draft: "
+     "{id: zoo:NAME} (a model sharing the target's tokenizer)"),
+    ("{rate: 2, draft: {id: zoo:smollm2-135m}}", "serve.draft: a draft model serves only with speculative: draft: "
+     "add draft to speculative (got ['none']), or remove draft"),
+    ("{rate: 2, speculative: [draft], draft: {id: zoo:nope}}", "serve.draft: unknown zoo model 'zoo:nope'; the zoo "
+     "has: zoo:smollm2-135m, zoo:gemma3-270m, zoo:qwen2.5-coder-0.5b, zoo:qwen2.5-coder-1.5b"),
     ("{rate: 2, baselines: [static, none]}", "serve.baselines: none means no baseline: give it alone, or leave it "
      "out (got ['static', 'none'])"),
 ])

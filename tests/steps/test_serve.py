@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from tests.conftest import tiny_manifest
+from tests.conftest import TINY_LLAMA, tiny_manifest
 from tests.test_cli import run_cli
 
 SERVE = """      - id: load
@@ -197,7 +197,7 @@ def test_prefix_caching_serves_a_conversations_next_turn_from_the_last_ones_bloc
     assert metrics["ours_model_x100.cached_prompt_tokens"] == 36  # the point's hits, in MLflow too
 
 
-SPECULATIVE = """      - id: load
+SPECULATIVE = f"""      - id: load
         mode: serve
         serve:
           arrival: constant
@@ -209,26 +209,32 @@ SPECULATIVE = """      - id: load
           max_batch_size: 4
           block_size: 4
           cache_kinds: [fp32, kivi4:g8:r16]
-          speculative: [none, prompt-lookup]
+          speculative: [none, prompt-lookup, draft]
           spec_k: 3
+          draft: {{config: {TINY_LLAMA}, device: cpu}}
           baselines: [none]
 """
 
 
 @pytest.mark.e2e
 def test_prompt_lookup_speculation_is_an_axis_with_the_same_greedy_tokens(tmp_path):
-    """speculative: [none, prompt-lookup]: system ours-lookup serves the same requests to the same greedy tokens as
-    ours, with its drafts' acceptance in the point and MLflow; a KIVI kind is a point not run, with the reason."""
+    """speculative: [none, prompt-lookup, draft]: systems ours-lookup and ours-draft serve the same requests to the
+    same greedy tokens as ours, with their drafts' acceptance in the point and MLflow (the draft is the target's
+    twin: all accepted); a KIVI kind is a point not run, with the reason."""
     (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
     done = run_cli(tiny_manifest(tmp_path, SPECULATIVE), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     step = next((tmp_path / "runs").glob("*-t")) / "tiny" / "load"
     points = pd.read_csv(step / "serve_points.csv").set_index(["system", "cache_kind"])
     assert 0 < points.loc[("ours-lookup", "fp32"), "acceptance"] <= 1
-    assert points.loc[("ours-lookup", "kivi4:g8:r16"), "status"].startswith("not run: prompt-lookup speculation")
+    assert points.loc[("ours-lookup", "kivi4:g8:r16"), "status"].startswith("not run: speculation")
     requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str})
     fp32 = requests[requests["cache_kind"] == "fp32"].set_index(["system", "id"])
     assert (fp32.loc["ours-lookup", "output_ids"] == fp32.loc["ours", "output_ids"]).all()
+    assert (fp32.loc["ours-draft", "output_ids"] == fp32.loc["ours", "output_ids"]).all()
+    assert points.loc[("ours-draft", "fp32"), "acceptance"] == 1.0
+    assert points.loc[("ours-draft", "fp32"), "drafted_tokens"] > 0
+    assert points.loc[("ours-draft", "kivi4:g8:r16"), "status"].startswith("not run: speculation")
     metrics = json.loads((step / "results.json").read_text())["metrics"]
     assert metrics["ours-lookup_fp32_x50.acceptance"] == points.loc[("ours-lookup", "fp32"), "acceptance"]
     assert metrics["ours-lookup_fp32_x50.ratio_eager_throughput"] > 0

@@ -214,10 +214,10 @@ def compiled_serve_reason(kind: str | None) -> str:
 
 
 def speculative_serve_reason(kind: str | None) -> str:
-    """Why continuous batching cannot speculate (prompt lookup, serve/scheduler.py) on `kind`, or "" when it can."""
+    """Why continuous batching cannot speculate (serve/scheduler.py) on `kind`, or "" when it can."""
     options = parse_kind(kind)
     if options is not None and options.family == "kivi":
-        return ("prompt-lookup speculation needs a kind that stores each token alone: KIVI codes groups of tokens, "
+        return ("speculation needs a kind that stores each token alone: KIVI codes groups of tokens, "
                 "which a rejected draft would leave coded")
     return ""
 

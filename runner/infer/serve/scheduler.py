@@ -6,9 +6,10 @@ One `Scheduler.step()`, in order:
            prompt + the tokens it has made; never dropped; `RequestRecord.preemptions` counts it)
     admit  waiting requests, first come first served, while the blocks for all they must prefill are free
     decode one batched forward of the decoding rows (serve/rows.py: each row's own cache, its exact K/V); with
-           `spec_k`, a greedy row feeds its last token and a prompt-lookup draft of ≤ spec_k tokens from its own
-           sequence (as its blocks allow), keeps the draft's prefix that is the target's argmax and one more
-           token, and crops the rest from its cache (kinds that store each token alone: a crop leaves no trace)
+           `spec_k`, a greedy row feeds its last token and a draft of ≤ spec_k tokens (as its blocks allow) from
+           prompt lookup on its own sequence, or from a draft model (serve/drafting.py: k batched forwards of the
+           draft before the verify), keeps the draft's prefix that is the target's argmax and one more token, and
+           crops the rest from its cache (kinds that store each token alone: a crop leaves no trace)
     prefill chunks of the admitted requests under the step's token budget (`max_tokens_per_step` − decode rows),
            in one more forward (rows.feed_rows); a chunk ends where the kind's stored K/V stay those of a solo
            decode (rows.chunk_end)
@@ -48,6 +49,7 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import eos_ids
 from runner.infer.decode.sampling import greedy_tokens, next_token
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
+from runner.infer.serve.drafting import DraftRows
 from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
@@ -72,7 +74,8 @@ class SchedulerConfig:
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
     prefix_caching: bool = False  # copy shared prompt blocks of running and finished requests (serve/prefix.py)
     prefix_cache_blocks: int = 512  # most blocks of finished requests' prompts kept for later ones (0: none)
-    spec_k: int = 0  # prompt-lookup speculation: a greedy decoding row drafts ≤ spec_k tokens (0: none)
+    spec_k: int = 0  # speculation: a greedy decoding row drafts ≤ spec_k tokens (0: none); prompt lookup unless
+    # the Scheduler is given a draft model
     sampling: GenerateConfig = field(default_factory=lambda: GenerateConfig(temperature=0.0))  # temperature, top-k/p,
     # penalties, eos_token_id, stop_strings, max_seq_len, seed; max_new_tokens comes from each Request
 
@@ -110,7 +113,8 @@ class Live:
 class Scheduler:
     """Waiting and running queues over one model. `submit` at arrival, `step` while `busy`; `records` at the end."""
 
-    def __init__(self, model, config: SchedulerConfig | None = None, clock: Clock | None = None, tokenizer=None):
+    def __init__(self, model, config: SchedulerConfig | None = None, clock: Clock | None = None, tokenizer=None,
+                 draft=None):
         self.config = config or SchedulerConfig()
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -142,6 +146,9 @@ class Scheduler:
         self.timeline: list[tuple[float, int, int, int]] = []  # (t_s, running, blocks used, waiting) per step
         self.forward_s = 0.0  # seconds inside model forwards (profiling: the rest of step() is the scheduler's)
         self.drafted = self.accepted = 0  # speculation: draft tokens verified, and accepted
+        if draft is not None and not self.config.spec_k:
+            raise ValueError("a draft model proposes spec_k tokens a step: set spec_k ≥ 1")
+        self.drafter = DraftRows(draft) if draft is not None else None  # None: prompt lookup
 
     @property
     def busy(self) -> bool:
@@ -243,22 +250,34 @@ class Scheduler:
 
     def _decode(self, rows: list[Live]) -> None:
         """One forward of every decoding row: each feeds its last output token, and with spec_k its draft."""
-        drafts = [self._draft(live) for live in rows]
+        drafts = self._drafts(rows) if self.config.spec_k else [[] for _ in rows]
         self._forward(rows, [[live.record.output_ids[-1], *d] for live, d in zip(rows, drafts)], [True] * len(rows),
                       drafts)
 
-    def _draft(self, live: Live) -> list[int]:
-        """A greedy row's prompt-lookup draft: ≤ spec_k tokens from its own prompt and output, fewer where its
-        length limits or free blocks leave less room (the verify emits the accepted ones and one more)."""
+    def _drafts(self, rows: list[Live]) -> list[list[int]]:
+        """Each greedy row's draft: ≤ spec_k tokens, fewer where its length limits or free blocks leave less room
+        (the verify emits the accepted ones and one more); from prompt lookup or the draft model."""
+        ks = [self._room(live) for live in rows]
+        if self.drafter is None:
+            drafts = [lookup_proposal(torch.tensor(live.sequence), k).tolist() if k else []
+                      for live, k in zip(rows, ks)]
+        else:
+            start = self.clock()
+            drafts = self.drafter.propose([(live.request.id, live.sequence, k) for live, k in zip(rows, ks)])
+            self.forward_s += self.clock() - start
+        for live, draft in zip(rows, drafts):
+            while draft and not self.pool.hold(live.request.id, live.held + 1 + len(draft)):  # free blocks only: a
+                draft.pop()  # draft never drops a retained prefix nor makes anyone wait
+        return drafts
+
+    def _room(self, live: Live) -> int:
+        """Tokens a row may draft this step: none when it samples, else spec_k within its length limits."""
         sampling = self.sampling_of(live)
-        if not self.config.spec_k or not _plain(sampling):
-            return []
-        request, sequence = live.request, live.sequence
-        room = min(request.max_new_tokens - len(live.record.output_ids), sampling.max_seq_len - len(sequence)) - 1
-        draft = lookup_proposal(torch.tensor(sequence), min(self.config.spec_k, room)).tolist() if room > 0 else []
-        while draft and not self.pool.hold(request.id, live.held + 1 + len(draft)):  # free blocks only: a draft
-            draft.pop()  # never drops a retained prefix nor makes anyone wait
-        return draft
+        if not _plain(sampling):
+            return 0
+        room = min(live.request.max_new_tokens - len(live.record.output_ids),
+                   sampling.max_seq_len - len(live.sequence)) - 1
+        return max(min(self.config.spec_k, room), 0)
 
     def _prefill(self, budget: int) -> None:
         """Chunks of the prefilling requests, in admission order, while the budget lasts, in one forward (the
@@ -353,6 +372,8 @@ class Scheduler:
         `retain` (it finished) stay offered as a retained prefix, within prefix_cache_blocks."""
         self.running.remove(live)
         self.pool.release(live.request.id)
+        if self.drafter is not None:
+            self.drafter.drop(live.request.id)
         cache, live.cache = live.cache, None
         if self.prefixes is None:
             return

@@ -32,14 +32,16 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 
 
-def make_scheduler(model, tokenizer, config: SchedulerConfig, engine: str = "eager", columns: int = 512) -> Scheduler:
-    """Our continuous batching on `engine`: eager (each request its own cache) or compiled (`columns`: the most
-    tokens one request may hold; its one shape compiles here, before the server listens)."""
+def make_scheduler(model, tokenizer, config: SchedulerConfig, engine: str = "eager", columns: int = 512,
+                   draft=None) -> Scheduler:
+    """Our continuous batching on `engine`: eager (each request its own cache; `draft`: a draft model proposes
+    spec_k tokens a step) or compiled (`columns`: the most tokens one request may hold; its one shape compiles
+    here, before the server listens)."""
     if engine == "compiled":
         if reason := compiled_refusal(model.config):
             raise ServerError(f"engine compiled cannot serve this model: {reason}")
         return CompiledSlots(model, config, tokenizer=tokenizer, columns=columns)
-    return Scheduler(model, config, tokenizer=tokenizer)
+    return Scheduler(model, config, tokenizer=tokenizer, draft=draft)
 
 
 def bind(host: str, port: int) -> socket.socket:
