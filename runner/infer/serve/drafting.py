@@ -5,8 +5,9 @@ Each running request gets a draft cache of its own (the draft model's dtype, a D
 row is asked for a proposal, its draft cache first takes every token of the row's sequence it does not hold (the
 whole prompt after admission or preemption, else the one or two tokens the last verify emitted), then one token per
 further proposed token. Rows of a step advance together (serve/rows.feed_rows: each row left-padded to the longest
-chunk), so a step costs k draft forwards whatever the batch. Between steps a draft cache holds its row's sequence up
-to the last proposal and the k − 1 guesses it fed; what the verify rejected is cropped before it is fed again.
+chunk; a whole prompt goes in a forward of its own first), so a step costs k draft forwards whatever the batch.
+Between steps a draft cache holds its row's sequence up to the last proposal and the k − 1 guesses it fed; what the
+verify rejected is cropped before it is fed again.
 What it does not do: the draft caches are outside the KV budget (blocks count the target's K/V only: say so when
 reading admission); a draft with another tokenizer (text drafts) is not served; the draft's prompt is prefilled
 whole in the first step the row decodes, outside the step's token budget.
@@ -40,13 +41,13 @@ class DraftRows:
         drafts: list[list[int]] = [[] for _ in rows]
         active = [r for r, (_, _, k) in enumerate(rows) if k > 0]
         chunks = {r: self._catch_up(*rows[r][:2]) for r in active}
+        for r in active:  # a whole prompt (after admission or preemption) alone, not the batch padded to it
+            if len(chunks[r]) > 2:
+                self._feed([rows[r][0]], [chunks[r][:-1]])
+                chunks[r] = chunks[r][-1:]
         while active:
-            ids = [rows[r][0] for r in active]
-            logits = feed_rows(self.model, [[t if t < self.vocab else 0 for t in chunks[r]] for r in active],
-                               [self.caches[i] for i in ids], [len(self.fed[i]) for i in ids])  # [B,1,V]
-            self.forwards += 1
+            logits = self._feed([rows[r][0] for r in active], [chunks[r] for r in active])  # [B,1,V]
             for r, token in zip(active, greedy_tokens(logits[:, -1]).tolist()):
-                self.fed[rows[r][0]] += chunks[r]
                 drafts[r].append(token)
                 chunks[r] = [token]
             active = [r for r in active if len(drafts[r]) < rows[r][2]]
@@ -54,6 +55,15 @@ class DraftRows:
             if drafts[r]:
                 self.checked[rid] = len(sequence)
         return drafts
+
+    def _feed(self, ids: list[int], chunks: list[list[int]]):
+        """One forward of the draft: row `ids[r]` fed `chunks[r]` → [B,1,V] logits of each row's last token."""
+        logits = feed_rows(self.model, [[t if t < self.vocab else 0 for t in chunk] for chunk in chunks],
+                           [self.caches[i] for i in ids], [len(self.fed[i]) for i in ids])
+        for i, chunk in zip(ids, chunks):
+            self.fed[i] += chunk
+        self.forwards += 1
+        return logits
 
     def _catch_up(self, rid: int, sequence: list[int]) -> list[int]:
         """Crop row `rid`'s draft cache to what it shares with `sequence` (never all of it: the last token is fed
