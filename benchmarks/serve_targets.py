@@ -192,9 +192,10 @@ def goodput(b: Bench, kind: str | None, budget: int | None, rate: float, slo: Sl
     scheduler = b.server("continuous", kind=kind, budget=budget)
     summary = summarize(b.serve(scheduler, b.load(b.spec(rate))), slo=slo)
     running = [run for _, run, _, _ in scheduler.timeline]
+    mean_running = sum(running) / len(running)
     print(f"   goodput {kind or 'none'} at {rate:g}/s: {summary['goodput_per_s']:.3f} req/s, "
-          f"{summary['output_tokens_per_s']:.1f} tok/s, mean running {sum(running) / len(running):.1f}", flush=True)
-    return {**summary, "mean_running": sum(running) / len(running), "peak_running": max(running)}
+          f"{summary['output_tokens_per_s']:.1f} tok/s, mean running {mean_running:.1f}", flush=True)
+    return {**summary, "mean_running": mean_running, "peak_running": max(running)}
 
 
 def verdict(value: float | None, target: float, higher: bool = True) -> str:

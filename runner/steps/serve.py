@@ -79,7 +79,8 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
     weights = block.quantizations or [own]  # the model is loaded again for each but its own
     points, requests, timelines = [], [], []
     draft, draft_tokenizer = load_draft(block, lm, step, base_dir) if "draft" in block.speculative else (None, None)
-    drafting = _Drafting(draft, draft_tokenizer)
+    draft_reason = ("the draft has another tokenizer than the target's: under load a draft must share it (text "
+                    "drafts run in mode: speculative)") if draft_tokenizer is not None else ""
     bar = progress(step.key, len(specs) * len(systems) * len(weights) * _count(specs[0]), "request")
     with ExitStack() as servers:  # launched endpoints: up for the whole step, stopped after it (or on a failure)
         for endpoint in block.endpoints:
@@ -97,13 +98,13 @@ def run_serve(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progre
                         continue
                     keys = _point_keys(system, kind, spec, ENDPOINT if kind == ENDPOINT else quantization)
                     label = f"{series_label(tuple(keys[k] for k in SERIES))} {_x_label(spec)}"
-                    reason = _reason(system, kind, served, block, drafting)
+                    reason = _reason(system, kind, served, block, draft_reason)
                     if reason:
                         points.append({**keys, "status": f"not run: {reason}"})
                         log.info("[%s] %s: not run: %s", step.key, label, reason)
                         bar.update(_count(spec), note=f"{label} not run")
                         continue
-                    point, records, timeline = _point(keys, kind, spec, served, block, sampling, drafting.model,
+                    point, records, timeline = _point(keys, kind, spec, served, block, sampling, draft,
                                                       partial(build_load, spec, served.tokenizer, text, prompts),
                                                       lambda _r: bar.update(1))
                     if kind != ENDPOINT:
@@ -215,24 +216,15 @@ def _command(command: list[str], base_dir: Path) -> list[str]:
     return [re.sub(r"\{([^{}]*)\}", fill, arg) for arg in command]
 
 
-def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, drafting: _Drafting) -> str:
+def _reason(system: str, kind: str | None, lm: LoadedModel, block: ServeBlock, draft_reason: str) -> str:
     """Why a baseline, our compiled engine or a speculating system cannot serve this point ('' when it can)."""
     if system == "transformers":
         return transformers_cb_reason(lm.model, kind)
     if system == OURS["compiled"]:
         return compiled_refusal(lm.model.config) or compiled_serve_reason(kind)
     if system in SPECULATING:
-        return speculative_serve_reason(kind) or (drafting.reason if system == DRAFT else "")
+        return speculative_serve_reason(kind) or (draft_reason if system == DRAFT else "")
     return ""
-
-
-class _Drafting:
-    """The step's draft model (speculative: draft), loaded once, or why it cannot serve."""
-
-    def __init__(self, model, tokenizer):
-        self.model = model
-        self.reason = ("the draft has another tokenizer than the target's: under load a draft must share it (text "
-                       "drafts run in mode: speculative)") if tokenizer is not None else ""
 
 
 def _ours(block: ServeBlock) -> list[str]:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from runner.infer.serve.blocks import block_spec
 from runner.infer.serve.driver import drive
 from runner.infer.serve.requests import Request
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
@@ -31,7 +32,7 @@ def _requests() -> list[Request]:
     return [Request(r.id, r.arrival_s, r.prompt_ids, r.max_new_tokens + 8) for r in _load()]
 
 
-def _serve(model, draft, requests, check=None, **config) -> tuple[Scheduler, list]:
+def _serve(model, draft, requests, **config) -> tuple[Scheduler, list]:
     """Drive the load, checking after each step what every draft cache holds."""
     clock = FakeClock()
     scheduler = Scheduler(model, SchedulerConfig(spec_k=4, block_size=4, max_tokens_per_step=16, **config),
@@ -75,7 +76,8 @@ def test_the_target_as_its_own_draft_is_always_accepted_and_fewer_steps(tiny_lm)
 def test_preempted_requests_recompute_their_draft_cache(tiny_lm, near_draft):
     model, requests = tiny_lm.model, _requests()
     solo = [_solo(model, r, None, temperature=0) for r in requests]
-    tight = max(-(-(len(r.prompt_ids) + r.max_new_tokens) // 4) for r in requests) + 3
+    spec = block_spec(model.config, None, 4, model.dtype)
+    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + 3
     scheduler, records = _serve(model, near_draft, requests, num_blocks=tight)
     assert [r.output_ids for r in records] == solo
     assert sum(r.preemptions for r in records) > 0 and scheduler.accepted > 0
