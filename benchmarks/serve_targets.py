@@ -22,6 +22,9 @@ measured here first, medians of 3 after a warm-up); a point meets it only with n
    the scheduler's timeline against the estimator's (blocks.block_spec, blocks_in: requests admitted first come
    first served while their prompts' blocks fit). Target: within 10 %. Then goodput at the SLO per kind on the
    sweep's highest rate, budget on, against the same load with no budget (compute binds where they match).
+   Under the budget, max_running is BUDGET_RUNNING, so the budget alone limits admission. --engine compiled serves
+   it on CompiledSlots (one step of fixed rows whatever runs; no KIVI): the budget bounds the blocks the requests
+   hold, while the slots' static cache is allocated whole (rows × columns of the kind), as a paged pool would not be.
 4. scheduler cost: Scheduler.step() minus its forward (Scheduler.forward_s) per decode step at batch 8
    (benchmarks/serve_scheduler.step_costs, medians), and the same share over the sweep's continuous runs.
    Target ≤ 5 % of a step.
@@ -46,6 +49,7 @@ from serve_transformers_cb import cpu_flags  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from runner.infer.compiled.engine import length_bucket  # noqa: E402
+from runner.infer.config.kinds import compiled_serve_reason  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text  # noqa: E402
 from runner.infer.serve.blocks import block_spec, blocks_in  # noqa: E402
@@ -59,6 +63,7 @@ from runner.infer.serve.transformers_cb import TransformersServer, transformers_
 
 MIB = 2**20
 KINDS = ("fp16", "q8_0", "q4_0", "kivi4")
+BUDGET_RUNNING = 64  # max_running under a KV budget: high enough that the budget, not this, limits admission
 SIZES = {  # full / --quick
     "full": {"rates": [0.25, 0.5, 1.0], "requests": 24, "prompt": (32, 256), "output": (16, 128),
              "burst": (16, 128, 32), "admit": 32, "batch": 8, "steps": 16, "repeats": 3, "burst_repeats": 2},
@@ -88,16 +93,15 @@ class Bench:
                         prompt_tokens=Lengths("uniform", min=p[0], max=p[1]),
                         output_tokens=Lengths("uniform", min=o[0], max=o[1]))
 
-    def server(self, system: str, kind: str | None = None, budget: int | None = None, max_running: int | None = None):
-        if system == "continuous" and self.engine == "compiled" and budget is None:
-            config = SchedulerConfig(cache_kind=kind, block_size=self.block_size, max_running=self.max_batch,
-                                     max_tokens_per_step=self.tokens_per_step)
-            return CompiledSlots(self.model, config, columns=self.columns)
+    def server(self, system: str, kind: str | None = None, budget: int | None = None):
+        """Under a budget the budget alone limits admission (max_running BUDGET_RUNNING, the compiled slots' rows)."""
         if system == "continuous":
-            return Scheduler(self.model, SchedulerConfig(cache_kind=kind, block_size=self.block_size,
-                                                         max_tokens_per_step=self.tokens_per_step,
-                                                         kv_budget_bytes=budget,
-                                                         max_running=max_running or self.max_batch))
+            config = SchedulerConfig(cache_kind=kind, block_size=self.block_size, kv_budget_bytes=budget,
+                                     max_tokens_per_step=self.tokens_per_step,
+                                     max_running=self.max_batch if budget is None else BUDGET_RUNNING)
+            if self.engine == "compiled":
+                return CompiledSlots(self.model, config, columns=self.columns)
+            return Scheduler(self.model, config)
         if system == "static":
             return StaticBatcher(self.model, max_batch_size=self.max_batch, max_wait_ms=20.0)
         return TransformersServer(self.model, max_batch_size=self.max_batch, block_size=self.block_size,
@@ -173,16 +177,15 @@ def predicted_admission(b: Bench, kind: str, budget: int, prompts: list[int], ma
 def admission(b: Bench, kind: str, budget: int) -> dict:
     """Target 3a: a burst on a budgeted scheduler, stepped until the first request finishes: peak running, the
     prediction, blocks of the budget, preemptions so far."""
-    max_running = 64
     requests = [replace(r, arrival_s=0.0) for r in b.load(b.spec(1.0, n=b.size["admit"])).requests]
-    scheduler = b.server("continuous", kind=kind, budget=budget, max_running=max_running)
+    scheduler = b.server("continuous", kind=kind, budget=budget)
     scheduler.clock = load_clock()
     records = [scheduler.submit(r) for r in requests]
     while scheduler.busy and not any(r.finish for r in records):
         scheduler.step()
     spec = scheduler.pool.spec
     return {"peak": max(run for _, run, _, _ in scheduler.timeline),
-            "predicted": predicted_admission(b, kind, budget, [len(r.prompt_ids) for r in requests], max_running),
+            "predicted": predicted_admission(b, kind, budget, [len(r.prompt_ids) for r in requests], BUDGET_RUNNING),
             "blocks": scheduler.pool.total, "block_bytes": spec.block_bytes, "reserve": spec.reserve,
             "preemptions": sum(r.preemptions for r in records)}
 
@@ -225,8 +228,8 @@ def main() -> None:
                         "these Poisson rates (default: the sweep's highest alone)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager",
-                        help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock; "
-                             "the budgeted runs of target 3 and the static baseline stay eager)")
+                        help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock, "
+                             "target 3's budgeted runs too, without the KIVI kinds; the static baseline stays eager)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens-per-step", type=int, default=256,
                         help="tokens one step (forward) may take, ours and transformers' alike (prefill chunks)")
@@ -328,10 +331,12 @@ def main() -> None:
         longest = size["prompt"][1] + size["output"][1]
         budget = (int(args.kv_budget_mib * MIB) if args.kv_budget_mib
                   else 2 * fp16.blocks_for(longest) * fp16.block_bytes)
-        admitted = {kind: admission(b, kind, budget) for kind in KINDS}
+        skipped = {kind: compiled_serve_reason(kind) for kind in KINDS if b.engine == "compiled"}
+        kinds = [kind for kind in KINDS if not skipped.get(kind)]
+        admitted = {kind: admission(b, kind, budget) for kind in kinds}
         base = points["continuous"][top]  # the same load, the model's dtype, no budget
-        good = {kind: goodput(b, kind, budget, top, slo) for kind in KINDS}
-        curve = {rate: {kind: good[kind] if rate == top else goodput(b, kind, budget, rate, slo) for kind in KINDS}
+        good = {kind: goodput(b, kind, budget, top, slo) for kind in kinds}
+        curve = {rate: {kind: good[kind] if rate == top else goodput(b, kind, budget, rate, slo) for kind in kinds}
                  | {"none": base if rate == top else goodput(b, None, None, rate, slo)}
                  for rate in sorted(set(args.goodput_rates or [top]))}
         print(f"\n3. KV budget {budget / MIB:.2f} MiB; admission: a burst of {size['admit']} sweep-shaped requests, "
@@ -339,7 +344,7 @@ def main() -> None:
         print(f"{'kind':>6} {'blocks':>6} {'reserve':>7} {'peak':>5} {'predicted':>9} {'÷ fp16':>7} "
               f"{'pred ÷ fp16':>11} {'preempt':>7} {'goodput':>8} {'mean run':>8} {'tok/s':>7} "
               f"{'p90 TPOT':>8} {'p90 TTFT':>8}")
-        for kind in KINDS:
+        for kind in kinds:
             a, g = admitted[kind], good[kind]
             print(f"{kind:>6} {a['blocks']:>6} {a['reserve']:>7} {a['peak']:>5} {a['predicted']:>9} "
                   f"{a['peak'] / admitted['fp16']['peak']:7.2f} {a['predicted'] / admitted['fp16']['predicted']:11.2f} "
@@ -348,12 +353,15 @@ def main() -> None:
         print(f"{'none':>6} {'':>6} {'':>7} {'':>5} {'':>9} {'':>7} {'':>11} {'':>7} "
               f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_tokens_per_s']:7.1f} "
               f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
+        for kind, reason in skipped.items():
+            if reason:
+                print(f"{kind:>6} not run on the compiled slots: {reason}")
         print(f"\n3b. goodput req/s at the SLO against rate (budget {budget / MIB:.2f} MiB; none: no budget)")
-        print(f"{'rate':>6} " + " ".join(f"{kind:>7}" for kind in (*KINDS, "none")) + "   mean running")
+        print(f"{'rate':>6} " + " ".join(f"{kind:>7}" for kind in (*kinds, "none")) + "   mean running")
         for rate, by_kind in curve.items():
-            print(f"{rate:>6g} " + " ".join(f"{by_kind[k]['goodput_per_s']:7.3f}" for k in (*KINDS, "none")) + "   "
-                  + " ".join(f"{by_kind[k].get('mean_running', math.nan):.1f}" for k in (*KINDS, "none")))
-        for kind in KINDS:
+            print(f"{rate:>6g} " + " ".join(f"{by_kind[k]['goodput_per_s']:7.3f}" for k in (*kinds, "none")) + "   "
+                  + " ".join(f"{by_kind[k].get('mean_running', math.nan):.1f}" for k in (*kinds, "none")))
+        for kind in kinds:
             a = admitted[kind]
             error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
             rows.append((f"3. {kind}: peak running vs estimator", f"{a['peak']} vs {a['predicted']}",
