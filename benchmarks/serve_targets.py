@@ -22,9 +22,10 @@ measured here first, medians of 3 after a warm-up); a point meets it only with n
    the scheduler's timeline against the estimator's (blocks.block_spec, blocks_in: requests admitted first come
    first served while their prompts' blocks fit). Target: within 10 %. Then goodput at the SLO per kind on the
    sweep's highest rate, budget on, against the same load with no budget (compute binds where they match).
-   Under the budget, max_running is BUDGET_RUNNING, so the budget alone limits admission. --engine compiled serves
-   it on CompiledSlots (one step of fixed rows whatever runs; no KIVI): the budget bounds the blocks the requests
-   hold, while the slots' static cache is allocated whole (rows × columns of the kind), as a paged pool would not be.
+   Under the budget, max_running is --budget-running (64), so the budget alone limits admission. --engine
+   compiled serves it on CompiledSlots (one step of fixed rows whatever runs; no KIVI): the budget bounds the blocks
+   the requests hold, while the slots' static cache is allocated whole (rows × columns of the kind), as a paged pool
+   would not be.
 4. scheduler cost: Scheduler.step() minus its forward (Scheduler.forward_s) per decode step at batch 8
    (benchmarks/serve_scheduler.step_costs, medians), and the same share over the sweep's continuous runs.
    Target ≤ 5 % of a step.
@@ -63,7 +64,6 @@ from runner.infer.serve.transformers_cb import TransformersServer, transformers_
 
 MIB = 2**20
 KINDS = ("fp16", "q8_0", "q4_0", "kivi4")
-BUDGET_RUNNING = 64  # max_running under a KV budget: high enough that the budget, not this, limits admission
 SIZES = {  # full / --quick
     "full": {"rates": [0.25, 0.5, 1.0], "requests": 24, "prompt": (32, 256), "output": (16, 128),
              "burst": (16, 128, 32), "admit": 32, "batch": 8, "steps": 16, "repeats": 3, "burst_repeats": 2},
@@ -76,11 +76,12 @@ class Bench:
     """One model, its tokenizer and text, and the step's server settings."""
 
     def __init__(self, lm, size: dict, max_batch: int, block_size: int, engine: str = "eager",
-                 tokens_per_step: int = 256):
+                 tokens_per_step: int = 256, budget_running: int = 64):
         self.lm, self.model, self.size, self.engine = lm, lm.model, size, engine
         self.tokens_per_step = tokens_per_step  # ours: max_tokens_per_step; transformers': max_batch_tokens
         self.text = load_text("pydoc").text
         self.max_batch, self.block_size = max_batch, block_size
+        self.budget_running = budget_running  # max_running under a KV budget (the compiled slots' rows)
         self.columns = length_bucket(max(size["prompt"][1] + size["output"][1], sum(size["burst"][1:])),
                                      lm.model.config.max_position_embeddings)  # the compiled slots' S
         self.warmed: set[tuple[str | None, int | None]] = set()  # (kind, budget) of goodput's warmed servers
@@ -95,11 +96,11 @@ class Bench:
                         output_tokens=Lengths("uniform", min=o[0], max=o[1]))
 
     def server(self, system: str, kind: str | None = None, budget: int | None = None):
-        """Under a budget the budget alone limits admission (max_running BUDGET_RUNNING, the compiled slots' rows)."""
+        """Under a budget, max_running is `budget_running`: set above what the budget admits, the budget limits."""
         if system == "continuous":
             config = SchedulerConfig(cache_kind=kind, block_size=self.block_size, kv_budget_bytes=budget,
                                      max_tokens_per_step=self.tokens_per_step,
-                                     max_running=self.max_batch if budget is None else BUDGET_RUNNING)
+                                     max_running=self.max_batch if budget is None else self.budget_running)
             if self.engine == "compiled":
                 return CompiledSlots(self.model, config, columns=self.columns)
             return Scheduler(self.model, config)
@@ -190,7 +191,8 @@ def admission(b: Bench, kind: str, budget: int) -> dict:
         scheduler.step()
     spec = scheduler.pool.spec
     return {"peak": max(run for _, run, _, _ in scheduler.timeline),
-            "predicted": predicted_admission(b, kind, budget, [len(r.prompt_ids) for r in requests], BUDGET_RUNNING),
+            "predicted": predicted_admission(b, kind, budget, [len(r.prompt_ids) for r in requests],
+                                              b.budget_running),
             "blocks": scheduler.pool.total, "block_bytes": spec.block_bytes, "reserve": spec.reserve,
             "preemptions": sum(r.preemptions for r in records)}
 
@@ -239,6 +241,8 @@ def main() -> None:
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager",
                         help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock, "
                              "target 3's budgeted runs too, without the KIVI kinds; the static baseline stays eager)")
+    parser.add_argument("--budget-running", type=int, default=64, help="target 3's max_running under the budget: "
+                        "the compiled slots' rows, each computed every step (on CPU, fewer rows cost less)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens-per-step", type=int, default=256,
                         help="tokens one step (forward) may take, ours and transformers' alike (prefill chunks)")
@@ -256,7 +260,7 @@ def main() -> None:
     lm = (load_model(config=TINY, seed=0, device=args.device) if args.model == "tiny"
           else load_model(args.model, dtype=args.dtype, device=args.device))
     b = Bench(lm, size, max_batch=16, block_size=16, engine=args.engine,
-              tokens_per_step=args.tokens_per_step)
+              tokens_per_step=args.tokens_per_step, budget_running=args.budget_running)
     started = time.perf_counter()
     print(f"model={args.model} dtype={args.dtype} engine={args.engine} device={args.device} "
           f"threads={torch.get_num_threads()} cores={os.cpu_count()} "
