@@ -344,8 +344,8 @@ def main() -> None:
         longest = size["prompt"][1] + size["output"][1]
         budget = (int(args.kv_budget_mib * MIB) if args.kv_budget_mib
                   else 2 * fp16.blocks_for(longest) * fp16.block_bytes)
-        skipped = {kind: compiled_serve_reason(kind) for kind in KINDS if b.engine == "compiled"}
-        kinds = [kind for kind in KINDS if not skipped.get(kind)]
+        skipped = {kind: reason for kind in KINDS if b.engine == "compiled" and (reason := compiled_serve_reason(kind))}
+        kinds = [kind for kind in KINDS if kind not in skipped]
         admitted = {kind: admission(b, kind, budget) for kind in kinds}
         base = points["continuous"][top]  # the same load, the model's dtype, no budget
         good = {kind: goodput(b, kind, budget, top, slo) for kind in kinds}
@@ -367,8 +367,7 @@ def main() -> None:
               f"{base['goodput_per_s']:8.3f} {'':>8} {base['output_tokens_per_s']:7.1f} "
               f"{base['p90_tpot_ms']:8.1f} {base['p90_ttft_ms']:8.0f}   (model dtype, no budget: the sweep's point)")
         for kind, reason in skipped.items():
-            if reason:
-                print(f"{kind:>6} not run on the compiled slots: {reason}")
+            print(f"{kind:>6} not run on the compiled slots: {reason}")
         print(f"\n3b. goodput req/s at the SLO against rate (budget {budget / MIB:.2f} MiB; none: no budget)")
         print(f"{'rate':>6} " + " ".join(f"{kind:>7}" for kind in (*kinds, "none")) + "   mean running")
         for rate, by_kind in curve.items():
