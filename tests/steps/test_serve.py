@@ -5,7 +5,10 @@ import json
 
 import pandas as pd
 import pytest
+import torch
+from transformers import AutoConfig
 
+from runner.infer.cache.registry import estimate_cache_bytes
 from tests.conftest import TINY_LLAMA, tiny_manifest
 from tests.test_cli import run_cli
 
@@ -113,6 +116,9 @@ def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(
     points = pd.read_csv(step / "serve_points.csv").set_index(["system", "cache_kind"])
     compiled = points.loc[("ours-compiled", "q8_0")]
     assert compiled["status"] == "ok" and compiled["recompiles"] == 0 and compiled["compile_s"] > 0
+    allocated = estimate_cache_bytes(AutoConfig.for_model(**TINY_LLAMA), "q8_0", int(compiled["slot_rows"]),
+                                     int(compiled["slot_columns"]), torch.float32)
+    assert compiled["slot_rows"] >= 4 and compiled["kv_allocated_mib"] * 2**20 == pytest.approx(allocated)
     assert points.loc[("ours-compiled", "kivi4:g8:r16"), "status"].startswith("not run: KIVI codes keys")
     assert (points.loc[[("ours", "q8_0"), ("ours", "kivi4:g8:r16")], "status"] == "ok").all()
     requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str})
