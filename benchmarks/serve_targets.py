@@ -372,7 +372,8 @@ def main() -> None:
         print(f"{'rate':>6} " + " ".join(f"{kind:>7}" for kind in (*kinds, "none")) + "   mean running")
         for rate, by_kind in curve.items():
             print(f"{rate:>6g} " + " ".join(f"{by_kind[k]['goodput_per_s']:7.3f}" for k in (*kinds, "none")) + "   "
-                  + " ".join(f"{by_kind[k].get('mean_running', math.nan):.1f}" for k in (*kinds, "none")))
+                  + " ".join(f"{by_kind[k]['mean_running']:.1f}" if "mean_running" in by_kind[k] else "—"
+                           for k in (*kinds, "none")))  # the sweep's own point has no timeline
         for kind in kinds:
             a = admitted[kind]
             error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
