@@ -51,9 +51,11 @@ def _worst(pairs) -> float:
 @pytest.mark.parametrize("config", [TINY_LLAMA, TINY_QWEN2], ids=["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["fp32", "fp16"])
 def test_float32_steps_equal_the_eager_static_step_to_float_rounding(config, kind):
-    """Float32: the same arithmetic in another order of sums, so within 1e-5 of the largest logit."""
+    """Float32: the same arithmetic in another order of sums, so within 1e-5 of the largest logit with fp32 K/V.
+    With fp16 K/V a last-bit difference in float32 can round a stored element to its neighbouring fp16 value (2⁻¹¹
+    of it), so 1e-4 there (1.03e-5 seen on a Zen 4 EPYC, where the Xeons gave less than 1e-5)."""
     lm = load_model(config=config, device="cpu", seed=0)
-    assert _worst(_lockstep(lm.model, lm.tokenizer, PROMPTS, kind)) <= 1e-5
+    assert _worst(_lockstep(lm.model, lm.tokenizer, PROMPTS, kind)) <= (1e-5 if kind == "fp32" else 1e-4)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
