@@ -57,7 +57,7 @@ from runner.infer.serve.blocks import block_spec, blocks_in  # noqa: E402
 from runner.infer.serve.compiled_slots import CompiledSlots  # noqa: E402
 from runner.infer.serve.driver import drive, load_clock  # noqa: E402
 from runner.infer.serve.load import Lengths, LoadSpec, build_load  # noqa: E402
-from runner.infer.serve.metrics import Slo, max_rate_meeting, summarize  # noqa: E402
+from runner.infer.serve.metrics import Slo, max_rate_meeting, occupancy, summarize  # noqa: E402
 from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from runner.infer.serve.static import StaticBatcher  # noqa: E402
 from runner.infer.serve.transformers_cb import TransformersServer, transformers_cb_reason  # noqa: E402
@@ -84,7 +84,7 @@ class Bench:
         self.budget_running = budget_running  # max_running under a KV budget (the compiled slots' rows)
         self.columns = length_bucket(max(size["prompt"][1] + size["output"][1], sum(size["burst"][1:])),
                                      lm.model.config.max_position_embeddings)  # the compiled slots' S
-        self.warmed: set[tuple[str | None, int | None]] = set()  # (kind, budget) of goodput's warmed servers
+        self.warmed: set[tuple[str, str | None, int | None]] = set()  # (system, kind, budget) warm() has served
         self.step_s: list[float] = []  # Scheduler.step() wall times of the sweep's continuous runs
         self.forward_s = 0.0
 
@@ -128,12 +128,16 @@ class Bench:
             self.forward_s += server.forward_s
         return records
 
-    def warm(self, system: str, **kw) -> None:
+    def warm(self, system: str, kind: str | None = None, budget: int | None = None) -> None:
         """The warm-up load, then a burst of 8 at t = 0 (the compiled slots prefill up to 8 prompts a forward, each
-        group size its first time eagerly: on a GPU a first call costs)."""
-        self.serve(self.server(system, **kw), build_load(self.spec(1.0), self.lm.tokenizer, self.text, warmup=True))
+        group size its first time eagerly: on a GPU a first call costs); once per server setting in a process."""
+        if (system, kind, budget) in self.warmed:
+            return
+        self.warmed.add((system, kind, budget))
+        self.serve(self.server(system, kind, budget),
+                   build_load(self.spec(1.0), self.lm.tokenizer, self.text, warmup=True))
         burst = [replace(r, arrival_s=0.0) for r in self.load(self.spec(1.0, n=8)).requests]
-        self.serve(self.server(system, **kw), burst)
+        self.serve(self.server(system, kind, budget), burst)
 
     def load(self, spec: LoadSpec):
         return build_load(spec, self.lm.tokenizer, self.text)
@@ -190,7 +194,7 @@ def admission(b: Bench, kind: str, budget: int) -> dict:
     while scheduler.busy and not any(r.finish for r in records):
         scheduler.step()
     spec = scheduler.pool.spec
-    return {"peak": max(run for _, run, _, _ in scheduler.timeline),
+    return {"peak": occupancy(scheduler.timeline)["peak_running"],
             "predicted": predicted_admission(b, kind, budget, [len(r.prompt_ids) for r in requests],
                                               b.budget_running),
             "blocks": scheduler.pool.total, "block_bytes": spec.block_bytes, "reserve": spec.reserve,
@@ -199,17 +203,13 @@ def admission(b: Bench, kind: str, budget: int) -> dict:
 
 def goodput(b: Bench, kind: str | None, budget: int | None, rate: float, slo: Slo) -> dict:
     """Target 3b: the sweep's load at `rate` on a scheduler of `kind` under `budget` (None: unbounded)."""
-    if (kind, budget) not in b.warmed:
-        b.warm("continuous", kind=kind, budget=budget)
-        b.warmed.add((kind, budget))
+    b.warm("continuous", kind=kind, budget=budget)
     scheduler = b.server("continuous", kind=kind, budget=budget)
-    summary = summarize(b.serve(scheduler, b.load(b.spec(rate))), slo=slo)
-    running = [run for _, run, _, _ in scheduler.timeline]
-    mean_running = sum(running) / len(running)
-    print(f"   goodput {kind or 'none'} at {rate:g}/s: {summary['goodput_per_s']:.3f} req/s, "
-          f"{summary['output_tokens_per_s']:.1f} tok/s, mean running {mean_running:.1f}, p90 TTFT "
-          f"{summary['p90_ttft_ms']:.0f} ms, p90 TPOT {summary['p90_tpot_ms']:.1f} ms", flush=True)
-    return {**summary, "mean_running": mean_running, "peak_running": max(running)}
+    point = summarize(b.serve(scheduler, b.load(b.spec(rate))), slo=slo) | occupancy(scheduler.timeline)
+    print(f"   goodput {kind or 'none'} at {rate:g}/s: {point['goodput_per_s']:.3f} req/s, "
+          f"{point['output_tokens_per_s']:.1f} tok/s, mean running {point['mean_running']:.1f}, p90 TTFT "
+          f"{point['p90_ttft_ms']:.0f} ms, p90 TPOT {point['p90_tpot_ms']:.1f} ms", flush=True)
+    return point
 
 
 def verdict(value: float | None, target: float, higher: bool = True) -> str:

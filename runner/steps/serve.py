@@ -32,7 +32,7 @@ from runner.infer.quant.weights import weight_bytes
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive, load_clock
 from runner.infer.serve.load import Load, LoadSpec, build_load
-from runner.infer.serve.metrics import max_rate_meeting, point_meets, summarize
+from runner.infer.serve.metrics import max_rate_meeting, occupancy, point_meets, summarize
 from runner.infer.serve.prompts import prompt_lines
 from runner.infer.serve.remote import Endpoint, RemoteServer, launched
 from runner.infer.serve.requests import RequestRecord
@@ -149,7 +149,7 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
     records = _serve(server, load(), on_finish)
     timeline = getattr(server, "timeline", [])
     summary = summarize(records, block.percentiles, block.slo.slo() if block.slo else None)
-    point = {**keys, "status": "ok", **summary, **_occupancy(timeline)}
+    point = {**keys, "status": "ok", **summary, **occupancy(timeline)}
     if isinstance(server, Scheduler) and server.config.spec_k:
         point |= {"drafted_tokens": server.drafted, "accepted_tokens": server.accepted,
                   "acceptance": server.accepted / server.drafted if server.drafted else float("nan")}
@@ -290,15 +290,6 @@ def _point_keys(system: str, kind: str | None, spec: LoadSpec, quantization: str
 def _series_key(*series: str) -> str:
     """A series' name in results.json: system/kind, and /weights when they are not the model's plain ones."""
     return "/".join(series_parts(series))
-
-
-def _occupancy(timeline: list[tuple[float, int, int, int]]) -> dict:
-    """Mean and peak running requests and peak KV blocks used, over the scheduler's steps."""
-    if not timeline:
-        return {}
-    running = [run for _, run, _, _ in timeline]
-    return {"mean_running": sum(running) / len(running), "peak_running": max(running),
-            "peak_blocks_used": max(used for _, _, used, _ in timeline)}
 
 
 def _request_row(point: dict, record: RequestRecord) -> dict:

@@ -1,5 +1,6 @@
 """What a load's requests saw, summed up per point: latency percentiles, throughput, goodput against an SLO, and the
-highest rate of a sweep that meets it. Pure functions over RequestRecords; torch-free.
+highest rate of a sweep that meets it, and a scheduler timeline's occupancy. Pure functions over RequestRecords;
+torch-free.
 
 Per request, from its *scheduled* arrival (`arrival_s`), as vLLM's `vllm bench serve` measures them:
   queue  scheduled_s - arrival_s (until it first joined the running batch)
@@ -121,6 +122,16 @@ def summarize(records: Sequence[RequestRecord], percentiles: Iterable[float] = P
         for q in qs:
             out[f"{percentile_name(q)}_{name}_ms"] = percentile(values_ms, q)
     return out
+
+
+def occupancy(timeline: Sequence[tuple[float, int, int, int]]) -> dict[str, float]:
+    """Mean and peak running requests and peak KV blocks used over a scheduler's steps (its `timeline` of
+    (t_s, running, blocks_used, waiting)); {} for a server without one."""
+    if not timeline:
+        return {}
+    running = [run for _, run, _, _ in timeline]
+    return {"mean_running": sum(running) / len(running), "peak_running": max(running),
+            "peak_blocks_used": max(used for _, _, used, _ in timeline)}
 
 
 def _series(lats: list[Latencies]) -> dict[str, list[float]]:

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from runner.infer.serve.metrics import Slo, latencies, max_rate_meeting, percentile, point_meets, summarize
+from runner.infer.serve.metrics import Slo, latencies, max_rate_meeting, occupancy, percentile, point_meets, summarize
 from runner.infer.serve.requests import RequestRecord
 
 TRACE = [
@@ -111,3 +111,10 @@ def test_the_highest_rate_meeting_the_slo_is_the_largest_passing_point():
     assert max_rate_meeting({1.0: point(700)}, slo) is None
     assert max_rate_meeting({r: summarize(TRACE[:3], slo=slo) for r in (0.5,)}, slo) is None  # p90 TTFT 900
     assert max_rate_meeting({0.5: summarize(TRACE[:2], slo=slo)}, slo) == 0.5  # p90 TTFT 200 + 0.9 × 300 = 470
+
+
+def test_occupancy_of_a_hand_made_timeline():
+    """(t_s, running, blocks_used, waiting) per step → mean and peak running, peak blocks; nothing without steps."""
+    timeline = [(0.0, 1, 4, 2), (0.1, 3, 9, 0), (0.2, 2, 7, 0)]
+    assert occupancy(timeline) == {"mean_running": 2.0, "peak_running": 3, "peak_blocks_used": 9}
+    assert occupancy([]) == {}
