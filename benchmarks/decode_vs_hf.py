@@ -56,7 +56,7 @@ def main() -> None:
         def hf(tick):
             outs["hf"].append(lm.model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False,
                                                 eos_token_id=None,
-                                                past_key_values=make_cache(args.cache_kind, lm.model)))
+                                                cache=make_cache(args.cache_kind, lm.model)))
             tick()
 
         marks = time_interleaved({"ours": ours, "hf": hf}, args.repeats, **on_device(lm.device))

@@ -177,7 +177,7 @@ def worker(request: dict) -> dict:
         base_rss = reset_rss_peak()
         with torch.inference_mode():
             start = time.perf_counter()
-            cache = DynamicCache()
+            cache = DynamicCache()  # `past_key_values`: the peer's transformers 5.2.0 (runner's 5.24+: `cache`)
             with press(model):
                 out = model(input_ids=torch.tensor([context]), past_key_values=cache, logits_to_keep=1)
             prefill_s = time.perf_counter() - start

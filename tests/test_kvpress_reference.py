@@ -54,7 +54,7 @@ def test_knorm_keeps_the_smallest_norm_keys(tmp_path):
 
     cache = DynamicCache()
     with torch.inference_mode():
-        model(torch.tensor([context]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([context]), cache=cache, use_cache=True)
     result = out["results"][0]
     assert out["versions"]["kvpress"] == "0.5.5" and out["versions"]["transformers"] == "5.2.0"
     assert result["context_tokens"] == 40 and len(result["answer_ids"]) == 3

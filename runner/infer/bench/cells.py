@@ -140,9 +140,9 @@ def measure_hf(model, ids: torch.Tensor, cell: Cell, compiled: bool = False) -> 
     def run_once(tick: Callable[[], None]) -> None:
         cache = None if compiled else make_cache(kind, model)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, past_key_values=cache,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, cache=cache,
                              streamer=TickStreamer(tick), pad_token_id=0, return_dict_in_generate=True, **extra)
-        last["cache"] = out.past_key_values
+        last["cache"] = out.cache
 
     if not compiled:
         return _measure(model, ids, cell, run_once, last)
@@ -188,7 +188,7 @@ def measure_hf_assisted(model, ids: torch.Tensor, cell: Cell, speculation: Specu
     def run_once() -> None:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             past_key_values=make_cache(cell.kind, model), pad_token_id=0, **drafting)
+                             cache=make_cache(cell.kind, model), pad_token_id=0, **drafting)
         produced["tokens"] = out.shape[1] - ids.shape[1]
 
     return _measure_whole(run_once, ids, cell, lambda: produced["tokens"])

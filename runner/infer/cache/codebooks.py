@@ -129,7 +129,7 @@ def fit_model_levels(model, tokenizer, options: KindOptions) -> list[list[list[f
     windows = token_windows(tokenizer, load_text(CALIBRATION["text"]), CALIBRATION["tokens"], CALIBRATION["slots"])
     ids = torch.tensor([windows[i] for i in CALIBRATION["windows"]], device=next(model.parameters()).device)
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, cache=cache, use_cache=True)
     kivi = options.kivi
     levels: list[list[list[float]]] = []
     for layer in cache.layers:

@@ -77,7 +77,7 @@ def install_hooks(model) -> None:
 
 def _hook(rotary):
     def pre_hook(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = kwargs.get("cache")
         layers = getattr(cache, "layers", None)
         if not layers or module.layer_idx >= len(layers):
             return None

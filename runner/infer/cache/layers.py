@@ -2,7 +2,7 @@
 
 Kinds (K/V tensors are [B,H,T,D], D = head_dim; the arithmetic lives in quant/):
     fp32, fp16, bf16  K/V stored in that dtype. A kind equal to the model's dtype is transformers' own
-                      DynamicLayer, so `model.generate(past_key_values=...)` and our decode loop see the same cache.
+                      DynamicLayer, so `model.generate(cache=...)` and our decode loop see the same cache.
     q8_0, q4_0, nf4   symmetric codes per block of 32 values along D, one fp16 scale per block.
     q4_1              asymmetric 4-bit per block of 32 along D: fp16 scale and fp16 minimum per block.
     kivi4, kivi2      KIVI (arXiv 2402.02750): keys per channel over groups of g tokens, values per token (blocks of

@@ -57,7 +57,7 @@ class RaggedCache:
         """Append [B,t] tokens (new_mask [B,t]: 0 = a hole) → float32 logits of the last `keep` columns [B,keep,V]."""
         positions = positions_from(self.seen, new_mask)  # [B,t]
         mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)  # [B,C+t]
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                     use_cache=True, logits_to_keep=keep)
         self.mask = mask
         self.seen = new_mask.sum(-1) if self.seen is None else self.seen + new_mask.sum(-1)

@@ -45,7 +45,7 @@ def decode_step(model, cache: StaticKVCache, ids: torch.Tensor, positions: torch
     cache.columns, cache.end = columns, end
     eager = model.config._attn_implementation == "eager"
     attention = static_mask(mask2d, columns, eager, model.dtype)
-    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+    inputs = dict(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
                   use_cache=True, logits_to_keep=keep or ids.shape[1], **{STATIC_CACHE: cache})
     out = model(**inputs) if weights is None else torch.func.functional_call(model, weights, (), inputs)
     return out.logits

@@ -44,7 +44,7 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tenso
             hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `ids` [B,T] into `cache` → logits of the last position [B,V] and, if asked, the last layer's hidden
     states of every position [B,T,H]."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
     return out.logits[:, -1, :], out.hidden_states[-1] if hidden else None
 
@@ -52,7 +52,7 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tenso
 def forward_tail(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
                  keep: int) -> torch.Tensor:
     """Run `ids` [B,T] into `cache` → logits of the last `keep` positions [B,keep,V] (a speculative verify)."""
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                  use_cache=True, logits_to_keep=keep).logits
 
 

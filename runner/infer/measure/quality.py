@@ -111,7 +111,7 @@ def chunked_nll(model, ids: torch.Tensor, cache) -> float:
         chunk = ids[:, start:start + PPL_CHUNK]
         mask = torch.ones_like(ids[:, :start + chunk.shape[1]])
         positions = torch.arange(start, start + chunk.shape[1], device=ids.device)[None]
-        out = model(input_ids=chunk, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=chunk, attention_mask=mask, position_ids=positions, cache=cache,
                     use_cache=True)
         logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # [1, C, V]
         targets = ids[:, start + 1:start + chunk.shape[1] + 1]  # the last chunk has one target fewer

@@ -92,7 +92,7 @@ def feed(model, cache, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
     past = cached_len(cache)
     positions = torch.arange(past, past + tokens.shape[0], device=tokens.device)[None]
     mask = torch.ones(1, past + tokens.shape[0], dtype=torch.long, device=tokens.device)
-    out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=keep)
     return out.logits[0].float()
 

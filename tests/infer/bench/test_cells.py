@@ -32,7 +32,7 @@ def test_ours_and_hf_leave_the_same_cache(tiny_lm, ids, kind):
     # both end with prompt + 5 tokens in the cache (the 6th token is decided, never fed back)
     cache = make_cache(kind, tiny_lm.model)
     with torch.inference_mode():
-        tiny_lm.model(input_ids=torch.cat([ids, ids[:, :5]], dim=1), past_key_values=cache, use_cache=True)
+        tiny_lm.model(input_ids=torch.cat([ids, ids[:, :5]], dim=1), cache=cache, use_cache=True)
     assert ours["kv_mib"] == hf["kv_mib"] == cache_bytes(cache) / MIB
     for figures in (ours, hf):
         assert figures["tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0

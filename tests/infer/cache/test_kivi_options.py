@@ -247,7 +247,7 @@ def test_greedy_matches_transformers_with_the_options(tiny_lm, kind):
     ours = gen.generate(enc.input_ids, enc.attention_mask)
     assert gen.cache.get_seq_length() > 32
     hf = tiny_lm.model.generate(**enc, max_new_tokens=24, do_sample=False,
-                                past_key_values=make_cache(kind, tiny_lm.model))
+                                cache=make_cache(kind, tiny_lm.model))
     assert torch.equal(ours, hf)
 
 

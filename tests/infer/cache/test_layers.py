@@ -283,9 +283,9 @@ def _fill(model, kind, batch, seq_len, decode_steps):
     cache = make_cache(kind, model)
     ids = torch.randint(3, 200, (batch, seq_len + decode_steps), generator=torch.Generator().manual_seed(seq_len))
     with torch.no_grad():
-        model(input_ids=ids[:, :seq_len], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :seq_len], cache=cache, use_cache=True)
         for i in range(seq_len, seq_len + decode_steps):
-            model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True)
     return cache
 
 
@@ -329,7 +329,7 @@ def test_estimator_equals_measured_bytes_after_crops_and_more_decoding(kind, hd6
         assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, length, model.dtype)
         with torch.no_grad():
             for i in range(decode):
-                model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True)
         assert cache_bytes(cache) == estimate_cache_bytes(model.config, kind, 2, length + decode, model.dtype)
 
 
@@ -452,9 +452,9 @@ def test_cache_crop_rolls_back_decode_steps_exactly(hd64_lm):
     caches = [make_cache("q4_0", model) for _ in range(2)]
     with torch.no_grad():
         for cache, end in zip(caches, (12, 10)):
-            model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :8], cache=cache, use_cache=True)
             for i in range(8, end):
-                model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True)
     caches[0].crop(-2)
     assert caches[0].get_seq_length() == 10 and cache_bytes(caches[0]) == cache_bytes(caches[1])
     assert all(_same(a, b) for a, b in zip(caches[0].layers, caches[1].layers))
@@ -608,7 +608,7 @@ def test_greedy_matches_transformers_with_the_same_quantized_cache(tiny_lm, kind
     assert isinstance(gen.cache.layers[0], QuantLayer)
     assert gen.cache.get_seq_length() > 32  # KIVI: a group was quantized on the way
     hf = tiny_lm.model.generate(**enc, max_new_tokens=16, do_sample=False,
-                                past_key_values=make_cache(kind, tiny_lm.model))
+                                cache=make_cache(kind, tiny_lm.model))
     assert torch.equal(ours, hf)
 
 
@@ -620,7 +620,7 @@ def test_greedy_matches_transformers_with_kivi_options_and_many_flushes(tiny_lm,
     gen.state = DecodeState(make_cache(kind, tiny_lm.model))
     ours = gen.generate(enc.input_ids, enc.attention_mask)
     hf = tiny_lm.model.generate(**enc, max_new_tokens=20, do_sample=False,
-                                past_key_values=make_cache(kind, tiny_lm.model))
+                                cache=make_cache(kind, tiny_lm.model))
     assert torch.equal(ours, hf)
 
 
@@ -630,11 +630,11 @@ def test_quantized_cache_works_for_a_whole_block_head_dim_and_beam_search(hd64_l
         ours = generate(hd64_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=24,
                         temperature=0, cache_kind=kind)
         hf = hd64_lm.model.generate(**enc, max_new_tokens=24, do_sample=False,
-                                    past_key_values=make_cache(kind, hd64_lm.model))
+                                    cache=make_cache(kind, hd64_lm.model))
         assert torch.equal(ours, hf)
     for kind in ("nf4", "kivi2"):
         beams = hd64_lm.model.generate(**enc, max_new_tokens=20, do_sample=False, num_beams=3,
-                                       past_key_values=make_cache(kind, hd64_lm.model))
+                                       cache=make_cache(kind, hd64_lm.model))
         assert beams.shape == (2, enc.input_ids.shape[1] + 20)
 
 
@@ -660,6 +660,6 @@ def test_estimator_follows_transformers_sliding_windows_for_the_native_cache():
     for kind in (None, "fp32", "fp16", "q8_0", "kivi4"):
         cache = make_cache(kind, lm.model)
         with torch.inference_mode():
-            lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            lm.model(input_ids=ids, cache=cache, use_cache=True)
         assert cache_bytes(cache) == estimate_cache_bytes(lm.model.config, kind, 1, 20, lm.model.dtype), kind
     assert estimate_cache_bytes(lm.model.config, None, 1, 20, torch.float32) == 2 * 2 * 2 * 16 * 7 * 4

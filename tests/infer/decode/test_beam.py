@@ -62,7 +62,7 @@ def test_beam_search_reorders_every_cache_kind(tiny_lm, kind):
     ours = generate(tiny_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=10,
                     num_beams=3, cache_kind=kind)
     hf = tiny_lm.model.generate(**enc, max_new_tokens=10, do_sample=False, num_beams=3,
-                                past_key_values=make_cache(kind, tiny_lm.model))
+                                cache=make_cache(kind, tiny_lm.model))
     assert torch.equal(ours, hf)
 
 

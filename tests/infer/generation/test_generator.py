@@ -45,7 +45,7 @@ def test_greedy_matches_transformers_with_the_same_cache_kind(tiny_lm, kind):
     ours = generate(tiny_lm.model, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=16,
                     temperature=0, cache_kind=kind)
     hf = tiny_lm.model.generate(**enc, max_new_tokens=16, do_sample=False,
-                                past_key_values=make_cache(kind, tiny_lm.model))
+                                cache=make_cache(kind, tiny_lm.model))
     assert torch.equal(ours, hf)
 
 
