@@ -1,5 +1,6 @@
 """Files runner writes and keeps: the one atomic write (a reader sees the old file or the new one, never half of
-one), the one cache folder, installed versions.
+one), the one journal (JSON lines appended as work finishes, so an interrupted step keeps what it did), the one
+cache folder, installed versions.
 
 The atomic write writes a temporary file beside the target, fsyncs it, os.replaces it over the target, then fsyncs
 the folder so the rename itself survives a crash. Raises OSError; callers turn it into the error their user needs
@@ -48,6 +49,32 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
 def atomic_write_json(path: str | Path, data, **dumps) -> Path:
     """`atomic_write` of `json.dumps(data, indent=2, default=str)` plus a final newline."""
     return atomic_write(path, json.dumps(data, **{"indent": 2, "default": str, **dumps}) + "\n")
+
+
+def append_json_line(path: str | Path, record: dict) -> None:
+    """Append `record` as one JSON line to `path` (created with its folder), flushed and fsynced: a crash can tear
+    only the last line, which `read_json_lines` skips."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json_lines(path: str | Path) -> list[dict]:
+    """The objects `append_json_line` wrote to `path` ([] when it does not exist); a torn line is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        with suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
 
 
 def cache_dir() -> Path:

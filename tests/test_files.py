@@ -161,3 +161,15 @@ def test_a_read_only_cache_folder_is_a_cache_error_naming_it(tmp_path, monkeypat
         (tmp_path / "cache" / "codebooks").chmod(0o700)
         (tmp_path / "cache").chmod(0o700)
 
+
+
+def test_a_journal_reads_back_what_was_appended_and_skips_a_torn_last_line(tmp_path):
+    from runner.files import append_json_line, read_json_lines
+
+    journal = tmp_path / "step" / "samples.jsonl"
+    assert read_json_lines(journal) == []
+    append_json_line(journal, {"n": 1, "text": "a\nb"})
+    append_json_line(journal, {"n": 2})
+    with open(journal, "a") as f:
+        f.write('{"n": 3, "te')  # a crash in the middle of the third line
+    assert read_json_lines(journal) == [{"n": 1, "text": "a\nb"}, {"n": 2}]

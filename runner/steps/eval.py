@@ -5,8 +5,10 @@ One table, task × length × cache kind: the score (points of 100), its sample c
 reference's score is informative (a task the model cannot do uncompressed gates nothing), the drop beyond the
 reference's interval, the cache's measured MiB after the prompt and its ratio to the reference's, and seconds per
 sample. The evicting kinds are evaluated together, sharing one prompt forward a sample (tasks.evaluate_kinds);
-the others one at a time. Tables are written after each kind (the evicting ones: after all of them), so an
-interrupt keeps what finished; the frontier (mean score against bytes) is plotted.
+the others one at a time. Each sample's answers are journaled as they come (`eval_samples.jsonl`, with the step's
+hash), so a step interrupted after hours of prefill, rerun with `--resume`, answers only what it had not; the tables
+are written after each kind (the evicting ones: after all of them); the frontier (mean score against bytes) is
+plotted.
 """
 
 from __future__ import annotations
@@ -14,15 +16,25 @@ from __future__ import annotations
 import logging
 import re
 import statistics
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 
 from runner.errors import StepError
+from runner.files import append_json_line, read_json_lines
 from runner.infer.loading.models import LoadedModel
 from runner.infer.select.autocache import reference_kind
-from runner.infer.tasks.evaluate import Evaluation, check_length, evaluate_kinds, evicting
-from runner.infer.tasks.ruler import make_samples
+from runner.infer.tasks.evaluate import (
+    Evaluation,
+    SampleKey,
+    SampleResult,
+    check_length,
+    evaluate_kinds,
+    evicting,
+    sample_key,
+)
+from runner.infer.tasks.ruler import Sample, make_samples
 from runner.infer.tasks.scoring import drop_beyond_noise
 from runner.manifest.eval_block import EvalBlock
 from runner.manifest.plan import Step
@@ -31,6 +43,7 @@ from runner.steps.shared import markdown, step_block
 
 log = logging.getLogger(__name__)
 MIB = 2**20
+JOURNAL = "eval_samples.jsonl"
 COLUMNS = ["task", "length", "cache_kind", "score", "low", "high", "n", "reference_score", "informative", "drop",
            "cache_mib", "bytes_ratio", "prefill_s", "decode_s"]
 
@@ -52,9 +65,12 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     answers: list[dict] = []
     reference: Evaluation | None = None
     ref_bytes: dict = {}
+    journal = Journal(out_dir / JOURNAL, step.hash, {sample_key(s): s for s in samples})
     for group in groups:
+        names = [kind or reference_name for kind in group]
         for evaluation in evaluate_kinds(lm.model, lm.tokenizer, samples, group, q_chunk=block.prefill_chunk,
-                                         compress=block.compress, progress=progress):
+                                         compress=block.compress, progress=progress,
+                                         answered=journal.answered(names), on_answer=partial(journal.add, names)):
             name = evaluation.cache_kind or reference_name
             if reference is None:  # the first kind (None): the uncompressed cache every other is judged against
                 reference = evaluation
@@ -85,6 +101,31 @@ def run_eval(step: Step, lm: LoadedModel, base_dir: Path, out_dir: Path, progres
     return {"scores": table.astype(object).where(table.notna(), None).to_dict("records"),
             "summary": summary.astype(object).where(summary.notna(), None).to_dict("records"),
             "metrics": _metrics(summary), "params": {"eval.samples": len(samples), "eval.cache_kinds": len(kinds)}}
+
+
+class Journal:
+    """The samples a step answered, a JSON line each as it finished: {hash, kinds, task, length, index, results (a
+    `SampleResult.record()` per kind)}. Lines of another hash (another manifest or code) are not this step's."""
+
+    def __init__(self, path: Path, step_hash: str, samples: dict[SampleKey, Sample]):
+        self.path, self.hash, self.samples = path, step_hash, samples
+        self.records = [r for r in read_json_lines(path) if r.get("hash") == step_hash]
+
+    def answered(self, kinds: list[str]) -> dict[SampleKey, list[SampleResult]]:
+        """What an earlier attempt answered for this group of kinds, by sample."""
+        out = {}
+        for r in self.records:
+            key = (r["task"], r["length"], r["index"])
+            if r["kinds"] == kinds and key in self.samples:
+                out[key] = [SampleResult.of(self.samples[key], result) for result in r["results"]]
+        if out:
+            log.info("%s: %d of %d samples answered by an earlier attempt (%s)", ", ".join(kinds), len(out),
+                     len(self.samples), self.path.name)
+        return out
+
+    def add(self, kinds: list[str], sample: Sample, results: list[SampleResult]) -> None:
+        append_json_line(self.path, {"hash": self.hash, "kinds": kinds, "task": sample.task, "length": sample.length,
+                                     "index": sample.index, "results": [r.record() for r in results]})
 
 
 def _write(out_dir: Path, rows: list[dict], answers: list[dict]) -> None:

@@ -16,7 +16,7 @@ Does not know about manifests; a length above the model's context or an unknown 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -52,6 +52,23 @@ class SampleResult:
     prefill_s: float
     decode_s: float
     cache_bytes: int  # measured after the prefill
+
+    def record(self) -> dict:
+        """Everything but the sample, which `make_samples` makes again from its task, length, index and seed."""
+        return {name: getattr(self, name) for name in RECORDED}
+
+    @classmethod
+    def of(cls, sample: Sample, record: dict) -> SampleResult:
+        """The result `record` (a `record()`) holds for `sample`."""
+        return cls(sample, **{name: record[name] for name in RECORDED})
+
+
+RECORDED = ("prediction", "score", "prompt_tokens", "new_tokens", "stop", "prefill_s", "decode_s", "cache_bytes")
+SampleKey = tuple[str, int, int]  # (task, length, index): a sample, given the seed
+
+
+def sample_key(sample: Sample) -> SampleKey:
+    return sample.task, sample.length, sample.index
 
 
 @dataclass(frozen=True)
@@ -123,9 +140,13 @@ def evaluate(model, tokenizer, samples: Sequence[Sample], cache_kind: str | None
 
 def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Sequence[str | None], *,
                    q_chunk: int | None = 512, stop_at_newline: bool = True, compress: str = "prompt",
-                   progress: ProgressFactory = no_progress) -> list[Evaluation]:
+                   progress: ProgressFactory = no_progress,
+                   answered: Mapping[SampleKey, Sequence[SampleResult]] | None = None,
+                   on_answer: Callable[[Sample, list[SampleResult]], None] | None = None) -> list[Evaluation]:
     """`evaluate` on each of `cache_kinds`, sample by sample, the evicting kinds sharing one prompt forward a
-    sample (`answer_kinds`): N evicting candidates cost one prefill and N decodes, not N prefills."""
+    sample (`answer_kinds`): N evicting candidates cost one prefill and N decodes, not N prefills. A sample in
+    `answered` (one result per kind, from an interrupted run's journal) is taken as it is; `on_answer` gets each
+    sample answered here as soon as it is, to journal it."""
     if not cache_kinds:
         return []
     for sample in samples:
@@ -135,8 +156,13 @@ def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Seq
     results: list[list[SampleResult]] = [[] for _ in cache_kinds]
     try:
         for sample in samples:
-            for mine, result in zip(results, answer_kinds(model, tokenizer, sample, cache_kinds, q_chunk=q_chunk,
-                                                          stop_at_newline=stop_at_newline, compress=compress)):
+            given = (answered or {}).get(sample_key(sample))
+            if given is None:
+                given = answer_kinds(model, tokenizer, sample, cache_kinds, q_chunk=q_chunk,
+                                     stop_at_newline=stop_at_newline, compress=compress)
+                if on_answer is not None:
+                    on_answer(sample, given)
+            for mine, result in zip(results, given, strict=True):
                 mine.append(result)
             scores = " ".join(f"{mine[-1].score:.2f}" for mine in results)
             bar.update(1, f"{sample.task}@{sample.length}: {scores}")
