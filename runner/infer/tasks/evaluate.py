@@ -7,15 +7,17 @@ except for an evicting kind, whose prompt goes in one forward since eviction act
 works, eviction options included), the stop rules, the cache's measured bytes after the prefill, prefill and decode
 seconds through the timing harness's `Stopwatch`, and the per-task scores (`scoring.TaskScore`). Batch 1.
 Several kinds at once (`answer_kinds`, `evaluate_kinds`): the evicting ones share one prompt forward a sample.
-Stops: the model's EOS; the task's max answer tokens (RULER's tokens_to_generate); the model's context; a line break
-after some answer text (`stop_at_newline`, RULER has no stop words); every reference already in the answer (more
-text cannot lower a substring score, so stopping there changes no score and saves decoding).
+Stops: the model's EOS; the task's max answer tokens (RULER's tokens_to_generate); the model's context; for a task
+of one reference, a line break after a line that could hold it (`stop_at_newline`, `ends_an_answer_line`; RULER
+has no stop words); every reference already in the answer (more text cannot lower a substring score, so stopping
+there changes no score and saves decoding).
 Does not know about manifests; a length above the model's context or an unknown task is a ValueError.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -318,7 +320,7 @@ def _finish(model, tokenizer, prompt: _Prompt, state: DecodeState, logits: torch
         if all(r.lower() in text.lower() for r in sample.answers):
             stop = "answered"
             break
-        if stop_at_newline and "\n" in text.lstrip():
+        if stop_at_newline and ends_an_answer_line(text, sample):
             stop = "newline"
             break
         if len(new) == prompt.room:
@@ -328,6 +330,16 @@ def _finish(model, tokenizer, prompt: _Prompt, state: DecodeState, logits: torch
     prediction = postprocess(text)
     return SampleResult(sample, prediction, score(sample.metric, prediction, sample.answers), prompt.ids.shape[1],
                         len(new), stop, prefill_s, decode_s, nbytes)
+
+
+def ends_an_answer_line(text: str, sample: Sample) -> bool:
+    """Whether decoding may stop at a line break in `text`: only for a task of one reference, and only after a line
+    that could hold it, one with a word character that does not end in ":" (": " or "The number is:" then a break
+    introduce the answer). A list of references (niah_multivalue, multiquery, vt, cwe, fwe) goes on across lines,
+    as RULER generates it: a break there would cut the list after its first line."""
+    *lines, _ = text.split("\n")
+    return len(sample.answers) == 1 and any(re.search(r"\w", line) and not line.rstrip().endswith(":")
+                                            for line in lines)
 
 
 def question_start(tokenizer, sample: Sample) -> int:

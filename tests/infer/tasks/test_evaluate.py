@@ -1,7 +1,15 @@
 import pytest
 
 from runner.infer.loading.zoo import zoo_cached
-from runner.infer.tasks.evaluate import answer, answer_kinds, check_length, evaluate, evaluate_tasks, question_start
+from runner.infer.tasks.evaluate import (
+    answer,
+    answer_kinds,
+    check_length,
+    ends_an_answer_line,
+    evaluate,
+    evaluate_tasks,
+    question_start,
+)
 from runner.infer.tasks.ruler import make_sample, make_samples
 
 
@@ -127,3 +135,19 @@ def test_smollm2_finds_the_needle_over_noise_at_1024(one_thread):
     ev = evaluate_tasks(lm.model, lm.tokenizer, ["niah_single_1"], [1024], 3, cache_kinds=["fp16"])[0]
     result = ev.scores[("niah_single_1", 1024)]
     assert result.n == 3 and result.score >= 66  # seen: 100 (3 of 3) on fp16, and on the fp32 cache
+
+
+@pytest.mark.parametrize("text, single, listed", [
+    (" 1234567.\n", True, False),  # an answer's line, then a break: a one-reference answer is over; a list is not
+    (":\n", False, False),  # a preamble (Qwen2.5-Coder writes ":" and a break before a list)
+    (" The special magic number is:\n", False, False),
+    ("\n\n", False, False),
+    (" 1234567", False, False),  # no break yet
+    (":\n1. 1234567\n", True, False),
+])
+def test_a_line_break_ends_only_a_one_reference_answer_after_a_line_that_could_hold_it(tok, words, text, single,
+                                                                                         listed):
+    one = make_sample("niah_single_1", tok, 600, words=words)
+    four = make_sample("niah_multivalue", tok, 600, words=words)
+    assert len(one.answers) == 1 and len(four.answers) == 4
+    assert ends_an_answer_line(text, one) is single and ends_an_answer_line(text, four) is listed
