@@ -156,9 +156,10 @@ def evaluate_kinds(model, tokenizer, samples: Sequence[Sample], cache_kinds: Seq
     named = ", ".join(kind or "the uncompressed cache" for kind in cache_kinds)
     bar = progress(f"tasks on {named}", len(samples), "sample")
     results: list[list[SampleResult]] = [[] for _ in cache_kinds]
+    answered = answered or {}
     try:
         for sample in samples:
-            given = (answered or {}).get(sample_key(sample))
+            given = answered.get(sample_key(sample))
             if given is None:
                 given = answer_kinds(model, tokenizer, sample, cache_kinds, q_chunk=q_chunk,
                                      stop_at_newline=stop_at_newline, compress=compress)
