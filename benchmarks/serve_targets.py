@@ -18,14 +18,14 @@ measured here first, medians of 3 after a warm-up); a point meets it only with n
    tokens (medians of 2 after a warm-up), and the sweep's highest rate; output tokens/s ours ÷ theirs, at
    an equal or lower p50 TTFT. Target ≥ 3×.
 3. admission under one KV budget (--kv-budget-mib; default: fp16 room for 2 of the longest requests) for fp16,
-   q8_0, q4_0, kivi4: a burst of 32 mixed requests stepped until the first finishes; the peak running requests in
-   the scheduler's timeline against the estimator's (blocks.block_spec, blocks_in: requests admitted first come
-   first served while their prompts' blocks fit). Target: within 10 %. Then goodput at the SLO per kind on the
-   sweep's highest rate, budget on, against the same load with no budget (compute binds where they match).
+   q8_0, q4_0, kivi4 (--kinds): a burst of 32 mixed requests stepped until the first finishes; the peak running
+   requests in the scheduler's timeline against the estimator's (blocks.block_spec, blocks_in: requests admitted
+   first come first served while their prompts' blocks fit). Target: within 10 %. Then goodput at the SLO per kind
+   on the sweep's highest rate, budget on, against the same load with no budget (compute binds where they match).
    Under the budget, max_running is --budget-running (64), so the budget alone limits admission. --engine
-   compiled serves it on CompiledSlots (one step of fixed rows whatever runs; no KIVI): the budget bounds the blocks
-   the requests hold, while the slots' static cache is allocated whole (rows × columns of the kind), as a paged pool
-   would not be.
+   compiled serves it on CompiledSlots (one step of fixed rows whatever runs; KIVI kinds join at their blocks'
+   starts): the budget bounds the blocks the requests hold, while the slots' static cache is allocated whole
+   (rows × columns of the kind), as a paged pool would not be.
 4. scheduler cost: Scheduler.step() minus its forward (Scheduler.forward_s) per decode step at batch 8
    (benchmarks/serve_scheduler.step_costs, medians), and the same share over the sweep's continuous runs.
    Target ≤ 5 % of a step.
@@ -240,7 +240,10 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager",
                         help="our continuous system's engine (compiled: CompiledSlots, compiled before any clock, "
-                             "target 3's budgeted runs too, without the KIVI kinds; the static baseline stays eager)")
+                             "target 3's budgeted runs too, KIVI without sinks included; the static baseline stays "
+                             "eager)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), help="target 3's cache kinds (fp16 always: the "
+                        "ratios' baseline)")
     parser.add_argument("--budget-running", type=int, default=64, help="target 3's max_running under the budget: "
                         "the compiled slots' rows, each computed every step (on CPU, fewer rows cost less)")
     parser.add_argument("--device", default="cpu")
@@ -344,8 +347,10 @@ def main() -> None:
         longest = size["prompt"][1] + size["output"][1]
         budget = (int(args.kv_budget_mib * MIB) if args.kv_budget_mib
                   else 2 * fp16.blocks_for(longest) * fp16.block_bytes)
-        skipped = {kind: reason for kind in KINDS if b.engine == "compiled" and (reason := compiled_serve_reason(kind))}
-        kinds = [kind for kind in KINDS if kind not in skipped]
+        wanted = ["fp16", *(kind for kind in args.kinds if kind != "fp16")]
+        skipped = {kind: reason for kind in wanted
+                   if b.engine == "compiled" and (reason := compiled_serve_reason(kind))}
+        kinds = [kind for kind in wanted if kind not in skipped]
         admitted = {kind: admission(b, kind, budget) for kind in kinds}
         base = points["continuous"][top]  # the same load, the model's dtype, no budget
         good = {kind: goodput(b, kind, budget, top, slo) for kind in kinds}
@@ -379,10 +384,12 @@ def main() -> None:
             error = abs(a["peak"] - a["predicted"]) / a["predicted"] if a["predicted"] else math.nan
             rows.append((f"3. {kind}: peak running vs estimator", f"{a['peak']} vs {a['predicted']}",
                          f"{1 + error:.2f} (≤ 1.10)" if not math.isnan(error) else "n/a", verdict(error, 0.10, False)))
-        q8 = admitted["q8_0"]["peak"] / admitted["fp16"]["peak"]
-        q8_bytes = block_spec(b.model.config, "q8_0", b.block_size, b.model.dtype).block_bytes
-        rows.append(("3. q8_0 ÷ fp16 peak running", f"fp16 ÷ q8_0 block bytes {fp16.block_bytes / q8_bytes:.2f}",
-                     f"{q8:.2f}", "info"))
+        for kind in kinds[1:]:
+            ratio = admitted[kind]["peak"] / admitted["fp16"]["peak"]
+            spec = block_spec(b.model.config, kind, b.block_size, b.model.dtype)
+            rows.append((f"3. {kind} ÷ fp16 peak running", f"fp16 ÷ {kind} block bytes "
+                         f"{fp16.block_bytes / spec.block_bytes:.2f}, reserve {spec.reserve} blocks", f"{ratio:.2f}",
+                         "info"))
 
     if 4 in args.targets:  # 4. scheduler cost
         costs = step_costs(b.model, size["batch"], size["steps"], size["repeats"], 32, None)

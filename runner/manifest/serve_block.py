@@ -178,7 +178,8 @@ class ServeBlock(Strict):
         "is loaded again for each, and every system but the endpoints serves on it); default: the target's."))
     engines: list[Literal["eager", "compiled"]] = Field(["eager"], description=(
         "Engines our continuous batching runs on, an axis: eager (each request its own cache) and compiled (one "
-        "static cache whose rows are the requests, one compiled decode step, compiled before the load; no KIVI)."))
+        "static cache whose rows are the requests, one compiled decode step, compiled before the load; KIVI kinds "
+        "without sinks: a request joins when its first token can start a block)."))
     speculative: list[Literal["none", "prompt-lookup", "draft"]] = Field(["none"], description=(
         "Speculative decoding in our eager continuous batching, an axis: none (system ours), prompt-lookup (system "
         "ours-lookup: each greedy request drafts up to spec_k tokens from its own prompt and output, verified in "
@@ -279,7 +280,8 @@ class ServeBlock(Strict):
         reasons = [compiled_serve_reason(kind) for kind in kinds]
         if self.engines == ["compiled"] and all(reasons):
             raise ValueAt(("engines",), f"engine compiled serves none of cache_kinds {self.cache_kinds}: "
-                                        f"{reasons[0]}; add a per-token kind (fp16, q8_0, q4_0, ...) or engine eager")
+                                        f"{reasons[0]}; add a kind without sinks (fp16, q8_0, kivi4, ...) or "
+                                        "engine eager")
 
     def _prefix_fits(self) -> None:
         if bool(self.prefix_groups) != bool(self.prefix_tokens):

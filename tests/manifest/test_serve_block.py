@@ -126,10 +126,12 @@ def test_a_prompts_file_long_enough_passes_check(tmp_path):
                   "prefix_groups: 2, prefix_tokens: 4}")
 
 
-def test_engines_are_an_axis_and_compiled_alone_with_only_kivi_is_refused(tmp_path):
+def test_engines_are_an_axis_and_compiled_alone_with_only_kivi_sinks_is_refused(tmp_path):
     assert serve_block(tmp_path, "{rate: 2}").engines == ["eager"]
-    assert serve_block(tmp_path, "{rate: 2, engines: [eager, compiled], cache_kinds: [q8_0, kivi4]}").engines == \
-        ["eager", "compiled"]  # the KIVI points of the compiled engine are not run, with the reason
-    message = problem(tmp_path, "{rate: 2, engines: [compiled], cache_kinds: [kivi4, kivi2]}")
-    assert "serve.engines: engine compiled serves none of cache_kinds ['kivi4', 'kivi2']: KIVI codes" in message
+    assert serve_block(tmp_path, "{rate: 2, engines: [eager, compiled], cache_kinds: [q8_0, kivi4:s4]}").engines == \
+        ["eager", "compiled"]  # the sinks points of the compiled engine are not run, with the reason
+    assert serve_block(tmp_path, "{rate: 2, engines: [compiled], cache_kinds: [kivi4, kivi2]}").engines == ["compiled"]
+    message = problem(tmp_path, "{rate: 2, engines: [compiled], cache_kinds: [kivi4:s4, kivi2:s2]}")
+    assert ("serve.engines: engine compiled serves none of cache_kinds ['kivi4:s4', 'kivi2:s2']: KIVI with sinks "
+            "(s4)") in message
     assert "serve.engines[0]" in problem(tmp_path, "{rate: 2, engines: [jit]}")

@@ -99,7 +99,7 @@ COMPILED = """      - id: load
           max_batch_size: 4
           block_size: 4
           engines: [eager, compiled]
-          cache_kinds: [q8_0, kivi4:g8:r16]
+          cache_kinds: [q8_0, kivi4:g8:r16, kivi2:g8:r8:s2]
           baselines: none
 """
 
@@ -108,7 +108,7 @@ COMPILED = """      - id: load
 @pytest.mark.compile
 def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(tmp_path):
     """engines: [eager, compiled]: the compiled points carry their compile seconds and 0 recompilations, give the
-    eager scheduler's greedy tokens, and KIVI's compiled point says why it did not run."""
+    eager scheduler's greedy tokens (KIVI too), and KIVI with sinks' compiled point says why it did not run."""
     (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 40)
     done = run_cli(tiny_manifest(tmp_path, COMPILED), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -119,11 +119,15 @@ def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(
     allocated = estimate_cache_bytes(AutoConfig.for_model(**TINY_LLAMA), "q8_0", int(compiled["slot_rows"]),
                                      int(compiled["slot_columns"]), torch.float32)
     assert compiled["slot_rows"] >= 4 and compiled["kv_allocated_mib"] * 2**20 == pytest.approx(allocated)
-    assert points.loc[("ours-compiled", "kivi4:g8:r16"), "status"].startswith("not run: KIVI codes keys")
-    assert (points.loc[[("ours", "q8_0"), ("ours", "kivi4:g8:r16")], "status"] == "ok").all()
+    kivi = points.loc[("ours-compiled", "kivi4:g8:r16")]
+    assert kivi["status"] == "ok" and kivi["recompiles"] == 0 and kivi["compile_s"] > 0
+    assert points.loc[("ours-compiled", "kivi2:g8:r8:s2"), "status"].startswith("not run: KIVI with sinks (s2)")
+    assert (points.loc[[("ours", "q8_0"), ("ours", "kivi4:g8:r16"), ("ours", "kivi2:g8:r8:s2")], "status"]
+            == "ok").all()
     requests = pd.read_csv(step / "serve_requests.csv", dtype={"output_ids": str})
-    q8 = requests[requests["cache_kind"] == "q8_0"].set_index(["system", "id"])["output_ids"]
-    assert (q8.loc["ours-compiled"] == q8.loc["ours"]).all()
+    for kind in ("q8_0", "kivi4:g8:r16"):
+        tokens = requests[requests["cache_kind"] == kind].set_index(["system", "id"])["output_ids"]
+        assert (tokens.loc["ours-compiled"] == tokens.loc["ours"]).all(), kind
     metrics = json.loads((step / "results.json").read_text())["metrics"]
     assert "ours-compiled_q8_0_x50.ratio_eager_throughput" in metrics
 

@@ -205,11 +205,9 @@ def compiled_serve_reason(kind: str | None) -> str:
     if reason := compiled_eviction_reason(kind, use="serve"):
         return reason
     options = parse_kind(kind)
-    if options is not None and options.family == "kivi":
-        return ("KIVI codes keys per channel over groups of columns and keeps its residual in a ring indexed by "
-                "column, so what a row stores depends on the columns it lies in and when their blocks complete; the "
-                "slots' rows share one column pointer, join at any column and move on a rebase, so a row's groups "
-                "would not be its solo decode's (the eager scheduler serves KIVI)")
+    if options is not None and options.family == "kivi" and options.sinks:
+        return (f"KIVI with sinks (s{options.sinks}) keeps them in the static cache's first columns, and the slots' "
+                f"rows start at other columns (the eager scheduler serves it; without sinks the compiled one does)")
     return ""
 
 

@@ -8,9 +8,15 @@ right-aligned to c.
     join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled through a static
              cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored format;
              they are copied into its row ending at column c. Prompts admitted in the same step are prefilled
-             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on a GPU one forward of 8
-             prompts costs about what one does. A row whose prefix does not fit left of c moves every row right
-             first (rebase).
+             together, left-padded into the columns ending at c, up to PREFILL_ROWS (a power of two) a forward: on
+             a GPU one forward of 8 prompts costs about what one does. A row whose prefix does not fit left of c
+             moves every row right first (rebase).
+    KIVI     a row's blocks of r columns are coded when the shared pointer completes them, so every row starts at a
+             multiple of r: a request joins when its length ≡ c (mod r) (up to r − 1 steps of waiting, in its
+             TTFT; with no row placed, c moves to its length), rebases move whole blocks (every W ≡ c), and a
+             recomputed request is placed with its prompt only and feeds its outputs again one a step (a solo
+             decode fed them so: rows.Flushes.exact), emitting nothing until it is back. Sinks are refused: they
+             lie in the cache's first columns (`compiled_serve_reason`).
     rebase   when c reaches S, or a joining prompt is longer than c, or c ≥ 2·W + SLACK (W = the longest row: on
              CPU attention reads columns [0, c], so holes cost time): the columns [c − W, c) move (in place, the
              cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
@@ -22,9 +28,9 @@ The scheduler's rules are serve/scheduler.Scheduler's (this is a subclass): KV b
 first come first served admission by free blocks (and free slots: max_running ≤ B), preemption by recompute of the
 most recently admitted, the same finish rules and sampling. Per request, greedy output equals its solo greedy decode
 up to float reductions over masked columns (near ties only): a row's stored K/V are a solo decode's (per-token kinds
-quantize each column alone, so where a column lies changes nothing).
-What it does not do: KIVI (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the step it
-is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
+quantize each column alone, so where a column lies changes nothing; KIVI's blocks are the row's own, above).
+What it does not do: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the
+step it is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
 compiled prefill, prefix caching, requests longer than S (refused at submission), several length buckets (a longer
 S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
 """
@@ -83,6 +89,7 @@ class CompiledSlots(Scheduler):
         self.slot_of: dict[int, int] = {}  # request id → its row
         self.placed: set[int] = set()  # request ids whose K/V are in their row
         self.rebases = 0
+        self.every = self.flushes.every  # KIVI: r, and every row starts at a multiple of it (module docstring)
         log.info("compiled slots: %d rows × %d columns of %s; warm-up compiled %d graphs in %.1f s", self.slots,
                  self.columns, config.cache_kind or "the model's dtype", self.compiles, self.compile_s)
 
@@ -120,15 +127,30 @@ class CompiledSlots(Scheduler):
         self.placed.discard(live.request.id)
         self.mask[row] = 0
 
+    def _stepping(self) -> list[Live]:
+        """Every placed row: decoding, or feeding the outputs of a recomputed KIVI request (`_placed_tokens`)."""
+        return [live for live in self.running if live.request.id in self.placed]
+
+    def _placed_tokens(self, live: Live) -> list[int]:
+        """What a placement prefills: prompt + outputs but the last (`target`); for KIVI the prompt only, since a
+        solo decode fed its outputs one at a time (rows.Flushes.exact), and so do the decode steps after."""
+        return live.sequence[:live.target if self.every == 1 else len(live.request.prompt_ids)]
+
     def _prefill(self, budget: int) -> None:
         """Whole prefills of the admitted rows, in admission order, while `budget` prompt tokens last (at least
         one), together in one forward (a power of two of them, at most PREFILL_ROWS; the rest wait for the next
-        step): each placed in its row; a first admission emits its first token."""
+        step): each placed in its row; a first admission emits its first token. KIVI: only the rows whose tokens
+        would start at a multiple of r (length ≡ c mod r); with no row placed, c moves to the first one's length."""
+        pending = [x for x in self.running if x.request.id not in self.placed]
+        if self.every > 1 and pending:
+            if not self.placed:
+                self.pointer = len(self._placed_tokens(pending[0]))
+            pending = [x for x in pending if (len(self._placed_tokens(x)) - self.pointer) % self.every == 0]
         group: list[tuple[Live, list[int]]] = []
-        for live in [x for x in self.running if x.request.id not in self.placed]:
+        for live in pending:
             if budget <= 0 or len(group) == PREFILL_ROWS:
                 break
-            group.append((live, live.sequence[:live.target]))
+            group.append((live, self._placed_tokens(live)))
             budget -= len(group[-1][1])
         if not group:
             return
@@ -143,8 +165,9 @@ class CompiledSlots(Scheduler):
             self._emit(group[i][0], token, now)
 
     def _decode(self, rows: list[Live]) -> None:
-        """One compiled step: every placed row feeds its last output token at column c; free rows feed a masked pad
-        (they attend only to themselves)."""
+        """One compiled step: every placed row feeds its next token at column c (its last output, or a recomputed
+        KIVI row's next output to catch up on; only decoding rows emit); free rows feed a masked pad (they attend
+        only to themselves)."""
         start = self.clock()
         width = max(live.held for live in rows)
         if self.pointer == self.columns or self.pointer >= 2 * width + SLACK:  # full, or mostly holes
@@ -154,26 +177,27 @@ class CompiledSlots(Scheduler):
         positions = torch.zeros_like(ids)  # [B,1]
         row_of = [self.slot_of[live.request.id] for live in rows]
         for live, row in zip(rows, row_of):
-            ids[row, 0], positions[row, 0] = live.record.output_ids[-1], live.held
+            ids[row, 0], positions[row, 0] = live.sequence[live.held], live.held  # decoding: the last output
             self.mask[row, c] = 1
         column = torch.tensor([c], device=self.device)  # [1]
         logits = self.engine.call(self.key, self.cache, ids.to(self.device), positions.to(self.device), column,
-                                  column[0] + 1, self.mask)  # [B,1,V]
+                                  column[0] + 1, self.mask, coding=self.cache.needs_coding(c, 1))  # [B,1,V]
         self.pointer += 1
+        emitting = [i for i, live in enumerate(rows) if live.decoding]
         for live in rows:
             live.held += 1
-        chosen = self._choose(rows, logits[row_of, -1])  # syncs (tolist)
+        chosen = self._choose([rows[i] for i in emitting], logits[[row_of[i] for i in emitting], -1])  # syncs
         self.forward_s += self.clock() - start
         now = self.clock()
-        for live, token in zip(rows, chosen):
-            self._emit(live, token, now)
+        for i, token in zip(emitting, chosen):
+            self._emit(rows[i], token, now)
 
     # --- the static cache -----------------------------------------------------------------------------------------
 
     def _place(self, group: list[tuple[Live, list[int]]]) -> torch.Tensor:
-        """Prefill each request's tokens (k of them left-padded to the longest, n; the kind's static layout, eager
-        static forward) and copy their K/V into the requests' rows, ending at column c → [k,V] logits of each
-        one's last token."""
+        """Prefill each request's tokens (k of them left-padded to the longest, n, into columns [c − n, c) of a
+        static cache of the kind, eager static forward) and copy their K/V into the same columns of the requests'
+        rows → [k,V] logits of each one's last token."""
         k, n = len(group), max(len(tokens) for _, tokens in group)
         if n > self.pointer:
             self._rebase(max([n, *(x.held for x in self.running if x.request.id in self.placed)]))
@@ -181,17 +205,17 @@ class CompiledSlots(Scheduler):
             self.prefill_caches[k] = make_static_cache(self.config.cache_kind, self.model, k, self.columns)
         cache = self.prefill_caches[k]
         state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
+        c = state.column = self.pointer
+        state.column -= n  # KIVI: c − n, like each row's first token, is a multiple of r, so blocks are the rows'
         ids = torch.zeros(k, n, dtype=torch.long)  # [k,n] left-padded
         mask = torch.zeros_like(ids)
         for i, (_, tokens) in enumerate(group):
             ids[i, n - len(tokens):], mask[i, n - len(tokens):] = torch.tensor(tokens), 1
         logits, _ = state.prefill(self.model, ids.to(self.device), mask.to(self.device))  # [k,V]; nothing compiled
-        c = self.pointer
         for i, (live, tokens) in enumerate(group):
             row, m = self.slot_of[live.request.id], len(tokens)
             for into, source in zip(self.cache.static_layers, cache.static_layers):
-                for whole, part in zip(into.tensors(), source.tensors()):  # [B,H,S,...] ← [k,H,S,...]
-                    whole[row, :, c - m:c] = part[i, :, n - m:n]
+                into.take_columns(row, source, i, c - m, c)
             self.mask[row] = 0
             self.mask[row, c - m:c] = 1
             live.held = m
@@ -210,10 +234,8 @@ class CompiledSlots(Scheduler):
         held = max([live.held for live in placed], default=0)
         log.debug("rebase: pointer %d → %d (%d columns moved)", self.pointer, width, held)
         if held:
-            source, into = slice(self.pointer - held, self.pointer), slice(width - held, width)
-            for layer in self.cache.static_layers:
-                for t in layer.tensors():  # [B,H,S,...]
-                    t[:, :, into] = t[:, :, source].clone()
+            for layer in self.cache.static_layers:  # KIVI: held ≡ c and width ≡ c mod r, whole blocks move
+                layer.shift_columns(self.pointer - held, self.pointer, shift)
         self.mask.zero_()
         for live in placed:
             self.mask[self.slot_of[live.request.id], width - live.held:width] = 1

@@ -197,11 +197,15 @@ class Scheduler:
         """Grow, admit, one batched decode, prefill chunks under the token budget."""
         self._grow()
         self._admit()
-        rows = [live for live in self.running if live.decoding]
+        rows = self._stepping()
         if rows:
             self._decode(rows)
         self._prefill(self.config.max_tokens_per_step - len(rows))
         self.timeline.append((self.clock(), len(self.running), self.pool.used, len(self.waiting)))
+
+    def _stepping(self) -> list[Live]:
+        """The rows the step's decode forward feeds: every decoding row."""
+        return [live for live in self.running if live.decoding]
 
     def _grow(self) -> None:
         """Every decoding row's next token gets its block; preempt the latest admitted while one is missing."""

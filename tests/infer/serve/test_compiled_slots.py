@@ -1,6 +1,7 @@
 """Continuous batching on the compiled engine (serve/compiled_slots.py): each request's greedy output equals its solo
-greedy decode (eager and compiled Generator) with interleaved arrivals, rebases and preemption; a load after
-warm-up never recompiles; KIVI is refused with its reason. Most tests run the engine's static step uncompiled
+greedy decode (eager and compiled Generator) with interleaved arrivals, rebases and preemption, KIVI kinds
+included (rows aligned to their blocks, a recomputed row's outputs fed again); a load after warm-up never recompiles;
+KIVI with sinks is refused with its reason. Most tests run the engine's static step uncompiled
 (CompiledEngine(compile=False): the same cache, masks and step function, without inductor); one compiles."""
 
 import pytest
@@ -19,7 +20,9 @@ from tests.infer.serve.clocks import FakeClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KINDS = ["fp32", "fp16", "q8_0", "q4_0", "q4_1", "nf4"]
+KINDS = ["fp32", "fp16", "q8_0", "q4_0", "q4_1", "nf4", "kivi4:g8:r16", "kivi2:g4:r8"]
+TIGHT = {"kivi4:g8:r16": 1, "kivi2:g4:r8": 0}  # blocks past the longest request's that still preempt (KIVI: a
+# residual reserve per request, so fewer requests run at once); 2 for the others
 
 
 def _load(n: int = 7, gap_s: float = 0.06, seed: int = 0) -> list[Request]:
@@ -67,7 +70,7 @@ def test_greedy_equals_solo_decode_with_interleaved_arrivals_rebases_and_preempt
     assert [r.output_ids for r in records] == solo
     assert max(t[1] for t in server.timeline) >= 3 and server.rebases > 0  # rows shared steps; c wrapped
     spec = block_spec(model.config, kind, 4, model.dtype)
-    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + 3
+    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + TIGHT.get(kind, 2)
     server, records = _run(model, requests, static_engine, cache_kind=kind, block_size=4, num_blocks=tight,
                            max_running=4)
     assert [r.output_ids for r in records] == solo
@@ -75,21 +78,27 @@ def test_greedy_equals_solo_decode_with_interleaved_arrivals_rebases_and_preempt
     assert all(r.finish in ("eos", "length") for r in records)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "kivi3:k4v2:g8:r16:o1"])
 def test_greedy_equals_the_compiled_generators_solo_decode_all_at_once(tiny_lm, static_engine, kind):
     requests = [Request(r.id, 0.0, r.prompt_ids, r.max_new_tokens) for r in _load(5, seed=3)]
     solo = [_solo(tiny_lm.model, r, kind, engine="compiled") for r in requests]
     server, records = _run(tiny_lm.model, requests, static_engine, cache_kind=kind, max_running=8)
     assert [r.output_ids for r in records] == solo
-    assert sorted(server.prefill_caches) == [1, 4]  # four left-padded prompts in one forward, then the fifth
+    if server.every == 1:  # four left-padded prompts in one forward, then the fifth
+        assert sorted(server.prefill_caches) == [1, 4]
+    else:  # KIVI: prompts join when their length ≡ the pointer (mod r), so their first tokens start blocks
+        firsts = [r.token_s[0] for r in records]
+        assert f":r{server.every}" in kind and len(set(firsts)) > 1 and max(t[1] for t in server.timeline) >= 3
 
 
-def test_a_request_longer_than_a_row_is_an_error_and_kivi_is_refused_with_its_reason(tiny_lm, static_engine):
+def test_a_request_longer_than_a_row_is_an_error_and_kivi_with_sinks_is_refused_with_its_reason(tiny_lm,
+                                                                                                 static_engine):
     _, records = _run(tiny_lm.model, [Request(0, 0.0, tuple(range(3, 60)), 10)], static_engine, columns=64)
     assert records[0].finish == "error" and "hold 64" in records[0].error
-    assert compiled_serve_reason("q4_0") == "" and "column" in compiled_serve_reason("kivi4:g8:r16")
-    with pytest.raises(ValueError, match="cannot be served on the compiled engine: KIVI"):
-        CompiledSlots(tiny_lm.model, _config(cache_kind="kivi4"), engine=static_engine)
+    assert compiled_serve_reason("q4_0") == compiled_serve_reason("kivi4:g8:r16") == ""
+    assert "first columns" in compiled_serve_reason("kivi2:g8:r8:s3")
+    with pytest.raises(ValueError, match=r"cannot be served on the compiled engine: KIVI with sinks \(s4\)"):
+        CompiledSlots(tiny_lm.model, _config(cache_kind="kivi4:s4"), engine=static_engine)
 
 
 def _config(**fields):
