@@ -155,7 +155,7 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
                   "acceptance": server.accepted / server.drafted if server.drafted else float("nan")}
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases,
-                  "slot_rows": server.slots, "slot_columns": server.columns,
+                  "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns,
                   "kv_allocated_mib": cache_bytes(server.cache) / MIB}  # the whole static cache, whatever the budget
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
         server.count_prompt_tokens()

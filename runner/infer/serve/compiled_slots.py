@@ -8,15 +8,18 @@ right-aligned to c.
     join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled through a static
              cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored format;
              they are copied into its row ending at column c. Prompts admitted in the same step are prefilled
-             together, left-padded into the columns ending at c, up to PREFILL_ROWS (a power of two) a forward: on
+             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on
              a GPU one forward of 8 prompts costs about what one does. A row whose prefix does not fit left of c
              moves every row right first (rebase).
     KIVI     a row's blocks of r columns are coded when the shared pointer completes them, so every row starts at a
-             multiple of r: a request joins when its length ≡ c (mod r) (up to r − 1 steps of waiting, in its
-             TTFT; with no row placed, c moves to its length), rebases move whole blocks (every W ≡ c), and a
-             recomputed request is placed with its prompt only and feeds its outputs again one a step (a solo
-             decode fed them so: rows.Flushes.exact), emitting nothing until it is back. Sinks are refused: they
-             lie in the cache's first columns (`compiled_serve_reason`).
+             multiple of r: prompts are prefilled together only with lengths ≡ mod r (left pads of whole blocks),
+             and a request joins its row when its length ≡ c (mod r) (with no row placed, c moves to its length).
+             Until then it is staged: its K/V wait in a one-row cache of the kind and its first token is out
+             already, so the wait (< r steps) falls between its first and second tokens, not in its TTFT.
+             Rebases move whole blocks (every W ≡ c) and turn the ring. A recomputed request joins with its
+             prompt only and feeds its outputs again one a step (a solo decode fed them so: rows.Flushes.exact),
+             emitting nothing until it is back. Sinks are refused: they lie in the cache's first columns
+             (`compiled_serve_reason`).
     rebase   when c reaches S, or a joining prompt is longer than c, or c ≥ 2·W + SLACK (W = the longest row: on
              CPU attention reads columns [0, c], so holes cost time): the columns [c − W, c) move (in place, the
              cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
@@ -90,6 +93,9 @@ class CompiledSlots(Scheduler):
         self.placed: set[int] = set()  # request ids whose K/V are in their row
         self.rebases = 0
         self.every = self.flushes.every  # KIVI: r, and every row starts at a multiple of it (module docstring)
+        self.staged: dict[int, tuple[StaticKVCache, int]] = {}  # KIVI: request id → (a one-row cache, m), `_stage`
+        self.spare: list[StaticKVCache] = []  # one-row caches free for staging
+        self.stagings = 0  # requests that waited staged for their block boundary
         log.info("compiled slots: %d rows × %d columns of %s; warm-up compiled %d graphs in %.1f s", self.slots,
                  self.columns, config.cache_kind or "the model's dtype", self.compiles, self.compile_s)
 
@@ -125,6 +131,8 @@ class CompiledSlots(Scheduler):
         super()._leave(live)  # no prefixes to retain here
         row = self.slot_of.pop(live.request.id)
         self.placed.discard(live.request.id)
+        if live.request.id in self.staged:
+            self.spare.append(self.staged.pop(live.request.id)[0])
         self.mask[row] = 0
 
     def _stepping(self) -> list[Live]:
@@ -137,21 +145,23 @@ class CompiledSlots(Scheduler):
         return live.sequence[:live.target if self.every == 1 else len(live.request.prompt_ids)]
 
     def _prefill(self, budget: int) -> None:
-        """Whole prefills of the admitted rows, in admission order, while `budget` prompt tokens last (at least
-        one), together in one forward (a power of two of them, at most PREFILL_ROWS; the rest wait for the next
-        step): each placed in its row; a first admission emits its first token. KIVI: only the rows whose tokens
-        would start at a multiple of r (length ≡ c mod r); with no row placed, c moves to the first one's length."""
-        pending = [x for x in self.running if x.request.id not in self.placed]
-        if self.every > 1 and pending:
-            if not self.placed:
-                self.pointer = len(self._placed_tokens(pending[0]))
-            pending = [x for x in pending if (len(self._placed_tokens(x)) - self.pointer) % self.every == 0]
+        """Staged KIVI requests whose turn has come join first. Then whole prefills of the admitted rows, in
+        admission order, while `budget` prompt tokens last (at least one), together in one forward (a power of two
+        of them, at most PREFILL_ROWS; the rest wait for the next step; KIVI: lengths ≡ the first's mod r): each
+        joins its row, or is staged (KIVI, `_joins_now`); a first admission emits its first token either way."""
+        for rid, (cache, m) in list(self.staged.items()):
+            if self._joins_now(m):
+                self._join(self._live(rid), cache, 0, m)
+                self.spare.append(self.staged.pop(rid)[0])
         group: list[tuple[Live, list[int]]] = []
-        for live in pending:
+        for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
             if budget <= 0 or len(group) == PREFILL_ROWS:
                 break
-            group.append((live, self._placed_tokens(live)))
-            budget -= len(group[-1][1])
+            tokens = self._placed_tokens(live)
+            if group and (len(tokens) - len(group[0][1])) % self.every:
+                continue  # KIVI: left pads of whole blocks, so every row's tokens start at a multiple of r
+            group.append((live, tokens))
+            budget -= len(tokens)
         if not group:
             return
         group = group[:1 << (len(group).bit_length() - 1)]  # a power of two: one cache per group size
@@ -163,6 +173,14 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(first, tokens):
             self._emit(group[i][0], token, now)
+
+    def _live(self, rid: int) -> Live:
+        return next(live for live in self.running if live.request.id == rid)
+
+    def _joins_now(self, m: int) -> bool:
+        """Whether tokens of length m may take their row now: always but for KIVI, where they must start at a
+        multiple of r, so m ≡ c (mod r), or no row is placed (c then moves to m)."""
+        return self.every == 1 or not self.placed or (m - self.pointer) % self.every == 0
 
     def _decode(self, rows: list[Live]) -> None:
         """One compiled step: every placed row feeds its next token at column c (its last output, or a recomputed
@@ -195,32 +213,54 @@ class CompiledSlots(Scheduler):
     # --- the static cache -----------------------------------------------------------------------------------------
 
     def _place(self, group: list[tuple[Live, list[int]]]) -> torch.Tensor:
-        """Prefill each request's tokens (k of them left-padded to the longest, n, into columns [c − n, c) of a
-        static cache of the kind, eager static forward) and copy their K/V into the same columns of the requests'
-        rows → [k,V] logits of each one's last token."""
+        """Prefill each request's tokens (k of them left-padded to the longest, n, into columns [0, n) of a static
+        cache of the kind, eager static forward) → [k,V] logits of each one's last token; each request joins its
+        row (the longest first: one rebase at most) or, KIVI, is staged (`_stage`)."""
         k, n = len(group), max(len(tokens) for _, tokens in group)
-        if n > self.pointer:
-            self._rebase(max([n, *(x.held for x in self.running if x.request.id in self.placed)]))
         if k not in self.prefill_caches:
             self.prefill_caches[k] = make_static_cache(self.config.cache_kind, self.model, k, self.columns)
         cache = self.prefill_caches[k]
         state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
-        c = state.column = self.pointer
-        state.column -= n  # KIVI: c − n, like each row's first token, is a multiple of r, so blocks are the rows'
         ids = torch.zeros(k, n, dtype=torch.long)  # [k,n] left-padded
         mask = torch.zeros_like(ids)
         for i, (_, tokens) in enumerate(group):
             ids[i, n - len(tokens):], mask[i, n - len(tokens):] = torch.tensor(tokens), 1
         logits, _ = state.prefill(self.model, ids.to(self.device), mask.to(self.device))  # [k,V]; nothing compiled
-        for i, (live, tokens) in enumerate(group):
-            row, m = self.slot_of[live.request.id], len(tokens)
-            for into, source in zip(self.cache.static_layers, cache.static_layers):
-                into.take_columns(row, source, i, c - m, c)
-            self.mask[row] = 0
-            self.mask[row, c - m:c] = 1
-            live.held = m
-            self.placed.add(live.request.id)
+        for i in sorted(range(k), key=lambda i: -len(group[i][1])):
+            live = group[i][0]
+            if self._joins_now(len(group[i][1])):
+                self._join(live, cache, i, n)
+            else:
+                self._stage(live, cache, i, n)
         return logits
+
+    def _join(self, live: Live, source: StaticKVCache, i: int, end: int) -> None:
+        """The request's tokens, columns [end − m, end) of `source`'s row i, into its row ending at c (after a
+        rebase when m > c; c = m when no row is placed)."""
+        m = len(self._placed_tokens(live))
+        if not self.placed:
+            self.pointer = m
+        elif m > self.pointer:
+            self._rebase(max([m, *(x.held for x in self.running if x.request.id in self.placed)]))
+        c, row = self.pointer, self.slot_of[live.request.id]
+        for into, layer in zip(self.cache.static_layers, source.static_layers):
+            into.take_columns(row, layer, i, end - m, end, shift=c - end)
+        self.mask[row] = 0
+        self.mask[row, c - m:c] = 1
+        live.held = m
+        self.placed.add(live.request.id)
+
+    def _stage(self, live: Live, source: StaticKVCache, i: int, end: int) -> None:
+        """KIVI: the request's prefilled tokens wait in a one-row cache of their own (columns [0, m)) until
+        c ≡ m (mod r): its first token is out already; the wait (< r steps) falls between its first and second."""
+        m = len(self._placed_tokens(live))
+        cache = self.spare.pop() if self.spare else make_static_cache(self.config.cache_kind, self.model, 1,
+                                                                      self.columns)
+        for into, layer in zip(cache.static_layers, source.static_layers):
+            into.take_columns(0, layer, i, end - m, end, shift=m - end)
+        self.staged[live.request.id] = (cache, m)
+        live.held = m
+        self.stagings += 1
 
     def _rebase(self, width: int) -> None:
         """Move the columns every placed row holds, [c − W, c) with W the longest row, to [width − W, width): the

@@ -219,17 +219,20 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         tiles = (self.max_cache_len - self.sinks) // self.ring_len
         return ring[:, :, None].expand(b, h, tiles, self.ring_len, d).reshape(b, h, -1, d)
 
-    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int) -> None:
-        """As StaticPlainLayer's, for rows whose tokens start at a block boundary (start − s a multiple of r; no
-        sinks): the region's blocks that hold columns [start, stop), and the whole ring (2r columns, the newest
-        of them the source's)."""
-        assert isinstance(source, StaticKiviLayer) and not self.sinks and start % self.residual_len == 0
-        first, last = start // self.residual_len, -(-stop // self.residual_len)  # blocks [first, last)
+    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int,
+                     shift: int = 0) -> None:
+        """As StaticPlainLayer's, for tokens that start at a block boundary and a shift of whole blocks (start and
+        shift multiples of r; no sinks): the region's blocks that hold columns [start, stop), and the whole ring
+        turned by the shift (2r columns, the newest of them the source's)."""
+        r = self.residual_len
+        assert isinstance(source, StaticKiviLayer) and not self.sinks and start % r == 0 and shift % r == 0
+        first, last, blocks = start // r, -(-stop // r), shift // r  # source blocks [first, last)
         for name in self.QUANTIZED:
-            n = self._rows(name, self.residual_len)
-            getattr(self, name)[row, :, first * n:last * n] = getattr(source, name)[source_row, :, first * n:last * n]
+            n = self._rows(name, r)
+            getattr(self, name)[row, :, (first + blocks) * n:(last + blocks) * n] = \
+                getattr(source, name)[source_row, :, first * n:last * n]
         for name in ("ring_keys", "ring_values"):
-            getattr(self, name)[row] = getattr(source, name)[source_row]
+            getattr(self, name)[row] = getattr(source, name)[source_row].roll(shift % self.ring_len, dims=1)
 
     def shift_columns(self, start: int, stop: int, shift: int) -> None:
         """As StaticPlainLayer's, for a shift of whole blocks (a multiple of r; no sinks): the region's blocks

@@ -99,11 +99,12 @@ class StaticPlainLayer(StaticLayer):
         for t in self.tensors():
             t[:, :, start:start + k] = gather_columns(t[:, :, start:], index)
 
-    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int) -> None:
-        """Columns [start, stop) of `source`'s row `source_row` (a layer of the same kind and columns) into row
-        `row`, the same columns (serve/compiled_slots.py places a prefilled request so)."""
+    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int,
+                     shift: int = 0) -> None:
+        """Columns [start, stop) of `source`'s row `source_row` (a layer of the same kind) into columns
+        [start + shift, stop + shift) of row `row` (serve/compiled_slots.py places a prefilled request so)."""
         for whole, part in zip(self.tensors(), source.tensors()):
-            whole[row, :, start:stop] = part[source_row, :, start:stop]
+            whole[row, :, start + shift:stop + shift] = part[source_row, :, start:stop]
 
     def shift_columns(self, start: int, stop: int, shift: int) -> None:
         """Every row's columns [start, stop) move to [start + shift, stop + shift), in place (the tensors keep
