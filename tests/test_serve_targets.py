@@ -38,14 +38,15 @@ def test_quick_run_prints_every_target():
 @pytest.mark.e2e
 @pytest.mark.compile
 def test_quick_budget_on_the_compiled_slots():
-    """Target 3 with --engine compiled: the budgeted runs on CompiledSlots admit what the estimator says; KIVI,
-    which the slots refuse, is named as not run rather than measured on another engine."""
+    """Target 3 with --engine compiled: the budgeted runs on CompiledSlots admit what the estimator says, kivi4
+    included; KIVI with sinks, which the slots refuse, is named as not run rather than measured on another engine."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, str(ROOT / "benchmarks" / "serve_targets.py"), "--model", "tiny", "--quick",
-               "--engine", "compiled", "--targets", "3", "--budget-running", "16", "--threads", "1"]
+               "--engine", "compiled", "--targets", "3", "--budget-running", "16", "--threads", "1",
+               "--kinds", "q8_0", "kivi4", "kivi2:s2"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     admitted = [r for r in table_rows(done.stdout) if r[0].startswith("3.") and "estimator" in r[0]]
-    assert [r[0].split(":")[0] for r in admitted] == ["3. fp16", "3. q8_0", "3. q4_0"]
+    assert [r[0].split(":")[0] for r in admitted] == ["3. fp16", "3. q8_0", "3. kivi4"]
     assert all(r[3] == "pass" for r in admitted)
-    assert "kivi4 not run on the compiled slots" in done.stdout
+    assert "kivi2:s2 not run on the compiled slots: KIVI with sinks (s2)" in done.stdout
