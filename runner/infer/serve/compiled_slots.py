@@ -275,7 +275,7 @@ class CompiledSlots(Scheduler):
         log.debug("rebase: pointer %d → %d (%d columns moved)", self.pointer, width, held)
         if held:
             for layer in self.cache.static_layers:  # KIVI: held ≡ c and width ≡ c mod r, whole blocks move
-                layer.shift_columns(self.pointer - held, self.pointer, shift)
+                layer.take_columns(slice(None), layer, slice(None), self.pointer - held, self.pointer, shift)
         self.mask.zero_()
         for live in placed:
             self.mask[self.slot_of[live.request.id], width - live.held:width] = 1

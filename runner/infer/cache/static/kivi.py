@@ -219,33 +219,21 @@ class StaticKiviLayer(KiviCodec, StaticPlainLayer):
         tiles = (self.max_cache_len - self.sinks) // self.ring_len
         return ring[:, :, None].expand(b, h, tiles, self.ring_len, d).reshape(b, h, -1, d)
 
-    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int,
-                     shift: int = 0) -> None:
+    def take_columns(self, row: int | slice, source: StaticPlainLayer, source_row: int | slice, start: int,
+                     stop: int, shift: int = 0) -> None:
         """As StaticPlainLayer's, for tokens that start at a block boundary and a shift of whole blocks (start and
-        shift multiples of r; no sinks): the region's blocks that hold columns [start, stop), and the whole ring
-        turned by the shift (2r columns, the newest of them the source's)."""
+        shift multiples of r; no sinks): the region's blocks that hold columns [start, stop) move by shift / r,
+        and the whole ring is taken turned by the shift (column c's slot is c mod 2r; its newest columns are the
+        source's)."""
         r = self.residual_len
         assert isinstance(source, StaticKiviLayer) and not self.sinks and start % r == 0 and shift % r == 0
         first, last, blocks = start // r, -(-stop // r), shift // r  # source blocks [first, last)
         for name in self.QUANTIZED:
             n = self._rows(name, r)
             getattr(self, name)[row, :, (first + blocks) * n:(last + blocks) * n] = \
-                getattr(source, name)[source_row, :, first * n:last * n]
+                getattr(source, name)[source_row, :, first * n:last * n].clone()
         for name in ("ring_keys", "ring_values"):
-            getattr(self, name)[row] = getattr(source, name)[source_row].roll(shift % self.ring_len, dims=1)
-
-    def shift_columns(self, start: int, stop: int, shift: int) -> None:
-        """As StaticPlainLayer's, for a shift of whole blocks (a multiple of r; no sinks): the region's blocks
-        move by shift / r, and the ring turns by shift (column c's slot is c mod 2r)."""
-        r = self.residual_len
-        assert not self.sinks and shift % r == 0 and start % r == 0
-        first, last, blocks = start // r, -(-stop // r), shift // r
-        for name in self.QUANTIZED:
-            t, n = getattr(self, name), self._rows(name, r)
-            t[:, :, (first + blocks) * n:(last + blocks) * n] = t[:, :, first * n:last * n].clone()
-        if shift % self.ring_len:
-            for ring in (self.ring_keys, self.ring_values):
-                ring.copy_(ring.roll(shift % self.ring_len, dims=2))
+            getattr(self, name)[row] = getattr(source, name)[source_row].roll(shift % self.ring_len, dims=-2)
 
     def rollback(self, kept: int, held: int) -> None:
         """After the write position moved back from `held` to `kept` columns: quantized columns past

@@ -99,18 +99,14 @@ class StaticPlainLayer(StaticLayer):
         for t in self.tensors():
             t[:, :, start:start + k] = gather_columns(t[:, :, start:], index)
 
-    def take_columns(self, row: int, source: StaticPlainLayer, source_row: int, start: int, stop: int,
-                     shift: int = 0) -> None:
-        """Columns [start, stop) of `source`'s row `source_row` (a layer of the same kind) into columns
-        [start + shift, stop + shift) of row `row` (serve/compiled_slots.py places a prefilled request so)."""
+    def take_columns(self, row: int | slice, source: StaticPlainLayer, source_row: int | slice, start: int,
+                     stop: int, shift: int = 0) -> None:
+        """Columns [start, stop) of `source`'s row(s) `source_row` (a layer of the same kind, or this one) into
+        columns [start + shift, stop + shift) of row(s) `row`: serve/compiled_slots.py places a prefilled request
+        so, and moves every row's columns on a rebase (`slice(None)`, this layer: the columns they leave hold stale
+        values). In place: the tensors keep their addresses."""
         for whole, part in zip(self.tensors(), source.tensors()):
-            whole[row, :, start + shift:stop + shift] = part[source_row, :, start:stop]
-
-    def shift_columns(self, start: int, stop: int, shift: int) -> None:
-        """Every row's columns [start, stop) move to [start + shift, stop + shift), in place (the tensors keep
-        their addresses); the columns they leave hold stale values (a rebase of serve/compiled_slots.py)."""
-        for t in self.tensors():
-            t[:, :, start + shift:stop + shift] = t[:, :, start:stop].clone()
+            whole[row, :, start + shift:stop + shift] = part[source_row, :, start:stop].clone()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Rows follow their parent beams, in place (the storage keeps its address)."""
