@@ -8,9 +8,9 @@ right-aligned to c.
     join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled through a static
              cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored format;
              they are copied into its row ending at column c. Prompts admitted in the same step are prefilled
-             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on
-             a GPU one forward of 8 prompts costs about what one does. A row whose prefix does not fit left of c
-             moves every row right first (rebase).
+             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on a GPU one forward of 8
+             prompts costs about what one does. A row whose prefix does not fit left of c moves every row right
+             first (rebase).
     KIVI     a row's blocks of r columns are coded when the shared pointer completes them, so every row starts at a
              multiple of r: prompts are prefilled together only with lengths ≡ mod r (left pads of whole blocks),
              and a request joins its row when its length ≡ c (mod r) (with no row placed, c moves to its length).
@@ -93,7 +93,7 @@ class CompiledSlots(Scheduler):
         self.placed: set[int] = set()  # request ids whose K/V are in their row
         self.rebases = 0
         self.every = self.flushes.every  # KIVI: r, and every row starts at a multiple of it (module docstring)
-        self.staged: dict[int, tuple[StaticKVCache, int]] = {}  # KIVI: request id → (a one-row cache, m), `_stage`
+        self.staged: dict[int, tuple[Live, StaticKVCache]] = {}  # KIVI: request id → (it, a one-row cache), `_stage`
         self.spare: list[StaticKVCache] = []  # one-row caches free for staging
         self.stagings = 0  # requests that waited staged for their block boundary
         log.info("compiled slots: %d rows × %d columns of %s; warm-up compiled %d graphs in %.1f s", self.slots,
@@ -132,7 +132,7 @@ class CompiledSlots(Scheduler):
         row = self.slot_of.pop(live.request.id)
         self.placed.discard(live.request.id)
         if live.request.id in self.staged:
-            self.spare.append(self.staged.pop(live.request.id)[0])
+            self.spare.append(self.staged.pop(live.request.id)[1])
         self.mask[row] = 0
 
     def _stepping(self) -> list[Live]:
@@ -149,10 +149,11 @@ class CompiledSlots(Scheduler):
         admission order, while `budget` prompt tokens last (at least one), together in one forward (a power of two
         of them, at most PREFILL_ROWS; the rest wait for the next step; KIVI: lengths ≡ the first's mod r): each
         joins its row, or is staged (KIVI, `_joins_now`); a first admission emits its first token either way."""
-        for rid, (cache, m) in list(self.staged.items()):
+        for rid, (live, cache) in list(self.staged.items()):
+            m = len(self._placed_tokens(live))
             if self._joins_now(m):
-                self._join(self._live(rid), cache, 0, m)
-                self.spare.append(self.staged.pop(rid)[0])
+                self._join(live, cache, 0, m)
+                self.spare.append(self.staged.pop(rid)[1])
         group: list[tuple[Live, list[int]]] = []
         for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
             if budget <= 0 or len(group) == PREFILL_ROWS:
@@ -173,9 +174,6 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(first, tokens):
             self._emit(group[i][0], token, now)
-
-    def _live(self, rid: int) -> Live:
-        return next(live for live in self.running if live.request.id == rid)
 
     def _joins_now(self, m: int) -> bool:
         """Whether tokens of length m may take their row now: always but for KIVI, where they must start at a
@@ -241,7 +239,7 @@ class CompiledSlots(Scheduler):
         if not self.placed:
             self.pointer = m
         elif m > self.pointer:
-            self._rebase(max([m, *(x.held for x in self.running if x.request.id in self.placed)]))
+            self._rebase(max([m, *(x.held for x in self._stepping())]))
         c, row = self.pointer, self.slot_of[live.request.id]
         for into, layer in zip(self.cache.static_layers, source.static_layers):
             into.take_columns(row, layer, i, end - m, end, shift=c - end)
@@ -258,7 +256,7 @@ class CompiledSlots(Scheduler):
                                                                       self.columns)
         for into, layer in zip(cache.static_layers, source.static_layers):
             into.take_columns(0, layer, i, end - m, end, shift=m - end)
-        self.staged[live.request.id] = (cache, m)
+        self.staged[live.request.id] = (live, cache)
         live.held = m
         self.stagings += 1
 
@@ -270,7 +268,7 @@ class CompiledSlots(Scheduler):
             return
         if width >= self.columns:
             raise RuntimeError(f"no room to rebase to {width} of {self.columns} columns")  # submit refuses these
-        placed = [live for live in self.running if live.request.id in self.placed]
+        placed = self._stepping()
         held = max([live.held for live in placed], default=0)
         log.debug("rebase: pointer %d → %d (%d columns moved)", self.pointer, width, held)
         if held:
