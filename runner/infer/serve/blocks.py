@@ -5,12 +5,15 @@ holding n tokens holds ceil(n / block_size) blocks plus `reserve` blocks: what t
 tokens, at its worst over n (KIVI: up to residual_len − 1 newest tokens in full precision, the sinks, the codebooks;
 0 for every per-token kind). So `blocks × block_bytes` bounds the bytes the requests really hold (`cache_bytes`),
 whatever their lengths: a budget in bytes becomes floor(bytes / block_bytes) blocks.
-Blocks are counted, not placed: each request's cache is its own (serve/rows.py), so there is no physical pool to
-fragment and nothing shared between requests.
+Blocks have ids: each holder (a request, or a retained prompt prefix) holds a table of them, and a block may be in
+several tables (a shared prompt prefix: reference-counted, used once). For the kinds that store each token alone,
+serve/paged.py keeps the bytes in those blocks; for KIVI, whose groups and residual are per request, the ids are
+only counted (each request's cache is its own, serve/rows.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -53,37 +56,77 @@ def blocks_in(budget_bytes: int, spec: BlockSpec) -> int:
 
 @dataclass
 class BlockPool:
-    """`total` blocks and who holds how many. `hold` grows a holding or says it cannot; nothing blocks or waits."""
+    """`total` blocks and who holds which. `hold` grows a holding or says it cannot; nothing blocks or waits. Ids
+    are handed out lowest first (a freed one again before a new one), so the largest id stays below the most
+    blocks ever used at once."""
 
     spec: BlockSpec
     total: int
-    held: dict[int, int] = field(default_factory=dict)  # request id → blocks
-    used: int = 0
+    tables: dict[int, list[int]] = field(default_factory=dict)  # holder id → its block ids, in token order
+    refs: dict[int, int] = field(default_factory=dict)  # block id → how many tables hold it
+    _freed: list[int] = field(default_factory=list)
+    _next: int = 0
+
+    @property
+    def used(self) -> int:
+        return len(self.refs)
 
     @property
     def free(self) -> int:
         return self.total - self.used
 
+    @property
+    def held(self) -> dict[int, int]:
+        """Holder id → blocks in its table."""
+        return {rid: len(table) for rid, table in self.tables.items()}
+
     def shortfall(self, rid: int, tokens: int) -> int:
         """Blocks missing for request `rid` to hold `tokens` tokens (0: it fits)."""
-        return max(0, self.spec.blocks_for(tokens) - self.held.get(rid, 0) - self.free)
+        return max(0, self.spec.blocks_for(tokens) - len(self.tables.get(rid, ())) - self.free)
 
     def hold(self, rid: int, tokens: int) -> bool:
-        """Grow `rid`'s holding to cover `tokens` tokens; False (and nothing changed) if the blocks are not free."""
-        more = self.spec.blocks_for(tokens) - self.held.get(rid, 0)
+        """Grow `rid`'s table to cover `tokens` tokens with new blocks; False (and nothing changed) if they are not
+        free."""
+        table = self.tables.setdefault(rid, [])
+        more = self.spec.blocks_for(tokens) - len(table)
         if more > self.free:
+            if not table:
+                del self.tables[rid]
             return False
-        if more > 0:
-            self.held[rid] = self.held.get(rid, 0) + more
-            self.used += more
+        for _ in range(more):
+            table.append(self._take())
         return True
 
+    def share(self, rid: int, holder: int, blocks: int) -> None:
+        """Start `rid`'s table with the first `blocks` blocks of `holder`'s (a shared prefix: no new block)."""
+        assert not self.tables.get(rid), "a table starts with its shared prefix"
+        shared = self.tables[holder][:blocks]
+        for block in shared:
+            self.refs[block] += 1
+        self.tables[rid] = list(shared)
+
     def trim(self, rid: int, tokens: int) -> None:
-        """Shrink `rid`'s holding to what `tokens` tokens need (a rejected draft's blocks back to the pool)."""
-        if rid in self.held:
-            keep = min(self.held[rid], self.spec.blocks_for(tokens))
-            self.used -= self.held[rid] - keep
-            self.held[rid] = keep
+        """Shrink `rid`'s table to what `tokens` tokens need (a rejected draft's blocks back to the pool), in place."""
+        table = self.tables.get(rid)
+        if table is not None:
+            keep = min(len(table), self.spec.blocks_for(tokens))
+            self._drop(table[keep:])
+            del table[keep:]
 
     def release(self, rid: int) -> None:
-        self.used -= self.held.pop(rid, 0)
+        self._drop(self.tables.pop(rid, []))
+
+    def _take(self) -> int:
+        if self._freed:
+            block = heapq.heappop(self._freed)
+        else:
+            block, self._next = self._next, self._next + 1
+        self.refs[block] = 1
+        return block
+
+    def _drop(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
+                heapq.heappush(self._freed, block)

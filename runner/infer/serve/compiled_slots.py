@@ -75,7 +75,7 @@ class CompiledSlots(Scheduler):
         if config.prefix_caching:
             log.warning("prefix caching is off on the compiled engine (prompts are prefilled whole, then copied)")
         super().__init__(model, config, clock, tokenizer)
-        self.prefixes = None
+        self.prefixes = self.store = None  # its rows live in one static cache
         self.engine = engine or engine_for(model)
         before = self.engine.stats.reading()
         state = self.engine.state(config.cache_kind, config.max_running, columns, columns,

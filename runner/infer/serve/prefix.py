@@ -1,30 +1,25 @@
-"""Prefix caching by a chained hash of full prompt blocks (nano-vllm's scheme), served by copying.
+"""Prefix caching by a chained hash of full prompt blocks (nano-vllm's scheme), served by sharing the blocks.
 
 Block i of a prompt hashes (hash of block i − 1, its block_size token ids), so equal hashes mean equal prefixes
 (the tokens are compared too: no collision is trusted). A request whose prompt is in registers its full prompt
-blocks with itself as owner; a later request whose prompt starts with the same blocks gets a copy of the owner's
-cache cropped to them (`copy_prefix`) and prefills only the rest; `RequestRecord.cached_prompt_tokens` counts them.
-When an owner finishes, its cache, cropped to its full prompt blocks, stays as a `Retained` owner (`retire`): a
-conversation's next turn, or a request of the same group arriving after the last one left, still finds it. Retained
-prefixes are kept least recently used first out (`evict_oldest`): the scheduler charges their blocks to the KV budget
-and drops them before it preempts anyone, and caps them at `prefix_cache_blocks`.
-What it does not do: share memory (each request still holds its own blocks: prefix caching here saves prefill
-compute, not KV memory), keep a preempted request's prefix (its blocks are wanted back at once), or serve KIVI kinds
-(their groups and residual depend on how the prompt was fed: `eligible` says so).
+blocks with itself as owner; a later request whose prompt starts with the same blocks starts its block table with
+the owner's (the scheduler's `_share_prefix`: the same physical blocks of serve/paged.py, reference-counted) and
+prefills only the rest; `RequestRecord.cached_prompt_tokens` counts them. When an owner finishes, its full prompt
+blocks stay as a `Retained` owner (`retire`): a conversation's next turn, or a request of the same group arriving
+after the last one left, still finds them. Retained prefixes are kept least recently used first out
+(`evict_oldest`): the scheduler charges their blocks to the KV budget and drops them before it preempts anyone, and
+caps them at `prefix_cache_blocks`.
+What it does not do: keep a preempted request's prefix (its blocks are wanted back at once), or serve KIVI kinds
+(their groups and residual depend on how the prompt was fed, and they are not in the pool).
 Exact for kinds that store each token alone: the first n tokens' stored K/V depend on those tokens only.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from transformers.cache_utils import Cache
-
-from runner.infer.serve.rows import Flushes
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -36,24 +31,18 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
-def eligible(flushes: Flushes) -> bool:
-    """Whether a kind's prefix can be copied exactly: kinds that store each token alone."""
-    return flushes.every == 1
-
-
 @dataclass(eq=False)
 class Retained:
-    """A finished request's full prompt blocks: its cache cropped to them. `key`: its holder id in the block pool
-    (negative: never a request's)."""
+    """A finished request's full prompt blocks. `key`: its holder id in the block pool (negative: never a
+    request's)."""
 
     key: int
-    cache: Cache
     held: int  # tokens: whole blocks
 
 
 class PrefixIndex:
     """Full prompt blocks of running requests and of retained finished ones: chained hash → (owner, its prompt).
-    Owners are opaque objects with a `cache` and `held` tokens (the scheduler's Live, or a Retained)."""
+    Owners are opaque objects with `held` tokens (the scheduler's Live, or a Retained)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -69,19 +58,16 @@ class PrefixIndex:
         for h in [h for h, (o, _) in self.owners.items() if o is owner]:
             del self.owners[h]
 
-    def retire(self, owner: Any, cache: Cache) -> Retained | None:
-        """`owner` leaves: the blocks it owns pass to a Retained: its `cache` cropped to its full prompt blocks, in
-        place (None when it owns none: another owner offers the same blocks)."""
+    def retire(self, owner: Any) -> Retained | None:
+        """`owner` leaves: the blocks it owns pass to a Retained, its full prompt blocks (None when it owns none:
+        another owner offers the same blocks)."""
         owned = [h for h, (o, _) in self.owners.items() if o is owner]
         if not owned:
             return None
         prompt = self.owners[owned[0]][1]
         tokens = len(prompt) // self.block_size * self.block_size  # it holds its prompt: it was added once in
-        if owner.held > tokens:
-            for layer in cache.layers:
-                layer.crop(tokens - owner.held)  # type: ignore[union-attr]
         self._keys -= 1
-        kept = self.retained[self._keys] = Retained(self._keys, cache, tokens)
+        kept = self.retained[self._keys] = Retained(self._keys, tokens)
         for h in owned:
             self.owners[h] = (kept, prompt)
         return kept
@@ -106,11 +92,3 @@ class PrefixIndex:
             self.retained.move_to_end(found.key)  # used: the last to go
         return found, length
 
-
-def copy_prefix(cache: Cache, held: int, tokens: int) -> Cache:
-    """A copy of `cache` (holding `held` tokens) with only its first `tokens` tokens."""
-    prefix = copy.deepcopy(cache)
-    if tokens < held:
-        for layer in prefix.layers:
-            layer.crop(tokens - held)  # type: ignore[union-attr]  # a negative count removes that many (DynamicLayer and ours alike)
-    return prefix

@@ -1,7 +1,8 @@
 """One batched forward over requests that each own their cache: the decode step of continuous batching.
 
-Each running request owns a cache of its kind (`registry.make_cache`, batch 1), so what it stores is exactly what a
-solo decode stores, for every kind, KIVI's per-request groups and residual included. A decode step builds a
+Each running request has a cache of its own (its blocks in the pool, serve/paged.py, or for KIVI its own
+`registry.make_cache`, batch 1), so what it stores is exactly what a solo decode stores, for every kind, KIVI's
+per-request groups and residual included. A decode step builds a
 transformers Cache of `RowsLayer`s over the rows of the step: each layer's `update` splits the new [B,H,1,D] K/V
 by row, hands row r's to
 row r's own layer, and returns every row's whole K/V stacked right-aligned ([B,H,W,D], W the longest row; zeros on
@@ -13,8 +14,8 @@ Prefill chunks of several requests go in one forward the same way (`feed_rows`: 
 longest chunk; the padding is sliced off before it reaches a row's layer, so it is never stored). `chunk_end`
 says where a chunk may end so that the cache ends up as a whole-prompt prefill then one-token decodes would leave
 it: any end for kinds that store each token alone; for KIVI, ends aligned to its residual flushes (below).
-Costs: stacking copies every row's K/V once per layer per step (O(B·W) on top of the layers' own concatenation);
-there is no shared physical pool (memory grows with each request's real tokens; blocks are the accounting unit).
+Costs: stacking copies every row's K/V once per layer per step (O(B·W) on top of each row's own gather or
+concatenation).
 """
 
 from __future__ import annotations

@@ -21,15 +21,17 @@ ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting
 (`finish="refused"`); a request whose prompt + max_new_tokens exceeds the whole KV budget is refused at submission
 (`finish="error"`), so a lone request always fits and nothing waits forever.
 
-Exactness: every request's stored K/V are a solo decode's (its own cache, chunks that end where rows.Flushes says),
+Memory: for the kinds that store each token alone, the K/V live in one physical pool (serve/paged.py) in the very
+blocks the BlockPool counts, and never past the budget's; a KIVI request keeps its own cache (its blocks counted).
+Exactness: every request's stored K/V are a solo decode's (its blocks or its own cache, chunks that end where
+rows.Flushes says),
 so greedy output equals its solo greedy decode up to float reductions over masked columns (near ties only). Seeded
 sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch never changes it.
-Prefix caching (`prefix_caching`, serve/prefix.py) copies a running or finished request's full prompt blocks into a
-new request's cache, so its prefill skips them; finished requests' prompt blocks are kept up to
-`prefix_cache_blocks`, charged to the budget and dropped (least recently used first) before anyone waits or is
-preempted for blocks. What it does not do: no shared physical KV pool (blocks are accounting;
-memory follows real tokens; a prefix hit saves compute, not memory), no CUDA graphs or compiled steps (the compiled
-engine comes later).
+Prefix caching (`prefix_caching`, serve/prefix.py) starts a new request's block table with the full prompt blocks of
+a running or finished request (shared, stored once), so its prefill skips them and its memory holds them once;
+finished requests' prompt blocks are kept up to `prefix_cache_blocks`, charged to the budget and dropped (least
+recently used first) before anyone waits or is preempted for blocks. What it does not do: KIVI in the pool, CUDA
+graphs or compiled steps (serve/compiled_slots.py).
 Times come from the injected clock (seconds of the load); `timeline` records (t_s, running, blocks_used, waiting)
 per step.
 """
@@ -50,7 +52,8 @@ from runner.infer.decode.forward import eos_ids
 from runner.infer.decode.sampling import greedy_tokens, next_token
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
 from runner.infer.serve.drafting import DraftRows
-from runner.infer.serve.prefix import PrefixIndex, copy_prefix, eligible
+from runner.infer.serve.paged import PagedStore, pageable
+from runner.infer.serve.prefix import PrefixIndex, Retained
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.rows import Flushes, chunk_end, feed_rows, rows_reason
 from runner.infer.speculative.rounds import lookup_proposal
@@ -72,7 +75,7 @@ class SchedulerConfig:
     max_tokens_per_step: int = 256  # decode rows + prefill tokens per step
     max_running: int = 64  # most requests in the running batch (vLLM's max_num_seqs)
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
-    prefix_caching: bool = False  # copy shared prompt blocks of running and finished requests (serve/prefix.py)
+    prefix_caching: bool = False  # share prompt blocks of running and finished requests (serve/prefix.py)
     prefix_cache_blocks: int = 512  # most blocks of finished requests' prompts kept for later ones (0: none)
     spec_k: int = 0  # speculation: a greedy decoding row drafts ≤ spec_k tokens (0: none); prompt lookup unless
     # the Scheduler is given a draft model
@@ -135,7 +138,10 @@ class Scheduler:
                  else blocks_in(self.config.kv_budget_bytes, spec) if self.config.kv_budget_bytes is not None
                  else 2**62)
         self.pool = BlockPool(spec, total)
-        caching = self.config.prefix_caching and eligible(self.flushes)
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.store = (PagedStore(self.config.cache_kind, model.dtype, n_layers, self.config.block_size, total)
+                      if pageable(self.config.cache_kind) else None)  # None: each request's cache is its own (KIVI)
+        caching = self.config.prefix_caching and self.store is not None
         if self.config.prefix_caching and not caching:
             log.warning("prefix caching is off for %s: its stored K/V depend on how the prompt was fed",
                         self.config.cache_kind)
@@ -223,9 +229,13 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             live = self.waiting[0]
+            live.held = self._share_prefix(live)
             if not self._hold(live.request.id, live.target):
+                self.pool.release(live.request.id)
+                live.held = 0
                 return
             self.waiting.popleft()
+            live.record.cached_prompt_tokens += live.held
             live.cache = self._start_cache(live)
             if live.record.scheduled_s is None:
                 live.record.scheduled_s = self.clock()
@@ -240,17 +250,24 @@ class Scheduler:
             self.pool.release(self.prefixes.evict_oldest().key)
         return True
 
+    def _share_prefix(self, live: Live) -> int:
+        """Start a waiting request's block table with the longest run of full prompt blocks a running or retained
+        request holds (at least one token is left to prefill: its logits give the next token) → their tokens."""
+        if self.prefixes is None:
+            return 0
+        owner, tokens = self.prefixes.lookup(live.sequence, live.target - 1)
+        if owner is None:
+            return 0
+        holder = owner.key if isinstance(owner, Retained) else owner.request.id
+        self.pool.share(live.request.id, holder, tokens // self.config.block_size)
+        return tokens
+
     def _start_cache(self, live: Live) -> Cache:
-        """An admitted request's own cache: empty, or a copy of a running request's shared prompt blocks (at
-        least one token is left to prefill: its logits give the next token). Sets `live.held`."""
-        live.held = 0
-        if self.prefixes is not None:
-            owner, tokens = self.prefixes.lookup(live.sequence, live.target - 1)
-            if owner is not None:
-                live.held = tokens
-                live.record.cached_prompt_tokens += tokens
-                return copy_prefix(owner.cache, owner.held, tokens)
-        return make_cache(self.config.cache_kind, self.model)
+        """An admitted request's cache: over its block table in the pool (its shared prefix, `live.held` tokens,
+        already there), or for KIVI its own."""
+        if self.store is None:
+            return make_cache(self.config.cache_kind, self.model)
+        return self.store.cache(self.pool.tables[live.request.id], live.held)
 
     def _decode(self, rows: list[Live]) -> None:
         """One forward of every decoding row: each feeds its last output token, and with spec_k its draft."""
@@ -368,23 +385,23 @@ class Scheduler:
         if finish:
             record.finish = finish
             self._leave(live, retain=True)
-        elif n == 1 and self.prefixes is not None:  # its prompt is in: later requests may copy its blocks
+        elif n == 1 and self.prefixes is not None:  # its prompt is in: later requests may share its blocks
             self.prefixes.add(live, request.prompt_ids)
 
     def _leave(self, live: Live, retain: bool = False) -> None:
         """Out of the running batch: its blocks and cache go, and its prompt blocks stop being offered, or with
         `retain` (it finished) stay offered as a retained prefix, within prefix_cache_blocks."""
         self.running.remove(live)
-        self.pool.release(live.request.id)
         if self.drafter is not None:
             self.drafter.drop(live.request.id)
-        cache, live.cache = live.cache, None
+        live.cache = None
+        if self.prefixes is not None and retain and self.config.prefix_cache_blocks > 0:
+            kept = self.prefixes.retire(live)
+            if kept is not None:  # its full prompt blocks stay, shared with whoever else holds them
+                self.pool.share(kept.key, live.request.id, kept.held // self.config.block_size)
+        self.pool.release(live.request.id)
         if self.prefixes is None:
             return
-        if retain and cache is not None and self.config.prefix_cache_blocks > 0:
-            kept = self.prefixes.retire(live, cache)
-            if kept is not None:
-                self.pool.hold(kept.key, kept.held)  # always fits: at most the blocks it just released
         self.prefixes.remove(live)
         retained = self.prefixes.retained
         while retained and sum(self.pool.held[k] for k in retained) > self.config.prefix_cache_blocks:
