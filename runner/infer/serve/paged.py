@@ -88,6 +88,31 @@ class PagedStore:
         return Cache(layers=[PagedLayer(self, i, table, held) for i in range(len(self.parts))])
 
 
+def update_rows(rows: list[PagedLayer], key_states: torch.Tensor, value_states: torch.Tensor, news: list[int],
+                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One model layer of a batched step over requests in the pool: row r's last news[r] columns of the new
+    [B,H,T,D] K/V go into its blocks; returns every row's whole K/V right-aligned, [B,H,width,D] each, gathered in
+    one read. The columns left of a row's tokens read pool column 0 (finite; the step's mask gives them weight 0)."""
+    store, layer, t = rows[0].store, rows[0].layer, key_states.shape[-2]
+    new = [(r, t - n) for r, n in enumerate(news) if n]
+    keys = torch.cat([key_states[r, :, start:] for r, start in new], dim=1)[None]  # [1,H,Σn,D]
+    values = torch.cat([value_states[r, :, start:] for r, start in new], dim=1)[None]
+    store.write(layer, torch.cat([row._columns(row.held, row.held + n) for row, n in zip(rows, news) if n]),
+                keys, values)
+    columns = torch.zeros((len(rows), width), dtype=torch.long)  # [B,W]
+    for r, (row, n) in enumerate(zip(rows, news)):
+        row.held += n
+        columns[r, width - row.held:] = row._columns(0, row.held)
+    parts = store.read(layer, columns.flatten())  # [H,B·W,C] each
+    half = len(parts) // 2
+
+    def rows_of(side: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        whole = store.decode(side, like.shape[-1], like.dtype)[0]  # [H,B·W,D]
+        return whole.unflatten(1, (len(rows), width)).transpose(0, 1)  # [B,H,W,D]
+
+    return rows_of(parts[:half], key_states), rows_of(parts[half:], value_states)
+
+
 class PagedLayer(DynamicLayer):
     """One model layer of a request in the pool: its tokens live in the blocks of `table`, in order."""
 

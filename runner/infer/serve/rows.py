@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runner.infer.cache.layers import CastLayer, KiviLayer, QuantLayer
 from runner.infer.decode.forward import forward_tail
+from runner.infer.serve.paged import PagedLayer, update_rows
 
 
 def rows_reason(cache: Cache) -> str:
@@ -53,6 +54,8 @@ class RowsLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """[B,H,T,D] new K/V → every row's whole K/V right-aligned, [B,H,past+T,D] each (zeros on the left)."""
         t = key_states.shape[-2]
+        if all(isinstance(row, PagedLayer) for row in self.rows):  # one write and one gather for the batch
+            return update_rows(self.rows, key_states, value_states, self.news, self.past + t)
         held = [row.update(key_states[r:r + 1, :, t - n:], value_states[r:r + 1, :, t - n:])
                 for r, (row, n) in enumerate(zip(self.rows, self.news))]
         width = self.past + t
