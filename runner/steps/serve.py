@@ -157,6 +157,8 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases,
                   "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns,
                   "kv_allocated_mib": cache_bytes(server.cache) / MIB}  # the whole static cache, whatever the budget
+    elif isinstance(server, Scheduler) and server.store is not None:  # the pool's storage: ≤ the budget's blocks
+        point["kv_allocated_mib"] = server.store.nbytes() / MIB
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
         server.count_prompt_tokens()
         counted = server.server_prompt_tokens

@@ -53,6 +53,10 @@ def test_every_system_serves_every_point_on_the_same_requests(serve_run):
     assert set(not_run["system"]) <= {"transformers"} and (not_run["cache_kind"] == "q8_0").all()
     assert (ok["completed"] == 6).all() and (ok["refused"] == 0).all()
     assert (ok["output_tokens_per_s"] > 0).all() and (ok["p90_ttft_ms"] >= ok["p50_ttft_ms"]).all()
+    config = AutoConfig.for_model(**TINY_LLAMA)
+    for _, ours in ok[ok["system"] == "ours"].iterrows():  # the pool's storage: some blocks, never past kv_blocks
+        block_bytes = estimate_cache_bytes(config, ours["cache_kind"], 1, 4, torch.float32)
+        assert 0 < ours["kv_allocated_mib"] * 2**20 <= 64 * block_bytes
     requests = pd.read_csv(step / "serve_requests.csv")
     assert len(requests) == len(ok) * 6
     per_request = requests.groupby(["x", "cache_kind", "id"])
