@@ -135,12 +135,7 @@ class PagedLayer(DynamicLayer):
         """Store the new [1,H,t,D] K/V in the request's blocks (the scheduler held them); return its whole K/V,
         [1,H,T,D] each, in the dtype they arrived in."""
         t = key_states.shape[-2]
-        self.store.write(self.layer, self._columns(self.held, self.held + t), key_states, value_states)
-        self.held += t
-        parts = self.store.read(self.layer, self._columns(0, self.held))
-        half = len(parts) // 2
-        return (self.store.decode(parts[:half], key_states.shape[-1], key_states.dtype),
-                self.store.decode(parts[half:], value_states.shape[-1], value_states.dtype))
+        return update_rows([self], key_states, value_states, [t], self.held + t)
 
     def get_seq_length(self) -> int:
         return self.held
