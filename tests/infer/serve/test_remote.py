@@ -62,7 +62,8 @@ def test_chat_api_and_text_prompts_are_counted_by_the_server(tiny_lm):
 def test_a_full_queue_is_a_refusal_and_a_wrong_model_an_error(tiny_lm):
     config = SchedulerConfig(block_size=4, num_blocks=200, max_running=1, max_queue=1,
                              sampling=GenerateConfig(temperature=0.0, max_seq_len=256))
-    requests = _requests(tiny_lm, 6, 24, 0.0)  # all at once: one runs, one waits, the rest find the queue full
+    requests = _requests(tiny_lm, 6, 200, 0.0)  # all at once: one runs (long enough for the others to arrive under
+    # a busy CPU), one waits, the rest find the queue full
     with serving(tiny_lm.model, tiny_lm.tokenizer, config, model_name="tiny") as server:
         remote = RemoteServer(Endpoint("ours-http", server.url, "tiny"), tiny_lm.tokenizer)
         wrong = RemoteServer(Endpoint("wrong", server.url, "no-such-model"), tiny_lm.tokenizer)
