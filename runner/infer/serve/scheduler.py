@@ -403,6 +403,9 @@ class Scheduler:
         if self.prefixes is None:
             return
         self.prefixes.remove(live)
+        for other in self.running:  # who shares the blocks it offered offers them now (a preempted or cancelled
+            if other.record.output_ids:  # owner's prefix stays findable while anyone holds it)
+                self.prefixes.add(other, other.request.prompt_ids)
         retained = self.prefixes.retained
         while retained and sum(self.pool.held[k] for k in retained) > self.config.prefix_cache_blocks:
             self.pool.release(self.prefixes.evict_oldest().key)

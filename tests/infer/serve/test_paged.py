@@ -11,6 +11,7 @@ from runner.infer.config.kinds import parse_kind
 from runner.infer.serve.blocks import BlockPool, BlockSpec
 from runner.infer.serve.paged import PagedStore, pageable
 from runner.infer.serve.requests import Request
+from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
 from tests.infer.serve.test_scheduler import _run, _solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,3 +83,26 @@ def test_a_shared_prefix_is_stored_once_so_the_budget_admits_more(tiny_lm):
         peaks[caching] = max(running for _, running, _, _ in scheduler.timeline)
         assert max(used for _, _, used, _ in scheduler.timeline) <= 14
     assert peaks == {False: 1, True: 4}  # 7 shared + 4 × 1 own blocks = 11
+
+
+def test_a_prefix_outlives_its_owner_while_a_sharer_holds_it(tiny_lm):
+    """The owner of a shared prefix is cancelled while a request sharing its blocks runs: a later request still finds
+    the prefix (offered now by the sharer) and its tokens are still its solo decode's."""
+    model, g = tiny_lm.model, torch.Generator().manual_seed(4)
+    shared = tuple(torch.randint(3, 250, (16,), generator=g).tolist())  # 2 blocks of 8
+    requests = [Request(i, 0.0, shared + tuple(torch.randint(3, 250, (3,), generator=g).tolist()), max_new_tokens=12,
+                        min_new_tokens=12) for i in range(3)]
+    scheduler = Scheduler(model, SchedulerConfig(block_size=8, prefix_caching=True))
+    first = scheduler.submit(requests[0])
+    while not first.output_ids:  # its prompt is in: it offers its blocks
+        scheduler.step()
+    second = scheduler.submit(requests[1])
+    while len(second.output_ids) < 2:
+        scheduler.step()
+    assert second.cached_prompt_tokens == 16 and scheduler.cancel(0)
+    third = scheduler.submit(requests[2])
+    while scheduler.busy:
+        scheduler.step()
+    assert first.finish == "cancelled" and third.cached_prompt_tokens == 16
+    assert [second.output_ids, third.output_ids] == [_solo(model, r, None, temperature=0, eos_token_id=[])
+                                                     for r in requests[1:]]
