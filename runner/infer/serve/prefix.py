@@ -9,7 +9,8 @@ blocks stay as a `Retained` owner (`retire`): a conversation's next turn, or a r
 after the last one left, still finds them. Retained prefixes are kept least recently used first out
 (`evict_oldest`): the scheduler charges their blocks to the KV budget and drops them before it preempts anyone, and
 caps them at `prefix_cache_blocks`.
-What it does not do: keep a preempted request's prefix (its blocks are wanted back at once), or serve KIVI kinds
+A request sharing an owner's blocks offers them once the owner is preempted or cancelled (the scheduler's `_leave`).
+What it does not do: keep a preempted request's own prefix (its blocks are wanted back at once), or serve KIVI kinds
 (their groups and residual depend on how the prompt was fed, and they are not in the pool).
 Exact for kinds that store each token alone: the first n tokens' stored K/V depend on those tokens only.
 """
