@@ -2,13 +2,12 @@
 
 Each running request has a cache of its own (its blocks in the pool, serve/paged.py, or for KIVI its own
 `registry.make_cache`, batch 1), so what it stores is exactly what a solo decode stores, for every kind, KIVI's
-per-request groups and residual included. A decode step builds a
-transformers Cache of `RowsLayer`s over the rows of the step: each layer's `update` splits the new [B,H,1,D] K/V
-by row, hands row r's to
-row r's own layer, and returns every row's whole K/V stacked right-aligned ([B,H,W,D], W the longest row; zeros on
-the left, masked by the 2D padding mask). Positions are explicit per row (`positions_from` semantics: the real
-tokens before), so a row's attention and RoPE are those of a solo decode; only float reductions over the masked
-columns can move the logits in the last bits (greedy differs only at near ties).
+per-request groups and residual included. A decode step builds a transformers Cache of `RowsLayer`s over the rows of
+the step: each layer's `update` splits the new [B,H,1,D] K/V by row, hands row r's to row r's own layer (rows in the
+pool: one write and one gather for all, paged.update_rows), and returns every row's whole K/V stacked right-aligned
+([B,H,W,D], W the longest row; zeros on the left, masked by the 2D padding mask). Positions are explicit per row
+(`positions_from` semantics: the real tokens before), so a row's attention and RoPE are those of a solo decode; only
+float reductions over the masked columns can move the logits in the last bits (greedy differs only at near ties).
 
 Prefill chunks of several requests go in one forward the same way (`feed_rows`: each row left-padded to the
 longest chunk; the padding is sliced off before it reaches a row's layer, so it is never stored). `chunk_end`

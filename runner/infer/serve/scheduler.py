@@ -24,9 +24,9 @@ ignore_eos), a stop string, `max_new_tokens` or `max_seq_len`. A bounded waiting
 Memory: for the kinds that store each token alone, the K/V live in one physical pool (serve/paged.py) in the very
 blocks the BlockPool counts, and never past the budget's; a KIVI request keeps its own cache (its blocks counted).
 Exactness: every request's stored K/V are a solo decode's (its blocks or its own cache, chunks that end where
-rows.Flushes says),
-so greedy output equals its solo greedy decode up to float reductions over masked columns (near ties only). Seeded
-sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch never changes it.
+rows.Flushes says), so greedy output equals its solo greedy decode up to float reductions over masked columns (near
+ties only). Seeded sampling draws from the request's own torch.Generator (`request_seed`): what else is in the batch
+never changes it.
 Prefix caching (`prefix_caching`, serve/prefix.py) starts a new request's block table with the full prompt blocks of
 a running or finished request (shared, stored once), so its prefill skips them and its memory holds them once;
 finished requests' prompt blocks are kept up to `prefix_cache_blocks`, charged to the budget and dropped (least
