@@ -20,7 +20,6 @@ from pathlib import Path
 import pandas as pd
 
 from runner.errors import StepError
-from runner.infer.cache.layers import cache_bytes
 from runner.infer.compiled.engine import length_bucket
 from runner.infer.config.architecture import compiled_refusal
 from runner.infer.config.decoding import GenerateConfig
@@ -155,10 +154,9 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
                   "acceptance": server.accepted / server.drafted if server.drafted else float("nan")}
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases,
-                  "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns,
-                  "kv_allocated_mib": cache_bytes(server.cache) / MIB}  # the whole static cache, whatever the budget
-    elif isinstance(server, Scheduler) and server.store is not None:  # the pool's storage: ≤ the budget's blocks
-        point["kv_allocated_mib"] = server.store.nbytes() / MIB
+                  "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns}
+    if isinstance(server, CompiledSlots) or (isinstance(server, Scheduler) and server.store is not None):
+        point["kv_allocated_mib"] = server.kv_bytes() / MIB  # the slots' whole static cache, or the pool's storage
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
         server.count_prompt_tokens()
         counted = server.server_prompt_tokens

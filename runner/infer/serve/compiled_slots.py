@@ -44,6 +44,7 @@ import logging
 
 import torch
 
+from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.compiled.state import StaticDecodeState
@@ -134,6 +135,10 @@ class CompiledSlots(Scheduler):
         if live.request.id in self.staged:
             self.spare.append(self.staged.pop(live.request.id)[1])
         self.mask[row] = 0
+
+    def kv_bytes(self) -> int:
+        """The static cache, allocated whole whatever the budget, and the staged requests' one-row caches."""
+        return cache_bytes(self.cache) + sum(cache_bytes(cache) for _, cache in self.staged.values())
 
     def _stepping(self) -> list[Live]:
         """Every placed row: decoding, or feeding the outputs of a recomputed KIVI request (`_placed_tokens`)."""

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.registry import make_cache
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.decode.forward import eos_ids
@@ -194,6 +195,12 @@ class Scheduler:
             self._leave(live)
         live.record.finish = "cancelled"
         return True
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV storage allocated now: the pool's whole storage, or (KIVI) the running requests' own caches."""
+        if self.store is not None:
+            return self.store.nbytes()
+        return sum(cache_bytes(live.cache) for live in self.running if live.cache is not None)
 
     def sampling_of(self, live: Live) -> GenerateConfig:
         return live.request.sampling or self.config.sampling

@@ -179,7 +179,7 @@ class EngineLoop:
     def _gauges(self) -> None:
         s = self.scheduler
         self.counts = (len(s.running), len(s.waiting), s.pool.used)
-        self.metrics.state(*self.counts, self.now())
+        self.metrics.state(*self.counts, s.kv_bytes(), self.now())
 
 
 def _send(sink: Sink, event: Event) -> None:

@@ -42,6 +42,8 @@ class ServerMetrics:
         self.waiting = Gauge("runner_requests_waiting", "Requests in the waiting queue", registry=r)
         self.kv_blocks_used = Gauge("runner_kv_blocks_used", "KV blocks held by running requests", registry=r)
         self.kv_blocks_total = Gauge("runner_kv_blocks_total", "KV blocks in the budget", registry=r)
+        self.kv_bytes = Gauge("runner_kv_bytes", "Bytes of KV storage allocated (the pool's, which grows up to the "
+                              "budget; the compiled slots' static cache; KIVI requests' own caches)", registry=r)
         self.prompt_tokens = Counter("runner_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter("runner_generation_tokens", "Output tokens generated", registry=r)
         self.tokens_per_s = Gauge("runner_generation_tokens_per_second",
@@ -67,10 +69,11 @@ class ServerMetrics:
             self.generation_tokens.inc(tokens)
             self._recent.append((now_s, tokens))
 
-    def state(self, running: int, waiting: int, blocks_used: int, now_s: float) -> None:
+    def state(self, running: int, waiting: int, blocks_used: int, kv_bytes: int, now_s: float) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_blocks_used.set(blocks_used)
+        self.kv_bytes.set(kv_bytes)
         if self._start_s is None:
             self._start_s = now_s
         while self._recent and self._recent[0][0] < now_s - RATE_WINDOW_S:

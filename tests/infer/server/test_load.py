@@ -116,5 +116,7 @@ def test_a_bounded_load_loses_no_request_and_leaks_no_slot(tiny_lm):
                                                           "runner_kv_blocks_used", "runner_kv_blocks_total")}
     assert gauges == {"runner_requests_running": 0, "runner_requests_waiting": 0, "runner_kv_blocks_used": 0,
                       "runner_kv_blocks_total": 64}
+    pool_bytes = families["runner_kv_bytes"].samples[0].value  # the pool's storage stays allocated, within budget
+    assert pool_bytes == scheduler.kv_bytes() and 0 < pool_bytes <= 64 * scheduler.pool.spec.block_bytes
     generated = families["runner_generation_tokens"].samples[0].value
     assert generated >= sum(6 + i % 5 for i in range(6))
