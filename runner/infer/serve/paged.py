@@ -59,11 +59,13 @@ class PagedStore:
         """Store new K/V ([1,H,t,D]) at pool `columns` [t] of `layer`."""
         new = [*self.encode(key), *self.encode(value)]
         self._grow(layer, new, int(columns.max()) // self.block_size + 1)
+        columns = columns.to(key.device)  # block tables live on the CPU
         for stored, part in zip(self.parts[layer], new):
             stored.index_copy_(1, columns, part)
 
     def read(self, layer: int, columns: torch.Tensor) -> list[torch.Tensor]:
         """The stored parts at pool `columns` [T] of `layer`: K's, then V's, [H,T,C] each."""
+        columns = columns.to(self.parts[layer][0].device)
         return [stored.index_select(1, columns) for stored in self.parts[layer]]
 
     def _grow(self, layer: int, like: list[torch.Tensor], blocks: int) -> None:
