@@ -90,27 +90,38 @@ class PagedStore:
         return Cache(layers=[PagedLayer(self, i, table, held) for i in range(len(self.parts))])
 
 
+def step_columns(rows: list[PagedLayer], news: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a batched step writes and reads in the pool, the same for every model layer (computed once a step):
+    the pool columns of row r's news[r] new tokens, all rows in order [Σn], and of its whole K/V right-aligned in
+    `width` [B·W]. The columns left of a row's tokens read pool column 0 (finite; the step's mask gives them
+    weight 0)."""
+    writes, reads = [], torch.zeros((len(rows), width), dtype=torch.long)  # [B,W]
+    for r, (row, n) in enumerate(zip(rows, news)):
+        columns = row._columns(0, row.held + n)
+        writes.append(columns[row.held:])
+        reads[r, width - len(columns):] = columns
+    return torch.cat(writes), reads.flatten()
+
+
 def update_rows(rows: list[PagedLayer], key_states: torch.Tensor, value_states: torch.Tensor, news: list[int],
-                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                columns: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One model layer of a batched step over requests in the pool: row r's last news[r] columns of the new
-    [B,H,T,D] K/V go into its blocks; returns every row's whole K/V right-aligned, [B,H,width,D] each, gathered in
-    one read. The columns left of a row's tokens read pool column 0 (finite; the step's mask gives them weight 0)."""
+    [B,H,T,D] K/V go into its blocks; returns every row's whole K/V right-aligned, [B,H,W,D] each, gathered in one
+    read. `columns`: the step's `step_columns`."""
     store, layer, t = rows[0].store, rows[0].layer, key_states.shape[-2]
     new = [(r, t - n) for r, n in enumerate(news) if n]
     keys = torch.cat([key_states[r, :, start:] for r, start in new], dim=1)[None]  # [1,H,Σn,D]
     values = torch.cat([value_states[r, :, start:] for r, start in new], dim=1)[None]
-    store.write(layer, torch.cat([row._columns(row.held, row.held + n) for row, n in zip(rows, news) if n]),
-                keys, values)
-    columns = torch.zeros((len(rows), width), dtype=torch.long)  # [B,W]
-    for r, (row, n) in enumerate(zip(rows, news)):
+    writes, reads = columns
+    store.write(layer, writes, keys, values)
+    for row, n in zip(rows, news):
         row.held += n
-        columns[r, width - row.held:] = row._columns(0, row.held)
-    parts = store.read(layer, columns.flatten())  # [H,B·W,C] each
+    parts = store.read(layer, reads)  # [H,B·W,C] each
     half = len(parts) // 2
 
     def rows_of(side: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         whole = store.decode(side, like.shape[-1], like.dtype)[0]  # [H,B·W,D]
-        return whole.unflatten(1, (len(rows), width)).transpose(0, 1)  # [B,H,W,D]
+        return whole.unflatten(1, (len(rows), -1)).transpose(0, 1)  # [B,H,W,D]
 
     return rows_of(parts[:half], key_states), rows_of(parts[half:], value_states)
 
@@ -137,7 +148,7 @@ class PagedLayer(DynamicLayer):
         """Store the new [1,H,t,D] K/V in the request's blocks (the scheduler held them); return its whole K/V,
         [1,H,T,D] each, in the dtype they arrived in."""
         t = key_states.shape[-2]
-        return update_rows([self], key_states, value_states, [t], self.held + t)
+        return update_rows([self], key_states, value_states, [t], step_columns([self], [t], self.held + t))
 
     def get_seq_length(self) -> int:
         return self.held

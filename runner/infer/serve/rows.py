@@ -4,10 +4,11 @@ Each running request has a cache of its own (its blocks in the pool, serve/paged
 `registry.make_cache`, batch 1), so what it stores is exactly what a solo decode stores, for every kind, KIVI's
 per-request groups and residual included. A decode step builds a transformers Cache of `RowsLayer`s over the rows of
 the step: each layer's `update` splits the new [B,H,1,D] K/V by row, hands row r's to row r's own layer (rows in the
-pool: one write and one gather for all, paged.update_rows), and returns every row's whole K/V stacked right-aligned
-([B,H,W,D], W the longest row; zeros on the left, masked by the 2D padding mask). Positions are explicit per row
-(`positions_from` semantics: the real tokens before), so a row's attention and RoPE are those of a solo decode; only
-float reductions over the masked columns can move the logits in the last bits (greedy differs only at near ties).
+pool: one write and one gather for all, their columns computed once a step, paged.step_columns), and returns every
+row's whole K/V stacked right-aligned ([B,H,W,D], W the longest row; zeros on the left, masked by the 2D padding
+mask). Positions are explicit per row (`positions_from` semantics: the real tokens before), so a row's attention and
+RoPE are those of a solo decode; only float reductions over the masked columns can move the logits in the last bits
+(greedy differs only at near ties).
 
 Prefill chunks of several requests go in one forward the same way (`feed_rows`: each row left-padded to the
 longest chunk; the padding is sliced off before it reaches a row's layer, so it is never stored). `chunk_end`
@@ -26,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runner.infer.cache.layers import CastLayer, KiviLayer, QuantLayer
 from runner.infer.decode.forward import forward_tail
-from runner.infer.serve.paged import PagedLayer, update_rows
+from runner.infer.serve.paged import PagedLayer, step_columns, update_rows
 
 
 def rows_reason(cache: Cache) -> str:
@@ -42,9 +43,10 @@ class RowsLayer(DynamicLayer):
     """One model layer of a step: row r's new K/V (its last `news[r]` columns; the rest is left padding, never
     stored) go into `rows[r]`, that request's own layer."""
 
-    def __init__(self, rows: list, past: int, news: list[int]):
+    def __init__(self, rows: list, past: int, news: list[int], columns: tuple[torch.Tensor, torch.Tensor] | None):
         super().__init__()
         self.rows, self.past, self.news = rows, past, news  # past: the mask's offset (width − new columns)
+        self.columns = columns  # rows in the pool: the step's paged.step_columns, shared by every layer; else None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -53,8 +55,8 @@ class RowsLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """[B,H,T,D] new K/V → every row's whole K/V right-aligned, [B,H,past+T,D] each (zeros on the left)."""
         t = key_states.shape[-2]
-        if all(isinstance(row, PagedLayer) for row in self.rows):  # one write and one gather for the batch
-            return update_rows(self.rows, key_states, value_states, self.news, self.past + t)
+        if self.columns is not None:  # rows in the pool: one write and one gather for the batch
+            return update_rows(self.rows, key_states, value_states, self.news, self.columns)
         held = [row.update(key_states[r:r + 1, :, t - n:], value_states[r:r + 1, :, t - n:])
                 for r, (row, n) in enumerate(zip(self.rows, self.news))]
         width = self.past + t
@@ -86,7 +88,10 @@ def feed_rows(model, chunks: list[list[int]], caches: list[Cache], lengths: list
         positions[r, t - len(chunk):] = torch.arange(held, held + len(chunk))
         mask[r, width - held - len(chunk):] = 1
     n_layers = len(caches[0].layers)
-    batch = Cache(layers=[RowsLayer([c.layers[i] for c in caches], width - t, news) for i in range(n_layers)])
+    paged = [c.layers[0] for c in caches if isinstance(c.layers[0], PagedLayer)]
+    columns = step_columns(paged, news, width) if len(paged) == len(caches) else None  # once for every layer
+    batch = Cache(layers=[RowsLayer([c.layers[i] for c in caches], width - t, news, columns)
+                          for i in range(n_layers)])
     return forward_tail(model, ids.to(device), mask.to(device), positions.to(device), batch, keep)
 
 
