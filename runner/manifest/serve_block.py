@@ -164,8 +164,9 @@ class ServeBlock(Strict):
     max_tokens_per_step: int = Field(512, ge=1, le=MAX_TOKENS, description=(
         "Tokens one scheduler step may process (chunked prefill mixed with decoding)."))
     prefix_caching: bool = Field(False, description=(
-        "Our scheduler (eager engine) copies the full prompt blocks a new request shares with a running or finished "
-        "one instead of prefilling them; transformers' baseline shares its blocks. Not for KIVI kinds."))
+        "Our scheduler reuses the full prompt blocks a new request shares with a running or finished one instead of "
+        "prefilling them: the eager engine's pool stores them once, the compiled slots copy them into the row; "
+        "transformers' baseline shares its blocks. Not for KIVI kinds."))
     prefix_cache_blocks: int = Field(512, ge=0, le=100_000_000, description=(
         "prefix_caching: most KV blocks of finished requests' prompts kept for later ones (within the KV budget, "
         "dropped least recently used first when requests need the blocks)."))

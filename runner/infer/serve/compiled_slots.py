@@ -32,10 +32,16 @@ first come first served admission by free blocks (and free slots: max_running �
 most recently admitted, the same finish rules and sampling. Per request, greedy output equals its solo greedy decode
 up to float reductions over masked columns (near ties only): a row's stored K/V are a solo decode's (per-token kinds
 quantize each column alone, so where a column lies changes nothing; KIVI's blocks are the row's own, above).
+    prefix   with `prefix_caching` (kinds that store each token alone), a prompt whose leading full blocks a placed
+             row holds, or a finished request's retained prompt (`kept`: a one-row cache of its blocks), starts its
+             prefill with a copy of those columns and feeds only the rest: the hit saves prefill, not memory (each
+             row holds its own copy; the static cache is allocated whole anyway), so blocks are not shared
+             (`_share_prefix`); retained prompts are charged to the budget as on the eager scheduler. Prompts are
+             prefilled together only with equal hits.
 What it does not do: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the
 step it is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
-compiled prefill, prefix caching, requests longer than S (refused at submission), several length buckets (a longer
-S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
+compiled prefill, prefix caching of KIVI kinds, requests longer than S (refused at submission), several length
+buckets (a longer S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.kinds import compiled_serve_reason
+from runner.infer.serve.prefix import Retained
 from runner.infer.serve.requests import Request, RequestRecord
 from runner.infer.serve.scheduler import Clock, Live, Scheduler, SchedulerConfig
 
@@ -73,10 +80,9 @@ class CompiledSlots(Scheduler):
         if config.spec_k:
             raise ValueError("speculation (spec_k) runs on the eager engine's scheduler only; the compiled slots "
                              "decode one token a step")
-        if config.prefix_caching:
-            log.warning("prefix caching is off on the compiled engine (prompts are prefilled whole, then copied)")
         super().__init__(model, config, clock, tokenizer)
-        self.prefixes = self.store = None  # its rows live in one static cache
+        self.store = None  # its rows live in one static cache
+        self.kept: dict[int, StaticKVCache] = {}  # a retained prefix's key → its tokens, columns [0, held) of a row
         self.engine = engine or engine_for(model)
         before = self.engine.stats.reading()
         state = self.engine.state(config.cache_kind, config.max_running, columns, columns,
@@ -128,8 +134,16 @@ class CompiledSlots(Scheduler):
         self.slot_of[live.request.id] = next(r for r in range(self.slots) if r not in taken)
         return None
 
+    def _share_prefix(self, live: Live) -> int:
+        """No blocks are shared: a row copies its prefix at prefill (`_cached_prefix`), so it holds all of its own."""
+        return 0
+
     def _leave(self, live: Live, retain: bool = False) -> None:
-        super()._leave(live)  # no prefixes to retain here
+        super()._leave(live, retain)
+        if self.prefixes is not None:  # a prefix it left retained (`Scheduler._leave`) is copied out of its row
+            for key in [k for k in self.prefixes.retained if k not in self.kept]:
+                self.kept[key] = self._copy_out(live, self.prefixes.retained[key].held)
+            self._forget_evicted()
         row = self.slot_of.pop(live.request.id)
         self.placed.discard(live.request.id)
         if live.request.id in self.staged:
@@ -137,8 +151,35 @@ class CompiledSlots(Scheduler):
         self.mask[row] = 0
 
     def kv_bytes(self) -> int:
-        """The static cache, allocated whole whatever the budget, and the staged requests' one-row caches."""
-        return cache_bytes(self.cache) + sum(cache_bytes(cache) for _, cache in self.staged.values())
+        """The static cache, allocated whole whatever the budget, the staged requests' one-row caches and the
+        retained prefixes'."""
+        return (cache_bytes(self.cache) + sum(cache_bytes(cache) for _, cache in self.staged.values())
+                + sum(cache_bytes(cache) for cache in self.kept.values()))
+
+    def _copy_out(self, live: Live, tokens: int) -> StaticKVCache:
+        """The first `tokens` of a placed request's row, columns [0, tokens) of a one-row cache of their own."""
+        cache = make_static_cache(self.config.cache_kind, self.model, 1, tokens)
+        start = self.pointer - live.held
+        for into, layer in zip(cache.static_layers, self.cache.static_layers):
+            into.take_columns(0, layer, self.slot_of[live.request.id], start, start + tokens, shift=-start)
+        return cache
+
+    def _forget_evicted(self) -> None:
+        """Drop the copies of retained prefixes the index has let go (`Scheduler._hold` and `_leave` evict them)."""
+        for key in [k for k in self.kept if self.prefixes is None or k not in self.prefixes.retained]:
+            del self.kept[key]
+
+    def _cached_prefix(self, tokens: list[int]) -> tuple[StaticKVCache, int, int, int]:
+        """Where the longest run of `tokens`' leading full blocks is held now (at least one token left to feed) →
+        (cache, row, first column, tokens); tokens 0 when nowhere."""
+        if self.prefixes is None:
+            return self.cache, 0, 0, 0
+        owner, n = self.prefixes.lookup(tokens, len(tokens) - 1)
+        if isinstance(owner, Retained):
+            return self.kept[owner.key], 0, 0, n
+        if owner is None or owner.request.id not in self.placed:  # a recomputed owner not back in its row yet
+            return self.cache, 0, 0, 0
+        return self.cache, self.slot_of[owner.request.id], self.pointer - owner.held, n
 
     def _stepping(self) -> list[Live]:
         """Every placed row: decoding, or feeding the outputs of a recomputed KIVI request (`_placed_tokens`)."""
@@ -159,20 +200,26 @@ class CompiledSlots(Scheduler):
             if self._joins_now(m):
                 self._join(live, cache, 0, m)
                 self.spare.append(self.staged.pop(rid)[1])
+        self._forget_evicted()
         group: list[tuple[Live, list[int]]] = []
+        prefixes: list[tuple[StaticKVCache, int, int, int]] = []  # each one's cached prefix (`_cached_prefix`)
         for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
             if budget <= 0 or len(group) == PREFILL_ROWS:
                 break
             tokens = self._placed_tokens(live)
             if group and (len(tokens) - len(group[0][1])) % self.every:
                 continue  # KIVI: left pads of whole blocks, so every row's tokens start at a multiple of r
+            prefix = self._cached_prefix(tokens)
+            if group and prefix[3] != prefixes[0][3]:
+                continue  # prompts prefilled together have equal hits
             group.append((live, tokens))
-            budget -= len(tokens)
+            prefixes.append(prefix)
+            budget -= len(tokens) - prefix[3]
         if not group:
             return
         group = group[:1 << (len(group).bit_length() - 1)]  # a power of two: one cache per group size
         start = self.clock()
-        logits = self._place(group)  # [k,V]
+        logits = self._place(group, prefixes[:len(group)])  # [k,V]
         first = [i for i, (live, _) in enumerate(group) if not live.record.output_ids]
         tokens = self._choose([group[i][0] for i in first], logits[first]) if first else []  # syncs
         self.forward_s += self.clock() - start
@@ -215,31 +262,43 @@ class CompiledSlots(Scheduler):
 
     # --- the static cache -----------------------------------------------------------------------------------------
 
-    def _place(self, group: list[tuple[Live, list[int]]]) -> torch.Tensor:
-        """Prefill each request's tokens (k of them left-padded to the longest, n, into columns [0, n) of a static
-        cache of the kind, eager static forward) → [k,V] logits of each one's last token; each request joins its
+    def _place(self, group: list[tuple[Live, list[int]]],
+               prefixes: list[tuple[StaticKVCache, int, int, int]]) -> torch.Tensor:
+        """Prefill each request's tokens into a static cache of the kind (eager static forward): their cached
+        prefix of p tokens (equal in the group) copied into columns [0, p), the rest, k rows left-padded to the
+        longest, n, fed into columns [p, p + n) → [k,V] logits of each one's last token; each request joins its
         row (the longest first: one rebase at most) or, KIVI, is staged (`_stage`)."""
-        k, n = len(group), max(len(tokens) for _, tokens in group)
+        k, p = len(group), prefixes[0][3]
+        n = max(len(tokens) for _, tokens in group) - p
         if k not in self.prefill_caches:
             self.prefill_caches[k] = make_static_cache(self.config.cache_kind, self.model, k, self.columns)
         cache = self.prefill_caches[k]
         state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
+        if p:
+            for i, (source, row, first, _) in enumerate(prefixes):
+                for into, layer in zip(cache.static_layers, source.static_layers):
+                    into.take_columns(i, layer, row, first, first + p, shift=-first)
+                group[i][0].record.cached_prompt_tokens += p
+            state.columns[:, :p] = 1
+            state.seen = torch.full((k,), p, device=self.device)
+            state.column = state.length = p
         ids = torch.zeros(k, n, dtype=torch.long)  # [k,n] left-padded
         mask = torch.zeros_like(ids)
         for i, (_, tokens) in enumerate(group):
-            ids[i, n - len(tokens):], mask[i, n - len(tokens):] = torch.tensor(tokens), 1
+            ids[i, n - len(tokens) + p:], mask[i, n - len(tokens) + p:] = torch.tensor(tokens[p:]), 1
         logits, _ = state.prefill(self.model, ids.to(self.device), mask.to(self.device))  # [k,V]; nothing compiled
         for i in sorted(range(k), key=lambda i: -len(group[i][1])):
             live = group[i][0]
             if self._joins_now(len(group[i][1])):
-                self._join(live, cache, i, n)
+                self._join(live, cache, i, p + n, p)
             else:
-                self._stage(live, cache, i, n)
+                self._stage(live, cache, i, n)  # KIVI: no cached prefix
         return logits
 
-    def _join(self, live: Live, source: StaticKVCache, i: int, end: int) -> None:
-        """The request's tokens, columns [end − m, end) of `source`'s row i, into its row ending at c (after a
-        rebase when m > c; c = m when no row is placed)."""
+    def _join(self, live: Live, source: StaticKVCache, i: int, end: int, prefix: int = 0) -> None:
+        """The request's m tokens into its row ending at c (after a rebase when m > c; c = m when no row is
+        placed), from `source`'s row i: columns [end − m, end), or with a cached prefix of p tokens, [0, p) and
+        [end − m + p, end) (left pads lie between)."""
         m = len(self._placed_tokens(live))
         if not self.placed:
             self.pointer = m
@@ -247,7 +306,9 @@ class CompiledSlots(Scheduler):
             self._rebase(max([m, *(x.held for x in self._stepping())]))
         c, row = self.pointer, self.slot_of[live.request.id]
         for into, layer in zip(self.cache.static_layers, source.static_layers):
-            into.take_columns(row, layer, i, end - m, end, shift=c - end)
+            if prefix:
+                into.take_columns(row, layer, i, 0, prefix, shift=c - m)
+            into.take_columns(row, layer, i, end - m + prefix, end, shift=c - end)
         self.mask[row] = 0
         self.mask[row, c - m:c] = 1
         live.held = m

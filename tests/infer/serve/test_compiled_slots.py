@@ -144,3 +144,43 @@ def test_cancel_frees_a_row_and_its_blocks(tiny_lm, static_engine):
     while slots.busy:
         slots.step()
     assert slots.records[1].output_ids == _solo(tiny_lm.model, kept, None, engine="compiled")
+
+
+@pytest.mark.parametrize("kind", ["fp32", "q8_0", "kivi4:g8:r16"])
+def test_prefix_caching_copies_a_running_rows_prefix_and_saves_its_prefill(tiny_lm, static_engine, kind):
+    """Requests sharing a 21-token prompt start (2 full blocks of 8) arrive while the first runs: their prefills copy
+    its 16 columns and feed the rest (equal hits together), and every output is still its solo decode. KIVI: off."""
+    model, g = tiny_lm.model, torch.Generator().manual_seed(3)
+    shared = tuple(torch.randint(3, 250, (21,), generator=g).tolist())
+    requests = [Request(i, i * 0.05, shared + tuple(torch.randint(3, 250, (3 + i,), generator=g).tolist()),
+                        max_new_tokens=12) for i in range(4)]
+    requests.append(Request(4, 0.2, shared[:16], max_new_tokens=6))  # all blocks cached: one token still fed
+    server, records = _run(model, requests, static_engine, cache_kind=kind, block_size=8, prefix_caching=True,
+                           max_running=8)
+    assert [r.output_ids for r in records] == [_solo(model, r, kind) for r in requests]
+    hits = [r.cached_prompt_tokens for r in records]
+    assert hits == ([0, 16, 16, 16, 8] if server.every == 1 else [0] * 5)
+    assert server.pool.used == sum(server.pool.held[k] for k in server.kept)  # no blocks shared: all given back
+
+
+def test_a_finished_requests_prompt_is_kept_within_its_cap_and_serves_a_later_one(tiny_lm, static_engine):
+    """A request arriving after the last one left finds its prompt blocks in a one-row copy (charged to the
+    budget, counted in kv_bytes); the cap drops the least recently used; outputs stay their solo decodes."""
+    model, g = tiny_lm.model, torch.Generator().manual_seed(5)
+    first = tuple(torch.randint(3, 250, (27,), generator=g).tolist())  # 3 full blocks of 8, then 3 tokens
+    other = tuple(torch.randint(3, 250, (17,), generator=g).tolist())  # 2 full blocks
+    requests = [Request(0, 0.0, first, max_new_tokens=5),
+                Request(1, 100.0, other, max_new_tokens=4),
+                Request(2, 200.0, first[:20] + (7, 8), max_new_tokens=6)]
+    server, records = _run(model, requests, static_engine, cache_kind="q4_0", block_size=8, prefix_caching=True)
+    assert [r.cached_prompt_tokens for r in records] == [0, 0, 16]
+    assert [r.output_ids for r in records] == [_solo(model, r, "q4_0") for r in requests]
+    assert sorted(server.pool.held[k] for k in server.kept) == [2, 3] == sorted(
+        server.pool.held[k] for k in server.prefixes.retained)  # request 2's 2 blocks were request 0's
+    static = sum(t.nbytes for layer in server.cache.static_layers for t in layer.tensors())
+    assert server.kv_bytes() > static
+    server, records = _run(model, requests, static_engine, cache_kind="q4_0", block_size=8, prefix_caching=True,
+                           prefix_cache_blocks=4)
+    assert [r.cached_prompt_tokens for r in records] == [0, 0, 0]  # request 0's 3 blocks went for request 1's 2
+    assert sorted(server.kept) == sorted(server.prefixes.retained)  # requests 1's and 2's, 2 blocks each
+    assert [server.pool.held[k] for k in server.kept] == [2, 2]
