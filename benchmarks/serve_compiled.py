@@ -32,8 +32,9 @@ from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.measure.timing import time_interleaved  # noqa: E402
 from runner.infer.serve.compiled_slots import CompiledSlots  # noqa: E402
 from runner.infer.serve.driver import drive  # noqa: E402
+from runner.infer.serve.live import SchedulerConfig  # noqa: E402
 from runner.infer.serve.requests import Request  # noqa: E402
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runner.infer.serve.scheduler import Scheduler  # noqa: E402
 
 
 def compare(model, requests: list[Request], max_running: int, columns: int, repeats: int,

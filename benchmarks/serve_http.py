@@ -33,10 +33,11 @@ from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.loading.texts import load_text  # noqa: E402
 from runner.infer.measure.timing import time_interleaved  # noqa: E402
 from runner.infer.serve.driver import drive, load_clock  # noqa: E402
+from runner.infer.serve.live import SchedulerConfig  # noqa: E402
 from runner.infer.serve.load import Lengths, LoadSpec, build_load  # noqa: E402
 from runner.infer.serve.metrics import summarize  # noqa: E402
 from runner.infer.serve.remote import Endpoint, RemoteServer, launched  # noqa: E402
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runner.infer.serve.scheduler import Scheduler  # noqa: E402
 
 MANIFEST = """name: serve-http
 targets:

@@ -32,8 +32,9 @@ from runner.infer.decode.forward import DecodeState  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.measure.timing import percentile, time_interleaved  # noqa: E402
 from runner.infer.serve.driver import drive  # noqa: E402
+from runner.infer.serve.live import SchedulerConfig  # noqa: E402
 from runner.infer.serve.requests import Request  # noqa: E402
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runner.infer.serve.scheduler import Scheduler  # noqa: E402
 from runner.infer.serve.static import StaticBatcher  # noqa: E402
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -56,9 +56,10 @@ from runner.infer.loading.texts import load_text  # noqa: E402
 from runner.infer.serve.blocks import block_spec, blocks_in  # noqa: E402
 from runner.infer.serve.compiled_slots import CompiledSlots  # noqa: E402
 from runner.infer.serve.driver import drive, load_clock  # noqa: E402
+from runner.infer.serve.live import SchedulerConfig  # noqa: E402
 from runner.infer.serve.load import Lengths, LoadSpec, build_load  # noqa: E402
 from runner.infer.serve.metrics import Slo, max_rate_meeting, occupancy, summarize  # noqa: E402
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runner.infer.serve.scheduler import Scheduler  # noqa: E402
 from runner.infer.serve.static import StaticBatcher  # noqa: E402
 from runner.infer.serve.transformers_cb import TransformersServer, transformers_cb_reason  # noqa: E402
 

@@ -30,12 +30,13 @@ from runner.infer.loading.zoo import fetch_gguf, zoo_entry
 from runner.infer.quant.weights import weight_bytes
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive, load_clock
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.serve.load import Load, LoadSpec, build_load
 from runner.infer.serve.metrics import max_rate_meeting, occupancy, point_meets, summarize
 from runner.infer.serve.prompts import prompt_lines
 from runner.infer.serve.remote import Endpoint, RemoteServer, launched
 from runner.infer.serve.requests import RequestRecord
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from runner.infer.serve.static import StaticBatcher
 from runner.infer.serve.transformers_cb import TransformersServer, transformers_cb_reason
 from runner.manifest.paths import read_text, text_source

@@ -55,9 +55,10 @@ from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.kinds import compiled_serve_reason
+from runner.infer.serve.live import Clock, Live, SchedulerConfig
 from runner.infer.serve.prefix import Retained
 from runner.infer.serve.requests import Request, RequestRecord
-from runner.infer.serve.scheduler import Clock, Live, Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

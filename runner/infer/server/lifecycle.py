@@ -22,7 +22,8 @@ import uvicorn
 from runner.errors import ServerError
 from runner.infer.config.architecture import compiled_refusal
 from runner.infer.serve.compiled_slots import CompiledSlots
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.live import SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from runner.infer.server.app import ServerState, create_app
 from runner.infer.server.engine_loop import EngineLoop
 from runner.infer.server.prometheus import ServerMetrics

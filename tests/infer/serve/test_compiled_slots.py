@@ -51,7 +51,7 @@ def static_engine(tiny_lm, monkeypatch):
 
 
 def _run(model, requests, engine, columns=64, **config):
-    from runner.infer.serve.scheduler import SchedulerConfig
+    from runner.infer.serve.live import SchedulerConfig
 
     clock = FakeClock()
     server = CompiledSlots(model, SchedulerConfig(**config), clock=clock, columns=columns, engine=engine)
@@ -101,7 +101,7 @@ def test_a_request_longer_than_a_row_is_an_error_and_kivi_with_sinks_is_refused_
 
 
 def _config(**fields):
-    from runner.infer.serve.scheduler import SchedulerConfig
+    from runner.infer.serve.live import SchedulerConfig
 
     return SchedulerConfig(**fields)
 

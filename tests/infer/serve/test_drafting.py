@@ -9,8 +9,9 @@ import torch
 
 from runner.infer.serve.blocks import block_spec
 from runner.infer.serve.driver import drive
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.serve.requests import Request
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from tests.infer.serve.clocks import FakeClock
 from tests.infer.serve.test_scheduler import _load, _solo
 

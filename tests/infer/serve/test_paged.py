@@ -9,9 +9,10 @@ from transformers.cache_utils import DynamicLayer
 from runner.infer.cache.registry import KINDS
 from runner.infer.config.kinds import parse_kind
 from runner.infer.serve.blocks import BlockPool, BlockSpec
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.serve.paged import PagedStore, pageable
 from runner.infer.serve.requests import Request
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from tests.infer.serve.test_scheduler import _run, _solo
 
 pytestmark = pytest.mark.usefixtures("one_thread")

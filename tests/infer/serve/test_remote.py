@@ -11,9 +11,10 @@ import pytest
 from runner.errors import StepError
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.serve.driver import drive, load_clock
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.serve.remote import Endpoint, RemoteServer, launched
 from runner.infer.serve.requests import Request
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from runner.infer.server.lifecycle import serving
 from tests.infer.serve.clocks import FakeClock
 

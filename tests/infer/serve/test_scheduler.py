@@ -11,9 +11,10 @@ from runner.infer.config.decoding import GenerateConfig
 from runner.infer.generation.generator import Generator
 from runner.infer.serve.blocks import BlockPool, block_spec, blocks_in
 from runner.infer.serve.driver import drive
+from runner.infer.serve.live import SchedulerConfig, request_seed
 from runner.infer.serve.requests import Request
 from runner.infer.serve.rows import Flushes, chunk_end
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig, request_seed
+from runner.infer.serve.scheduler import Scheduler
 from runner.infer.serve.static import StaticBatcher
 from tests.infer.serve.clocks import FakeClock
 

@@ -8,8 +8,9 @@ import pytest
 
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.serve.driver import drive
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.serve.requests import Request
-from runner.infer.serve.scheduler import Scheduler, SchedulerConfig
+from runner.infer.serve.scheduler import Scheduler
 from runner.infer.server.lifecycle import serving
 from runner.infer.server.protocol import plain_chat
 from tests.infer.serve.clocks import FakeClock

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runner.infer.config.decoding import GenerateConfig
-from runner.infer.serve.scheduler import SchedulerConfig
+from runner.infer.serve.live import SchedulerConfig
 from runner.infer.server.lifecycle import serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
