@@ -80,10 +80,6 @@ class BlockPool:
         """Holder id → blocks in its table."""
         return {rid: len(table) for rid, table in self.tables.items()}
 
-    def shortfall(self, rid: int, tokens: int) -> int:
-        """Blocks missing for request `rid` to hold `tokens` tokens (0: it fits)."""
-        return max(0, self.spec.blocks_for(tokens) - len(self.tables.get(rid, ())) - self.free)
-
     def hold(self, rid: int, tokens: int) -> bool:
         """Grow `rid`'s table to cover `tokens` tokens with new blocks; False (and nothing changed) if they are not
         free."""
