@@ -24,6 +24,12 @@ right-aligned to c.
              CPU attention reads columns [0, c], so holes cost time): the columns [c âˆ’ W, c) move (in place, the
              cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
              columns left of a row's tokens are masked holes.
+    prefix   with `prefix_caching` (kinds that store each token alone), a prompt whose leading full blocks a placed
+             row holds, or a finished request's retained prompt (`kept`: a one-row cache of its blocks), starts its
+             prefill with a copy of those columns and feeds only the rest: the hit saves prefill, not memory (each
+             row holds its own copy; the static cache is allocated whole anyway), so blocks are not shared
+             (`_share_prefix`); retained prompts are charged to the budget as on the eager scheduler. Prompts are
+             prefilled together only with equal hits.
 So the load runs one compiled shape, compiled during warm-up (`CompiledSlots.__init__`, before the clock starts):
 `recompiles` counts graphs dynamo made after that (should stay 0), `compile_s` is the warm-up's compile time.
 
@@ -32,12 +38,6 @@ first come first served admission by free blocks (and free slots: max_running â‰
 most recently admitted, the same finish rules and sampling. Per request, greedy output equals its solo greedy decode
 up to float reductions over masked columns (near ties only): a row's stored K/V are a solo decode's (per-token kinds
 quantize each column alone, so where a column lies changes nothing; KIVI's blocks are the row's own, above).
-    prefix   with `prefix_caching` (kinds that store each token alone), a prompt whose leading full blocks a placed
-             row holds, or a finished request's retained prompt (`kept`: a one-row cache of its blocks), starts its
-             prefill with a copy of those columns and feeds only the rest: the hit saves prefill, not memory (each
-             row holds its own copy; the static cache is allocated whole anyway), so blocks are not shared
-             (`_share_prefix`); retained prompts are charged to the budget as on the eager scheduler. Prompts are
-             prefilled together only with equal hits.
 What it does not do: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the
 step it is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
 compiled prefill, prefix caching of KIVI kinds, requests longer than S (refused at submission), several length
