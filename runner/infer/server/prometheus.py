@@ -45,6 +45,10 @@ class ServerMetrics:
         self.kv_bytes = Gauge("runner_kv_bytes", "Bytes of KV storage allocated (the pool's, which grows up to the "
                               "budget; the compiled slots' static cache; KIVI requests' own caches)", registry=r)
         self.prompt_tokens = Counter("runner_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.prefix_queries = Counter("runner_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(each admission's prompt, of finished requests)", registry=r)
+        self.prefix_hits = Counter("runner_prefix_cache_hits", "Of those, tokens served from the prefix cache "
+                                   "(not prefilled)", registry=r)
         self.generation_tokens = Counter("runner_generation_tokens", "Output tokens generated", registry=r)
         self.tokens_per_s = Gauge("runner_generation_tokens_per_second",
                                   f"Output tokens per second over the last {RATE_WINDOW_S:g} s", registry=r)
@@ -56,6 +60,9 @@ class ServerMetrics:
 
     def finished(self, record: RequestRecord) -> None:
         self.requests.labels(record.finish).inc()
+        if record.scheduled_s is not None:  # admitted 1 + preemptions times, each one a lookup
+            self.prefix_queries.inc(record.prompt_tokens * (1 + record.preemptions))
+            self.prefix_hits.inc(record.cached_prompt_tokens)
         if not record.ok or not record.token_s:
             return
         first, last, n = record.token_s[0], record.token_s[-1], len(record.token_s)

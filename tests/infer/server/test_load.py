@@ -120,3 +120,21 @@ def test_a_bounded_load_loses_no_request_and_leaks_no_slot(tiny_lm):
     assert pool_bytes == scheduler.kv_bytes() and 0 < pool_bytes <= 64 * scheduler.pool.spec.block_bytes
     generated = families["runner_generation_tokens"].samples[0].value
     assert generated >= sum(6 + i % 5 for i in range(6))
+
+
+def test_prefix_cache_hits_and_queries_are_counted_in_tokens(tiny_lm):
+    """A second request sharing the first one's two full blocks (32 of 40 tokens) after it finished: /metrics counts
+    every admitted prompt token as a query and the 32 tokens not prefilled as hits (vLLM's prefix_cache_* pair)."""
+    config = SchedulerConfig(block_size=16, prefix_caching=True,
+                             sampling=GenerateConfig(temperature=0.0, max_seq_len=2048))
+    first, second = list(range(10, 50)), [*range(10, 42), 7, 8, 9]
+    with serving(tiny_lm.model, tiny_lm.tokenizer, config, model_name="tiny") as server:
+        for prompt in (first, second):
+            response = httpx.post(server.url + "/v1/completions", timeout=60,
+                                  json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+            assert response.status_code == 200
+        assert server.wait_idle(10)
+        text = httpx.get(server.url + "/metrics").text
+    counters = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert counters["runner_prefix_cache_queries_total"] == len(first) + len(second)
+    assert counters["runner_prefix_cache_hits_total"] == 32
