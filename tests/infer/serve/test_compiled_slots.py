@@ -184,3 +184,22 @@ def test_a_finished_requests_prompt_is_kept_within_its_cap_and_serves_a_later_on
     assert [r.cached_prompt_tokens for r in records] == [0, 0, 0]  # request 0's 3 blocks went for request 1's 2
     assert sorted(server.kept) == sorted(server.prefixes.retained)  # requests 1's and 2's, 2 blocks each
     assert [server.pool.held[k] for k in server.kept] == [2, 2]
+
+
+def test_prefix_caching_under_a_tight_budget_with_preemption_equals_solo_decodes(tiny_lm, static_engine):
+    """Prompts that share prefixes of many lengths, arriving in bursts, under 9 blocks of 4 with a retained-prefix
+    cap of 8: requests are preempted and recomputed, retained copies evicted, hits taken from rows and copies, and
+    every output is still its solo decode."""
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 250, (24,), generator=g).tolist()
+    requests = []
+    for i in range(8):
+        keep = int(torch.randint(4, 25, (1,), generator=g))
+        tail = torch.randint(3, 250, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        requests.append(Request(i, 0.02 * i + (1.0 if i >= 4 else 0.0), tuple(shared[:keep] + tail),
+                                max_new_tokens=int(torch.randint(2, 12, (1,), generator=g))))
+    server, records = _run(tiny_lm.model, requests, static_engine, cache_kind="fp32", block_size=4, num_blocks=9,
+                           max_running=4, prefix_caching=True, prefix_cache_blocks=8)
+    assert [r.output_ids for r in records] == [_solo(tiny_lm.model, r, "fp32") for r in requests]
+    assert sum(r.cached_prompt_tokens for r in records) > 0 and sum(r.preemptions for r in records) > 0
+    assert max(t[2] for t in server.timeline) <= 9
