@@ -157,7 +157,8 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases,
                   "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns}
     if isinstance(server, CompiledSlots) or (isinstance(server, Scheduler) and server.store is not None):
-        point["kv_allocated_mib"] = server.kv_bytes() / MIB  # the slots' whole static cache, or the pool's storage
+        # the slots' static cache (and their retained prefixes' copies), or the pool's storage
+        point["kv_allocated_mib"] = server.kv_bytes() / MIB
     if isinstance(server, RemoteServer):  # prompt tokens as the server's own tokenizer counted them
         server.count_prompt_tokens()
         counted = server.server_prompt_tokens
