@@ -27,7 +27,7 @@ class SchedulerConfig:
     max_tokens_per_step: int = 256  # decode rows + prefill tokens per step
     max_running: int = 64  # most requests in the running batch (vLLM's max_num_seqs)
     max_queue: int | None = None  # most waiting requests; an arrival beyond it is refused (None: unbounded)
-    prefix_caching: bool = False  # share prompt blocks of running and finished requests (serve/prefix.py)
+    prefix_caching: bool = False  # reuse prompt blocks of running and finished requests (serve/prefix.py)
     prefix_cache_blocks: int = 512  # most blocks of finished requests' prompts kept for later ones (0: none)
     spec_k: int = 0  # speculation: a greedy decoding row drafts ≤ spec_k tokens (0: none); prompt lookup unless
     # the Scheduler is given a draft model
