@@ -161,8 +161,7 @@ class CompiledSlots(Scheduler):
         """The first `tokens` of a placed request's row, columns [0, tokens) of a one-row cache of their own."""
         cache = make_static_cache(self.config.cache_kind, self.model, 1, tokens)
         start = self.pointer - live.held
-        for into, layer in zip(cache.static_layers, self.cache.static_layers):
-            into.take_columns(0, layer, self.slot_of[live.request.id], start, start + tokens, shift=-start)
+        cache.take_columns(0, self.cache, self.slot_of[live.request.id], start, start + tokens, shift=-start)
         return cache
 
     def _forget_evicted(self) -> None:
@@ -277,8 +276,7 @@ class CompiledSlots(Scheduler):
         state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
         if p:
             for i, (source, row, first, _) in enumerate(prefixes):
-                for into, layer in zip(cache.static_layers, source.static_layers):
-                    into.take_columns(i, layer, row, first, first + p, shift=-first)
+                cache.take_columns(i, source, row, first, first + p, shift=-first)
                 group[i][0].record.cached_prompt_tokens += p
             state.columns[:, :p] = 1
             state.seen = torch.full((k,), p, device=self.device)
@@ -306,10 +304,9 @@ class CompiledSlots(Scheduler):
         elif m > self.pointer:
             self._rebase(max([m, *(x.held for x in self._stepping())]))
         c, row = self.pointer, self.slot_of[live.request.id]
-        for into, layer in zip(self.cache.static_layers, source.static_layers):
-            if prefix:
-                into.take_columns(row, layer, i, 0, prefix, shift=c - m)
-            into.take_columns(row, layer, i, end - m + prefix, end, shift=c - end)
+        if prefix:
+            self.cache.take_columns(row, source, i, 0, prefix, shift=c - m)
+        self.cache.take_columns(row, source, i, end - m + prefix, end, shift=c - end)
         self.mask[row] = 0
         self.mask[row, c - m:c] = 1
         live.held = m
@@ -321,8 +318,7 @@ class CompiledSlots(Scheduler):
         m = len(self._placed_tokens(live))
         cache = self.spare.pop() if self.spare else make_static_cache(self.config.cache_kind, self.model, 1,
                                                                       self.columns)
-        for into, layer in zip(cache.static_layers, source.static_layers):
-            into.take_columns(0, layer, i, end - m, end, shift=m - end)
+        cache.take_columns(0, source, i, end - m, end, shift=m - end)
         self.staged[live.request.id] = (live, cache)
         live.held = m
         self.stagings += 1
@@ -339,8 +335,8 @@ class CompiledSlots(Scheduler):
         held = max([live.held for live in placed], default=0)
         log.debug("rebase: pointer %d → %d (%d columns moved)", self.pointer, width, held)
         if held:
-            for layer in self.cache.static_layers:  # KIVI: held ≡ c and width ≡ c mod r, whole blocks move
-                layer.take_columns(slice(None), layer, slice(None), self.pointer - held, self.pointer, shift)
+            # KIVI: held ≡ c and width ≡ c mod r, whole blocks move
+            self.cache.take_columns(slice(None), self.cache, slice(None), self.pointer - held, self.pointer, shift)
         self.mask.zero_()
         for live in placed:
             self.mask[self.slot_of[live.request.id], width - live.held:width] = 1

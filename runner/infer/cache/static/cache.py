@@ -164,6 +164,13 @@ class StaticKVCache(Cache):
             if hasattr(layer, "rollback"):
                 layer.rollback(kept, held)
 
+    def take_columns(self, row: int | slice, source: StaticKVCache, source_row: int | slice, start: int, stop: int,
+                     shift: int = 0) -> None:
+        """Every layer's `take_columns`: columns [start, stop) of `source`'s row(s) `source_row` (a cache of the
+        same kind, or this one) into columns [start + shift, stop + shift) of row(s) `row`."""
+        for into, layer in zip(self.static_layers, source.static_layers):
+            into.take_columns(row, layer, source_row, start, stop, shift)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows follow [b] parents; dummy rows past b stay where they are."""
         rest = torch.arange(len(beam_idx), self.batch, device=beam_idx.device)
