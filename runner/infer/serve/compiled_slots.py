@@ -47,6 +47,7 @@ buckets (a longer S is another server). A rebase copies B·W columns per layer, 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -65,6 +66,16 @@ log = logging.getLogger(__name__)
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
 SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
 PREFILL_ROWS = 8  # most prompts prefilled in one forward; each power of two up to it has its own static cache
+
+
+class Cached(NamedTuple):
+    """Where a prompt's cached prefix is held now: `tokens` of it in columns [first, first + tokens) of `source`'s
+    `row` (a placed row of the slots' cache, or a retained copy's row 0); tokens 0: none."""
+
+    source: StaticKVCache
+    row: int
+    first: int
+    tokens: int
 
 
 class CompiledSlots(Scheduler):
@@ -169,17 +180,16 @@ class CompiledSlots(Scheduler):
         for key in [k for k in self.kept if self.prefixes is None or k not in self.prefixes.retained]:
             del self.kept[key]
 
-    def _cached_prefix(self, tokens: list[int]) -> tuple[StaticKVCache, int, int, int]:
-        """Where the longest run of `tokens`' leading full blocks is held now (at least one token left to feed) →
-        (cache, row, first column, tokens); tokens 0 when nowhere."""
+    def _cached_prefix(self, tokens: list[int]) -> Cached:
+        """Where the longest run of `tokens`' leading full blocks is held now (at least one token left to feed)."""
         if self.prefixes is None:
-            return self.cache, 0, 0, 0
+            return Cached(self.cache, 0, 0, 0)
         owner, n = self.prefixes.lookup(tokens, len(tokens) - 1)
         if isinstance(owner, Retained):
-            return self.kept[owner.key], 0, 0, n
+            return Cached(self.kept[owner.key], 0, 0, n)
         if owner is None or owner.request.id not in self.placed:  # a recomputed owner not back in its row yet
-            return self.cache, 0, 0, 0
-        return self.cache, self.slot_of[owner.request.id], self.pointer - owner.held, n
+            return Cached(self.cache, 0, 0, 0)
+        return Cached(self.cache, self.slot_of[owner.request.id], self.pointer - owner.held, n)
 
     def _stepping(self) -> list[Live]:
         """Every placed row: decoding, or feeding the outputs of a recomputed KIVI request (`_placed_tokens`)."""
@@ -202,7 +212,7 @@ class CompiledSlots(Scheduler):
                 self.spare.append(self.staged.pop(rid)[1])
         self._forget_evicted()
         group: list[tuple[Live, list[int]]] = []
-        prefixes: list[tuple[StaticKVCache, int, int, int]] = []  # each one's cached prefix (`_cached_prefix`)
+        prefixes: list[Cached] = []  # each one's cached prefix
         for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
             if budget <= 0 or len(group) == PREFILL_ROWS:
                 break
@@ -210,11 +220,11 @@ class CompiledSlots(Scheduler):
             if group and (len(tokens) - len(group[0][1])) % self.every:
                 continue  # KIVI: left pads of whole blocks, so every row's tokens start at a multiple of r
             prefix = self._cached_prefix(tokens)
-            if group and prefix[3] != prefixes[0][3]:
+            if group and prefix.tokens != prefixes[0].tokens:
                 continue  # prompts prefilled together have equal hits
             group.append((live, tokens))
             prefixes.append(prefix)
-            budget -= len(tokens) - prefix[3]
+            budget -= len(tokens) - prefix.tokens
         if not group:
             return
         group = group[:1 << (len(group).bit_length() - 1)]  # a power of two: one cache per group size
@@ -262,21 +272,20 @@ class CompiledSlots(Scheduler):
 
     # --- the static cache -----------------------------------------------------------------------------------------
 
-    def _place(self, group: list[tuple[Live, list[int]]],
-               prefixes: list[tuple[StaticKVCache, int, int, int]]) -> torch.Tensor:
+    def _place(self, group: list[tuple[Live, list[int]]], prefixes: list[Cached]) -> torch.Tensor:
         """Prefill each request's tokens into a static cache of the kind (eager static forward): their cached
         prefix of p tokens (equal in the group) copied into columns [0, p), the rest, k rows left-padded to the
         longest, n, fed into columns [p, p + n) → [k,V] logits of each one's last token; each request joins its
         row (the longest first: one rebase at most) or, KIVI, is staged (`_stage`)."""
-        k, p = len(group), prefixes[0][3]
+        k, p = len(group), prefixes[0].tokens
         n = max(len(tokens) for _, tokens in group) - p
         if k not in self.prefill_caches:
             self.prefill_caches[k] = make_static_cache(self.config.cache_kind, self.model, k, self.columns)
         cache = self.prefill_caches[k]
         state = StaticDecodeState(self.engine, (self.key[0], k, self.columns), cache, k, step_lengths=())
         if p:
-            for i, (source, row, first, _) in enumerate(prefixes):
-                cache.take_columns(i, source, row, first, first + p, shift=-first)
+            for i, cached in enumerate(prefixes):
+                cache.take_columns(i, cached.source, cached.row, cached.first, cached.first + p, shift=-cached.first)
                 group[i][0].record.cached_prompt_tokens += p
             state.columns[:, :p] = 1
             state.seen = torch.full((k,), p, device=self.device)
