@@ -15,7 +15,7 @@ measured here first, medians of 3 after a warm-up); a point meets it only with n
    outputs 16–128), our Scheduler and the StaticBatcher on the same requests; the highest rate meeting the SLO for
    each (metrics.max_rate_meeting), also under the TPOT bound alone. Target: continuous ≥ 2× static.
 2. vs transformers' continuous batching (TransformersServer): a burst of 16 requests × 128 prompt → 32 output
-   tokens (medians of 2 after a warm-up), and the sweep's highest rate; output tokens/s ours ÷ theirs, at
+   tokens (--burst; medians of 2 after a warm-up), and the sweep's highest rate; output tokens/s ours ÷ theirs, at
    an equal or lower p50 TTFT. Target ≥ 3×.
 3. admission under one KV budget (--kv-budget-mib; default: fp16 room for 2 of the longest requests) for fp16,
    q8_0, q4_0, kivi4 (--kinds): a burst of 32 mixed requests stepped until the first finishes; the peak running
@@ -234,6 +234,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--rates", type=float, nargs="+", help="Poisson rates of the sweep (req/s)")
     parser.add_argument("--requests", type=int, help="requests per sweep point")
+    parser.add_argument("--burst", type=int, nargs=3, metavar=("N", "PROMPT", "OUTPUT"),
+                        help="target 2's burst: N requests of PROMPT tokens → OUTPUT tokens at t = 0 "
+                             "(default 16 128 32)")
     parser.add_argument("--kv-budget-mib", type=float, help="target 3's budget (default: fp16 room for two of the "
                         "longest requests)")
     parser.add_argument("--goodput-rates", type=float, nargs="+", help="target 3's goodput per kind at each of "
@@ -260,6 +263,7 @@ def main() -> None:
     size = dict(SIZES["quick" if args.quick else "full"])
     size["rates"] = sorted(args.rates or size["rates"])
     size["requests"] = args.requests or size["requests"]
+    size["burst"] = tuple(args.burst or size["burst"])
     hf_logging.disable_progress_bar()
     lm = (load_model(config=TINY, seed=0, device=args.device) if args.model == "tiny"
           else load_model(args.model, dtype=args.dtype, device=args.device))
