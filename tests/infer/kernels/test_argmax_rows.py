@@ -55,6 +55,17 @@ def test_greedy_tokens_equals_argmax_on_every_dtype_and_shape():
         assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
 
 
+def test_greedy_tokens_keeps_the_first_of_tied_maxima_in_half_precision():
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.zeros(4, 300, dtype=dtype)
+        x[0, [7, 150, 299]] = 3.0  # tied: the first wins
+        x[1, [0, 1]] = 1.0
+        x[2, 200] = float("nan")  # a NaN is the maximum, as in torch
+        x[3, 5], x[3, 6] = 1.0, 1.0 + torch.finfo(dtype).eps  # one step apart: the larger
+        assert greedy_tokens(x).tolist() == [7, 0, 200, 6]
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+
+
 def test_bad_logits_are_refused():
     with pytest.raises(RuntimeError, match="float32"):
         _argmax(torch.zeros(2, 3, dtype=torch.float64))
