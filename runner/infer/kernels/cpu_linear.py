@@ -6,9 +6,9 @@ one-row product reads weights well below the machine's copy bandwidth; this kern
 (benchmarks/linear_rows.py; figures in docs/performance.md). The pass rewrites, in the graph inductor
 is about to lower,
     mm(x [M,K], wt [K,N])  and  addmm(bias, x, wt)
-where M ≤ MAX_ROWS (8 in float32, 4 in bfloat16), both float32 or both bfloat16, and wt is a row-major weight
-seen transposed (an nn.Linear's weight as stored: strides (1, K)) into runner::linear_rows(x, wt, bias).
-Everything else (longer feeds, batches past MAX_ROWS, fp16, torchao's quantized weights, an input-major weight)
+where M ≤ MAX_ROWS (8 in float32, 4 in bfloat16; 16 in bfloat16 on the AMX path: `rows_served`), both float32
+or both bfloat16, and wt is a row-major weight seen transposed (an nn.Linear's weight as stored: strides (1, K))
+into runner::linear_rows(x, wt, bias). Everything else (longer feeds, batches past those, fp16, torchao's quantized weights, an input-major weight)
 stays aten's. The op is a C++ op, so a call costs what aten's does (about 6 µs from the generated wrapper; a
 Python custom op cost 20–30).
 Built by runner.infer.kernels.native (once per machine); no compiler, a failed build or a CPU without AVX2 and FMA →
@@ -28,6 +28,8 @@ from runner.infer.kernels import gguf_rows, native
 log = logging.getLogger(__name__)
 
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}  # past 4 rows aten's bfloat16 product was as fast (linear_rows.py)
+AMX_ROWS = 16  # bfloat16 rows on the AMX path (a tile's height), where K and N are multiples of AMX_MULTIPLE
+AMX_MULTIPLE = 32
 _STATE: dict[str, bool] = {}
 
 
@@ -53,8 +55,19 @@ def _takes(x, wt) -> bool:
     if not (x.dim() == 2 and wt.dim() == 2 and x.device.type == "cpu" and wt.device.type == "cpu"):
         return False
     rows, inner = x.shape
-    return (isinstance(rows, int) and 1 <= rows <= MAX_ROWS.get(x.dtype, 0) and x.dtype == wt.dtype
+    return (isinstance(rows, int) and 1 <= rows <= rows_served(x.dtype, inner, wt.shape[1]) and x.dtype == wt.dtype
             and tuple(wt.stride()) == (1, inner))
+
+
+def rows_served(dtype: torch.dtype, inner: int, outer: int) -> int:
+    """The most rows of x the pass gives linear_rows for a [outer, inner] weight: MAX_ROWS, or AMX_ROWS for bfloat16
+    where the AMX path runs it (the CPU's tiles, granted; both sizes multiples of AMX_MULTIPLE). There one weight
+    tile multiplies all 16 rows, so 16 rows read the weights about as fast as one: 1.85× aten's bfloat16 product
+    at 16 rows on SmolLM2's weights (benchmarks/linear_rows.py, docs/performance.md)."""
+    if (dtype == torch.bfloat16 and isinstance(inner, int) and isinstance(outer, int) and inner % AMX_MULTIPLE == 0
+            and outer % AMX_MULTIPLE == 0 and load() and torch.ops.runner.linear_rows_amx()):
+        return AMX_ROWS
+    return MAX_ROWS.get(dtype, 0)
 
 
 class OwnProducts(CustomGraphPass):

@@ -15,8 +15,9 @@ SHAPES = [(7, 5), (19, 37), (33, 64), (192, 576), (576, 1536)]  # (N, K): tails 
 
 
 # The kernel is built for this CPU (-march=native): each path runs where the CPU has its instructions, and a path
-# it lacks is skipped saying so. `widest` takes vdpbf16ps for bfloat16 with AVX-512 BF16 and 64-byte loads for
-# float32 with AVX-512F, else falls back to AVX2.
+# it lacks is skipped saying so. `widest` takes vdpbf16ps for bfloat16 with AVX-512 BF16 (AMX tiles where the CPU
+# has them and K and N are multiples of 32: the last two SHAPES) and 64-byte loads for float32 with AVX-512F, else
+# falls back to AVX2. Past 8 rows the paths without AMX take 8 rows at a time.
 DPBF16, AVX512 = missing("avx512f", "avx512_bf16"), missing("avx512f")
 PATHS = [pytest.param(torch.float32, False, id="float32-avx2"),
          pytest.param(torch.float32, True, id="float32-avx512",
@@ -33,7 +34,7 @@ PATHS = [pytest.param(torch.float32, False, id="float32-avx2"),
 
 
 @pytest.mark.parametrize("dtype, widest", PATHS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
 def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
     """float32: float32 sums of K products, |error| ≤ 1e-5·Σ|x·w|; bfloat16: those sums rounded to bfloat16 once,
     |error| ≤ 2⁻⁸·|y| (half an ulp is 2⁻⁹) + 1e-5·Σ|x·w|. bfloat16 both ways: `widest` (vdpbf16ps where the CPU has
@@ -50,11 +51,11 @@ def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
             assert ((got.double() - want).abs() <= bound).all(), (n, k, b is None)
 
 
-@pytest.mark.parametrize("case", ["nine rows", "input-major weight", "dtypes differ", "float16"])
+@pytest.mark.parametrize("case", ["seventeen rows", "input-major weight", "dtypes differ", "float16"])
 def test_what_it_does_not_serve_is_an_error_saying_so(case):
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     wt = {"input-major weight": w.t().contiguous()}.get(case, w.t())
-    x = {"nine rows": torch.randn(9, 64), "dtypes differ": x.bfloat16(), "float16": x.half()}.get(case, x)
+    x = {"seventeen rows": torch.randn(17, 64), "dtypes differ": x.bfloat16(), "float16": x.half()}.get(case, x)
     if case == "float16":
         wt = wt.half()
     with pytest.raises(RuntimeError, match="linear_rows: .*(rows|row-major|dtype|float32 or bfloat16)"):
@@ -93,7 +94,8 @@ def test_the_pass_rewrites_few_row_products_on_stored_weights(dtype):
 
 @pytest.mark.parametrize("case", ["sixteen rows", "bfloat16, eight rows", "input-major weight", "float16"])
 def test_the_pass_leaves_what_the_kernel_does_not_serve_to_aten(case):
-    """Past MAX_ROWS (float32 16 rows; bfloat16 8, where aten's product was as fast), other layouts and dtypes."""
+    """Past MAX_ROWS (float32 16 rows; bfloat16 8 where the AMX path does not take them: K = 48 is not a multiple of
+    32; where aten's product was as fast), other layouts and dtypes."""
     x = torch.randn({"sixteen rows": 16, "bfloat16, eight rows": 8}.get(case, 1), 48)
     w = torch.randn(40, 48)
     if case == "bfloat16, eight rows":
@@ -104,3 +106,18 @@ def test_the_pass_leaves_what_the_kernel_does_not_serve_to_aten(case):
         x, w = x.half(), w.half()
     module, replaced = _rewritten(lambda x, w: torch.nn.functional.linear(x, w), x, w)
     assert replaced == 0 and torch.ops.aten.mm.default in _targets(module)
+
+
+@pytest.mark.parametrize("outer, inner", [(64, 96), (40, 96), (64, 48)])
+def test_sixteen_bfloat16_rows_go_to_the_kernel_where_its_amx_path_runs_them(outer, inner):
+    """bfloat16 past MAX_ROWS: rewritten where the AMX tiles multiply all 16 rows in one pass over the weights (K
+    and N multiples of 32, the CPU's tiles granted), left to aten elsewhere (this CPU's answer, asked of the
+    kernel, never assumed); the result aten's within bfloat16 rounding either way."""
+    generator = torch.Generator().manual_seed(outer + inner)
+    x, w = (torch.randn(*shape, generator=generator).bfloat16() for shape in ((16, inner), (outer, inner)))
+    amx = torch.ops.runner.linear_rows_amx() and outer % 32 == 0 and inner % 32 == 0
+    assert cpu_linear.rows_served(torch.bfloat16, inner, outer) == (16 if amx else cpu_linear.MAX_ROWS[torch.bfloat16])
+    module, replaced = _rewritten(lambda x, w: torch.nn.functional.linear(x, w), x, w)
+    assert replaced == int(amx) and (torch.ops.aten.mm.default in _targets(module)) != amx
+    torch.testing.assert_close(module(x, w), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
+

@@ -1,4 +1,5 @@
-// A few rows through a Linear: y [M,N] = x [M,K] · W [N,K]ᵀ (+ bias [N]), M ≤ MAX_ROWS, float32 or bfloat16,
+// A few rows through a Linear: y [M,N] = x [M,K] · W [N,K]ᵀ (+ bias [N]), M ≤ MAX_ROWS (16; the paths without
+// AMX take 8 at a time), float32 or bfloat16,
 // W an nn.Linear's weight as stored (row-major). Registered as the torch op runner::linear_rows (native.py builds
 // it); cpu_linear.py's pass has the compiled decode step call it where a product of M ≤ MAX_ROWS rows would call
 // aten's mm.
@@ -11,18 +12,23 @@
 // bfloat16 (AVX2): a float is the bf16 bits shifted up 16, so 16 weights become two float vectors with one AND
 // (the odd ones, already in the high halves) and one shift (the even ones); x is split the same way once per call,
 // into even and odd floats of each 16, so the products pair up (with AVX-512 BF16: `block_dp`). Sums are float32
-// (as aten's bf16 mm accumulates); the result is rounded to bfloat16 once.
+// (as aten's bf16 mm accumulates); the result is rounded to bfloat16 once. With AMX: `product_amx`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "prefetch.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RUNNER_AVX2 1
@@ -30,7 +36,8 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 16;  // the AMX path's tile height
+constexpr int64_t PATH_ROWS = 8;  // the other paths' most rows a pass: more are taken 8 at a time
 constexpr int64_t STEP = 16;  // weights per inner step (two vectors of 8 floats)
 
 #ifdef RUNNER_AVX2
@@ -171,6 +178,88 @@ inline void block_dp(const c10::BFloat16* w, const c10::BFloat16* x, const c10::
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define RUNNER_AMX 1
+// bfloat16 where the CPU has AMX: the weights are the tiles' left operand as they lie (16 rows of W, 32 of its
+// columns: 16 rows of 64 bytes at W's row stride), x the right one, turned once per call into pairs of columns
+// (VNNI: pair p holds x[m][2p], x[m][2p+1] for every row m), so one `tdpbf16ps` multiplies 1 KiB of weights by up
+// to 16 rows of x into a 16 × M tile of float sums, and nothing is repacked. Two weight tiles share each x tile.
+// Sums are float32 in the tile unit's order (per row of x, the same whatever M: a row's result does not depend on
+// the others); denormal inputs count as zero (as `vdpbf16ps`). Linux lends a process the tile registers on
+// request (arch_prctl); where it refuses, the vdpbf16ps path runs. On a 2-core Xeon with AMX, SmolLM2's weights
+// at 16 rows: 16.6 ms against aten's 31.0 (its oneDNN product reads them at ~9 GB/s whatever the rows); at one
+// row as fast as vdpbf16ps (benchmarks/linear_rows.py). Tried: four tiles a block of x (64 weight rows, 64 streams),
+// prefetching the next block, two sums per block alternating: none faster.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, tmm1: the sums of two blocks of 16 weight rows; tmm2, tmm3: their next 32 columns; tmm4: 16 column pairs ×
+// M rows of x, shared by both.
+inline void configure_tiles(int64_t M) {
+  TileConfig config;
+  for (int t = 0; t < 5; t++) config.rows[t] = 16, config.colsb[t] = t == 2 || t == 3 ? 64 : M * 4;
+  _tile_loadconfig(&config);
+}
+
+// A tile of 16 × M float sums → y's columns [n, n + 16) of every row m, bias added, rounded to bfloat16 (to nearest
+// even, as c10's conversion).
+inline void store_sums(const float* sums, int64_t M, const c10::BFloat16* bias, c10::BFloat16* y, int64_t n,
+                       int64_t N) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(M)));  // sums[i * M + m], i = 0..15
+  const __m256i bias16 = bias ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n)) : _mm256_setzero_si256();
+  const __m512 add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bias16), 16));  // bf16 → float
+  for (int64_t m = 0; m < M; m++) {
+    const __m512 sum = _mm512_add_ps(_mm512_i32gather_ps(column, sums + m, 4), add);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n), (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+// y [M,N] = x [M,K] · Wᵀ for M ≤ 16, K a multiple of 32, N of 32: blocks of 32 weight rows split between threads.
+void product_amx(const c10::BFloat16* w, const c10::BFloat16* x, const c10::BFloat16* bias, c10::BFloat16* y,
+                 int64_t M, int64_t N, int64_t K) {
+  const int64_t P = K / 2;  // column pairs: x as [M,P] 32-bit pairs, turned to [P,M]
+  std::vector<uint32_t> pairs(P * M);
+  const auto* x32 = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t p = 0; p < P; p++) pairs[p * M + m] = x32[m * P + p];
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    configure_tiles(M);
+    alignas(64) float sums[16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n += 32) {
+      const c10::BFloat16* rows = w + n * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, pairs.data() + k / 2 * M, M * 4);
+        _tile_loadd(2, rows + k, K * 2);
+        _tile_loadd(3, rows + 16 * K + k, K * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+      _tile_stored(0, sums, M * 4);
+      store_sums(sums, M, bias, y, n, N);
+      _tile_stored(1, sums, M * 4);
+      store_sums(sums, M, bias, y, n + 16, N);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // Rows per block: as many accumulators as fit in 16 registers beside the loads (AVX2 and vdpbf16ps).
 template <int M>
 constexpr int rows_per_block() { return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1; }
@@ -211,6 +300,19 @@ template <typename T>
 void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tensor& y, int64_t N, bool widest) {
   const int64_t M = x.size(0), K = x.size(1);
   T* out = y.data_ptr<T>();
+#ifdef RUNNER_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (widest && K % 32 == 0 && N % 32 == 0 && amx_permitted())
+      return product_amx(w, x.data_ptr<T>(), bias, out, M, N, K);
+  }
+#endif
+  if (M > PATH_ROWS) {
+    for (int64_t start = 0; start < M; start += PATH_ROWS) {
+      at::Tensor part = y.narrow(0, start, std::min(PATH_ROWS, M - start));
+      linear_rows_typed<T>(x.narrow(0, start, part.size(0)), w, bias, part, N, widest);
+    }
+    return;
+  }
 #ifdef RUNNER_DPBF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (widest) {
@@ -278,11 +380,22 @@ bool vectorized() {
 #endif
 }
 
+// Whether bfloat16 products with K and N multiples of 32 run on the AMX path here (compiled for it, and
+// the tile registers granted).
+bool amx() {
+#ifdef RUNNER_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(runner, m) {
   m.def("linear_rows(Tensor x, Tensor wt, Tensor? bias, bool widest=True) -> Tensor");
   m.def("linear_rows_vectorized() -> bool", &vectorized);
+  m.def("linear_rows_amx() -> bool", &amx);
 }
 
 TORCH_LIBRARY_IMPL(runner, CPU, m) { m.impl("linear_rows", &linear_rows); }
