@@ -8,9 +8,9 @@ is about to lower,
     mm(x [M,K], wt [K,N])  and  addmm(bias, x, wt)
 where M ≤ MAX_ROWS (8 in float32, 4 in bfloat16; 16 in bfloat16 on the AMX path: `rows_served`), both float32
 or both bfloat16, and wt is a row-major weight seen transposed (an nn.Linear's weight as stored: strides (1, K))
-into runner::linear_rows(x, wt, bias). Everything else (longer feeds, batches past those, fp16, torchao's quantized weights, an input-major weight)
-stays aten's. The op is a C++ op, so a call costs what aten's does (about 6 µs from the generated wrapper; a
-Python custom op cost 20–30).
+into runner::linear_rows(x, wt, bias). Everything else (longer feeds, batches past those, fp16, torchao's
+quantized weights, an input-major weight) stays aten's. The op is a C++ op, so a call costs what aten's does
+(about 6 µs from the generated wrapper; a Python custom op cost 20–30).
 Built by runner.infer.kernels.native (once per machine); no compiler, a failed build or a CPU without AVX2 and FMA →
 `load()` is False, and the compiled step keeps aten's products.
 Owns: loading the op and the pass. Knows nothing of models, caches or engines.
