@@ -48,10 +48,29 @@ def installed_version() -> str | None:
 
 def cpu_key() -> str:
     """A short hash of what makes a -march=native build machine-specific: the architecture and the CPU's flags (and
-    $RUNNER_MARCH where it is set: kernels.native.march())."""
+    $RUNNER_MARCH where it is set: kernels.native.march(); the compiler flags of `_compiler_flags`)."""
     flags = " ".join(sorted(machine_flags()))
     target = "" if march() == "native" else f" {march()}"
-    return hashlib.sha256(f"{os.uname().machine} {flags}{target}".encode()).hexdigest()[:10]
+    extra = f" {_compiler_flags()}" if _compiler_flags() else ""
+    return hashlib.sha256(f"{os.uname().machine} {flags}{target}{extra}".encode()).hexdigest()[:10]
+
+
+def _compiler_flags() -> str:
+    """C and C++ flags beside -march: AMX off where the CPU has it. ggml's AMX product (built wherever -march=native
+    defines __AMX_INT8__) crashed llama.cpp's first forward on a 2-core AMX Xeon (SIGSEGV in
+    ggml_backend_amx_mul_mat, SmolLM2's and Qwen2.5-Coder-0.5B's GGUF files, llama-cpp-python 0.3.36); without it
+    ggml takes its AVX-512 paths. An explicit -mno-amx-* wins over -march's set, in whatever order."""
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if "amx_tile" in machine_flags() else ""
+
+
+def _build_env(**extra: str) -> dict[str, str]:
+    """The environment llama.cpp is configured in: CFLAGS and CXXFLAGS (which cmake starts its flags from) with
+    `_compiler_flags` added."""
+    env = {**os.environ, **extra}
+    if flags := _compiler_flags():
+        for name in ("CFLAGS", "CXXFLAGS"):
+            env[name] = f"{env.get(name, '')} {flags}".strip()
+    return env
 
 
 def wheel_folder() -> Path:
@@ -86,7 +105,7 @@ def build_wheel(sdist: Path) -> Path:
         log.info("building llama-cpp-python %s for this CPU (once; compiles llama.cpp, minutes)", VERSION)
         cmake_args = " ".join([os.environ.get("CMAKE_ARGS", ""), *_target_flags()]).strip()
         _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-w", tmp,
-              str(sdist)], "pip wheel", env={**os.environ, "CMAKE_ARGS": cmake_args})
+              str(sdist)], "pip wheel", env=_build_env(CMAKE_ARGS=cmake_args))
         built = Path(tmp) / "out"
         built.mkdir()
         for wheel in Path(tmp).glob("llama_cpp_python-*.whl"):
@@ -130,7 +149,7 @@ def llama_tool(name: str = "llama-bench") -> Path:
         build = Path(tmp) / "build"
         log.info("building %s from llama.cpp vendored in %s (once; minutes)", name, SDIST)
         _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-              "-DBUILD_SHARED_LIBS=OFF", *_target_flags()], "cmake")
+              "-DBUILD_SHARED_LIBS=OFF", *_target_flags()], "cmake", env=_build_env())
         _run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 1)], "cmake --build")
         out = Path(tmp) / "out"
         out.mkdir()

@@ -40,3 +40,22 @@ def test_runner_march_builds_llama_cpp_for_that_march_under_its_own_key(monkeypa
     assert install._target_flags() == ["-DGGML_NATIVE=OFF", "-DCMAKE_C_FLAGS=-march=x86-64-v3",
                                        "-DCMAKE_CXX_FLAGS=-march=x86-64-v3"]
     assert install.cpu_key() != native_key and re.fullmatch(r"[0-9a-f]{10}", install.cpu_key())
+
+
+def test_a_cpu_with_amx_builds_llama_cpp_without_it_under_its_own_key(monkeypatch):
+    """ggml's AMX product crashed llama.cpp on an AMX Xeon: where the CPU has AMX, CFLAGS and CXXFLAGS turn it off
+    (cmake starts its flags from them; what was in them stays) and the wheel is cached apart; elsewhere nothing is
+    added."""
+    monkeypatch.delenv("RUNNER_MARCH", raising=False)
+    monkeypatch.setenv("CFLAGS", "-O2")
+    monkeypatch.delenv("CXXFLAGS", raising=False)
+    monkeypatch.setattr(install, "machine_flags", lambda: frozenset({"avx2", "avx512f"}))
+    plain_key, plain_env = install.cpu_key(), install._build_env(CMAKE_ARGS="-DGGML_NATIVE=ON")
+    assert plain_env["CFLAGS"] == "-O2" and "CXXFLAGS" not in plain_env
+    assert plain_env["CMAKE_ARGS"] == "-DGGML_NATIVE=ON"
+    monkeypatch.setattr(install, "machine_flags", lambda: frozenset({"avx2", "avx512f", "amx_tile", "amx_int8"}))
+    env = install._build_env()
+    assert env["CFLAGS"] == "-O2 -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert env["CXXFLAGS"] == "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    monkeypatch.setattr(install, "machine_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert install.cpu_key() == plain_key
