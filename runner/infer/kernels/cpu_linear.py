@@ -28,8 +28,7 @@ from runner.infer.kernels import gguf_rows, native
 log = logging.getLogger(__name__)
 
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}  # past 4 rows aten's bfloat16 product was as fast (linear_rows.py)
-AMX_ROWS = 16  # bfloat16 rows on the AMX path (a tile's height), where K and N are multiples of AMX_MULTIPLE
-AMX_MULTIPLE = 32
+AMX_ROWS = 16  # bfloat16 rows on the AMX path (a tile's height), for the shapes it takes (linear_rows_amx)
 _STATE: dict[str, bool] = {}
 
 
@@ -61,11 +60,11 @@ def _takes(x, wt) -> bool:
 
 def rows_served(dtype: torch.dtype, inner: int, outer: int) -> int:
     """The most rows of x the pass gives linear_rows for a [outer, inner] weight: MAX_ROWS, or AMX_ROWS for bfloat16
-    where the AMX path runs it (the CPU's tiles, granted; both sizes multiples of AMX_MULTIPLE). There one weight
-    tile multiplies all 16 rows, so 16 rows read the weights about as fast as one: 1.85× aten's bfloat16 product
-    at 16 rows on SmolLM2's weights (benchmarks/linear_rows.py, docs/performance.md)."""
-    if (dtype == torch.bfloat16 and isinstance(inner, int) and isinstance(outer, int) and inner % AMX_MULTIPLE == 0
-            and outer % AMX_MULTIPLE == 0 and load() and torch.ops.runner.linear_rows_amx()):
+    where the kernel's AMX path runs that shape (runner::linear_rows_amx: the CPU's tiles, granted; whole tiles).
+    There one weight tile multiplies all 16 rows, so 16 rows read the weights about as fast as one: 1.85× aten's
+    bfloat16 product at 16 rows on SmolLM2's weights (benchmarks/linear_rows.py, docs/performance.md)."""
+    if (dtype == torch.bfloat16 and isinstance(inner, int) and isinstance(outer, int) and load()
+            and torch.ops.runner.linear_rows_amx(inner, outer)):
         return AMX_ROWS
     return MAX_ROWS.get(dtype, 0)
 

@@ -51,8 +51,10 @@ def cpu_key() -> str:
     $RUNNER_MARCH where it is set: kernels.native.march(); the compiler flags of `_compiler_flags`)."""
     flags = " ".join(sorted(machine_flags()))
     target = "" if march() == "native" else f" {march()}"
-    extra = f" {_compiler_flags()}" if _compiler_flags() else ""
-    return hashlib.sha256(f"{os.uname().machine} {flags}{target}{extra}".encode()).hexdigest()[:10]
+    key = f"{os.uname().machine} {flags}{target}"
+    if extra := _compiler_flags():
+        key += f" {extra}"
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def _compiler_flags() -> str:

@@ -115,9 +115,8 @@ def test_sixteen_bfloat16_rows_go_to_the_kernel_where_its_amx_path_runs_them(out
     kernel, never assumed); the result aten's within bfloat16 rounding either way."""
     generator = torch.Generator().manual_seed(outer + inner)
     x, w = (torch.randn(*shape, generator=generator).bfloat16() for shape in ((16, inner), (outer, inner)))
-    amx = torch.ops.runner.linear_rows_amx() and outer % 32 == 0 and inner % 32 == 0
+    amx = torch.ops.runner.linear_rows_amx(64, 64) and outer % 32 == 0 and inner % 32 == 0  # tiles granted here
     assert cpu_linear.rows_served(torch.bfloat16, inner, outer) == (16 if amx else cpu_linear.MAX_ROWS[torch.bfloat16])
     module, replaced = _rewritten(lambda x, w: torch.nn.functional.linear(x, w), x, w)
     assert replaced == int(amx) and (torch.ops.aten.mm.default in _targets(module)) != amx
     torch.testing.assert_close(module(x, w), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
-

@@ -198,6 +198,10 @@ bool amx_permitted() {
   return permitted;
 }
 
+// Whether a bfloat16 product of a [N,K] weight runs on the AMX path: whole tiles (K and N multiples of 32), the
+// tiles granted.
+bool amx_takes(int64_t K, int64_t N) { return K % 32 == 0 && N % 32 == 0 && amx_permitted(); }
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -302,8 +306,7 @@ void linear_rows_typed(const at::Tensor& x, const T* w, const T* bias, at::Tenso
   T* out = y.data_ptr<T>();
 #ifdef RUNNER_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (widest && K % 32 == 0 && N % 32 == 0 && amx_permitted())
-      return product_amx(w, x.data_ptr<T>(), bias, out, M, N, K);
+    if (widest && amx_takes(K, N)) return product_amx(w, x.data_ptr<T>(), bias, out, M, N, K);
   }
 #endif
   if (M > PATH_ROWS) {
@@ -380,11 +383,10 @@ bool vectorized() {
 #endif
 }
 
-// Whether bfloat16 products with K and N multiples of 32 run on the AMX path here (compiled for it, and
-// the tile registers granted).
-bool amx() {
+// Whether a bfloat16 product of a [N,K] weight runs on the AMX path here (compiled for it: `amx_takes`).
+bool amx(int64_t K, int64_t N) {
 #ifdef RUNNER_AMX
-  return amx_permitted();
+  return amx_takes(K, N);
 #else
   return false;
 #endif
@@ -395,7 +397,7 @@ bool amx() {
 TORCH_LIBRARY_FRAGMENT(runner, m) {
   m.def("linear_rows(Tensor x, Tensor wt, Tensor? bias, bool widest=True) -> Tensor");
   m.def("linear_rows_vectorized() -> bool", &vectorized);
-  m.def("linear_rows_amx() -> bool", &amx);
+  m.def("linear_rows_amx(int K, int N) -> bool", &amx);
 }
 
 TORCH_LIBRARY_IMPL(runner, CPU, m) { m.impl("linear_rows", &linear_rows); }
