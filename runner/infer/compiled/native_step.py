@@ -11,7 +11,8 @@ Serves (`refusal` says why not, once per model; `serves`, per cache and rows):
              model's dtype or a GGUFLinear (float32 models), runner's kernels built
     caches   plain float layouts (fp32, fp16, bf16 K/V: StaticPlainLayer), read as stored (fp16 K/V under a
              bfloat16 model: the compiled graph rounds them to bfloat16 first, this step does not)
-    steps    one new column, at most linear_rows' rows for the dtype (8 float32 or GGUF, 4 bfloat16)
+    steps    one new column, at most linear_rows' rows for the dtype (8 float32 or GGUF, 4 bfloat16; 16 bfloat16
+             where its AMX path takes every product's shape: `cpu_linear.rows_served`)
 Everything else (quantized and KIVI caches, longer feeds, more rows) keeps the compiled graph. The embedding and
 the rotary embedding's cos/sin are the model's own modules, called from Python once a step.
 Owns: the tensors and codes a model hands the op (made once), the step's call. Knows nothing of states or sampling.
@@ -73,7 +74,7 @@ class NativeStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps, self.scaling = float(config.rms_norm_eps), float(layers[0].self_attn.scaling)
-        self.max_rows = cpu_linear.MAX_ROWS[model.dtype]  # GGUF products run in float32 models: 8
+        self.max_rows = _max_rows(model)
         self.tensors: list[torch.Tensor | None] = []
         self.codes: list[int] = []
         for layer in layers:  # llama_step.cpp's LayerTensor order
@@ -107,6 +108,14 @@ class NativeStep:
             sin[:, 0].float().contiguous(), [len(cache.layers), self.heads, self.kv_heads, self.head_dim, column],
             self.eps, self.scaling)
         return logits[:, None]  # [B,1,V]
+
+
+def _max_rows(model) -> int:
+    """The most rows a step takes: what linear_rows serves for every product of the model (16 in bfloat16 where
+    the AMX path takes every shape, else cpu_linear.MAX_ROWS: GGUF products run in float32 models, 8)."""
+    shapes = [_projection(layer, name).weight.shape for layer in model.model.layers for name in PRODUCTS]
+    return min(cpu_linear.rows_served(model.dtype, int(inner), int(outer))
+               for outer, inner in [*shapes, model.lm_head.weight.shape])
 
 
 def _float_linear(module, dtype: torch.dtype) -> bool:

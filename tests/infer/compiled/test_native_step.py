@@ -67,6 +67,20 @@ def test_bfloat16_steps_equal_the_eager_static_step_to_bfloat16_rounding(kind):
     assert _worst(_lockstep(lm.model, lm.tokenizer, PROMPTS, kind)) <= 4 * 2**-8
 
 
+def test_sixteen_bfloat16_rows_run_natively_exactly_where_the_amx_path_takes_every_product():
+    """16 rows (9 prompts: bucket 16) of a bfloat16 model whose shapes are whole AMX tiles: on a CPU whose AMX
+    path linear_rows runs, the native step serves them, to bfloat16 rounding of the eager step; elsewhere it takes
+    4 rows and leaves them to the compiled graph."""
+    lm = load_model(config={**TINY_QWEN2, "vocab_size": 288}, device="cpu", seed=0, dtype="bfloat16")  # 9 tiles
+    step = native_step.NativeStep(lm.model)
+    if not torch.ops.runner.linear_rows_amx(64, 64):
+        assert step.max_rows == 4
+        assert not step.serves(CompiledEngine(lm.model, compile=False)._cache(("bf16", 16, 256, "")), 1)
+        return
+    assert step.max_rows == 16
+    assert _worst(_lockstep(lm.model, lm.tokenizer, [*PROMPTS * 3][:9], "bf16")) <= 4 * 2**-8
+
+
 def test_gguf_weights_take_the_same_block_products(tmp_path):
     """GGUF products quantize each row of x to 8 bits per block (Q4_1 here): inputs that differ by float
     rounding can round an activation to the next level, so the bound is that of one level, not of float32."""
