@@ -107,9 +107,12 @@ def reduced_attention(model):
 def attend_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
-    """query [B,G·H,T,D], key/value [B,H,S,D], mask [B,1,T,S] (bool or additive) → ([B,T,G·H,D], None), as
+    """query [B,G·H,T,D], key/value [B,H,S,D], mask [B,1,T,S'] (bool or additive; S' ≤ S: an eager forward's mask
+    stops at the columns written, and the cache's columns past it are not read) → ([B,T,G·H,D], None), as
     transformers' sdpa_attention_forward returns; what this does not cover (no grouping, a per-head mask, a
     position bias, softcap) goes to that function."""
+    if attention_mask is not None and key.shape[2] > attention_mask.shape[-1]:  # the columns past it are unwritten
+        key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
              or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)

@@ -115,6 +115,8 @@ class StaticDecodeState:
         if compiled and t in self.step_lengths:
             logits = self.engine.call(self.key, *args, coding=t == 1 and self.cache.needs_coding(self.column, real))
         else:
+            if t > 1 and self.cache.eviction is None:  # attention reads only the columns written so far
+                args = (*args[:-1], self.columns[:, :self.column + t])
             set_writes(self.cache, model, t, True)
             with reduced_attention(model):
                 logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None,

@@ -56,3 +56,24 @@ def test_packed_queries_give_sdpa_s_attention(t, additive):
     theirs, _ = sdpa_attention_forward(_Module(), query, key, value, mask, scaling=0.3)
     assert ours.shape == theirs.shape == (2, t, 6, 8)
     torch.testing.assert_close(ours, theirs)
+
+
+def test_an_eager_prompt_forward_reads_only_the_columns_written(tiny_lm):
+    """A prompt fed eagerly through a static cache of 256 columns attends to the columns written so far, not the
+    whole cache: with every unwritten column NaN, its logits are the clean cache's, bit for bit (sdpa over masked NaN
+    columns would give NaN), and so are the next feed's."""
+    from runner.infer.compiled.engine import CompiledEngine
+
+    ids = tiny_lm.tokenizer(["hello world, this is a prompt"], return_tensors="pt").input_ids  # [1,T]
+    out = []
+    for poison in (False, True):
+        state = CompiledEngine(tiny_lm.model, compile=False).state("fp32", 1, 256, 256)
+        with torch.inference_mode():
+            for layer in state.cache.layers if poison else []:
+                layer.keys.fill_(float("nan"))
+                layer.values.fill_(float("nan"))
+            first, _ = state.prefill(tiny_lm.model, ids, torch.ones_like(ids))  # [1,V]
+            second = state.feed_row(tiny_lm.model, torch.tensor([5, 6]), keep=2)  # [2,V]
+        out.append((first, second))
+    assert torch.isfinite(out[1][0]).all() and torch.isfinite(out[1][1]).all()
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
