@@ -111,16 +111,16 @@ class StaticDecodeState:
         columns = torch.arange(self.column, self.column + t, device=ids.device)  # [T]
         self.columns[:, self.column:self.column + t] = self._pad(new_mask)
         ids, positions = self._pad(ids).contiguous(), self._pad(positions).contiguous()  # a beam's tokens are a view
-        args = (self.cache, ids, positions, columns, columns[real - 1] + 1, self.columns)
+        args = (self.cache, ids, positions, columns, columns[real - 1] + 1)
         if compiled and t in self.step_lengths:
-            logits = self.engine.call(self.key, *args, coding=t == 1 and self.cache.needs_coding(self.column, real))
-        else:
-            if t > 1 and self.cache.eviction is None:  # attention reads only the columns written so far
-                args = (*args[:-1], self.columns[:, :self.column + t])
+            logits = self.engine.call(self.key, *args, self.columns,
+                                      coding=t == 1 and self.cache.needs_coding(self.column, real))
+        else:  # an eager forward of several columns attends to the columns written so far, not the whole cache
+            written = self.columns[:, :self.column + t] if t > 1 and self.cache.eviction is None else self.columns
             set_writes(self.cache, model, t, True)
             with reduced_attention(model):
-                logits = decode_step(model, *args, self.engine.weights if model is self.engine.model else None,
-                                     keep=keep)
+                logits = decode_step(model, *args, written,
+                                     self.engine.weights if model is self.engine.model else None, keep=keep)
         self.column += real
         self.length += real
         return logits[:self.rows]
