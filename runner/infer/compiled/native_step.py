@@ -13,6 +13,9 @@ Serves (`refusal` says why not, once per model; `serves`, per cache and rows):
              bfloat16 model: the compiled graph rounds them to bfloat16 first, this step does not)
     steps    one new column, at most linear_rows' rows for the dtype (8 float32 or GGUF, 4 bfloat16; 16 bfloat16
              where its AMX path takes every product's shape: `cpu_linear.rows_served`)
+    mixed    a step may also carry a joining prompt's tokens as extra rows of its products (`Extra`, `mixes`:
+             float weights only; more rows than linear_rows takes go to aten's mm), each written into its row left
+             of the step's column and attending causally there: serve/compiled_slots.py's mixed forward
 Everything else (quantized and KIVI caches, longer feeds, more rows) keeps the compiled graph. The embedding and
 the rotary embedding's cos/sin are the model's own modules, called from Python once a step.
 Owns: the tensors and codes a model hands the op (made once), the step's call. Knows nothing of states or sampling.
@@ -20,7 +23,7 @@ Owns: the tensors and codes a model hands the op (made once), the step's call. K
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -93,21 +96,41 @@ class NativeStep:
         return (new == 1 and cache.batch <= self.max_rows
                 and all(type(layer) is StaticPlainLayer for layer in cache.layers))
 
+    def mixes(self, cache: StaticKVCache) -> bool:
+        """Whether a step over `cache` may carry extra tokens (`__call__`'s `extra`): its products take any row
+        count (float weights; GGUF's kernels take a few rows)."""
+        return self.serves(cache, 1) and all(code == FLOAT_PRODUCT for code in self.codes)
+
     @torch.inference_mode()
     def __call__(self, cache: StaticKVCache, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
-                 mask2d: torch.Tensor) -> torch.Tensor:
-        """[B,1] ids at [B,1] positions into column columns[0] of `cache`, [B,S] real columns → [B,1,V] logits."""
+                 mask2d: torch.Tensor, extra: Extra | None = None) -> torch.Tensor:
+        """[B,1] ids at [B,1] positions into column columns[0] of `cache`, [B,S] real columns → [B,1,V] logits.
+        `extra` (`mixes` only): P more tokens written in the same forward, each at its (row, column) left of
+        columns[0]; a row's extra tokens must be masked in mask2d, and attend causally to its columns."""
         column = int(columns[0])
-        hidden = self.model.model.embed_tokens(ids)  # [B,1,E]
-        cos, sin = self.model.model.rotary_emb(hidden, positions)  # [B,1,D]
+        tokens, at = ids[:, 0], positions[:, 0]  # [B]
+        if extra is not None:
+            tokens, at = torch.cat([tokens, extra.ids]), torch.cat([at, extra.positions])  # [N]
+        hidden = self.model.model.embed_tokens(tokens[None])  # [1,N,E]
+        cos, sin = self.model.model.rotary_emb(hidden, at[None])  # [1,N,D]
         mask = mask2d.bool()
         mask[:, column] = True  # every row sees its own new column (a dummy row only that)
         caches = [t for layer in cache.layers for t in cast(StaticPlainLayer, layer).tensors()]  # K, V a layer
         logits = torch.ops.runner.llama_step(
-            hidden[:, 0].contiguous(), self.tensors, self.codes, caches, mask, cos[:, 0].float().contiguous(),
-            sin[:, 0].float().contiguous(), [len(cache.layers), self.heads, self.kv_heads, self.head_dim, column],
-            self.eps, self.scaling)
+            hidden[0].contiguous(), self.tensors, self.codes, caches, mask, cos[0].float().contiguous(),
+            sin[0].float().contiguous(), [len(cache.layers), self.heads, self.kv_heads, self.head_dim, column,
+                                          self.max_rows],
+            self.eps, self.scaling, None if extra is None else extra.places)
         return logits[:, None]  # [B,1,V]
+
+
+class Extra(NamedTuple):
+    """A mixed step's extra tokens (`NativeStep.__call__`): ids [P], positions [P], places [P,2] (row, column),
+    a row's tokens consecutive, in ascending columns."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    places: torch.Tensor
 
 
 def _max_rows(model) -> int:

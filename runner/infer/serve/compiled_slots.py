@@ -30,6 +30,16 @@ right-aligned to c.
              row holds its own copy; the static cache is allocated whole anyway), so blocks are not shared
              (`_share_prefix`); retained prompts are charged to the budget as on the eager scheduler. Prompts are
              prefilled together only with equal hits.
+    mixed    where the native step serves the cache (compiled.native_step: llama/qwen2, float weights, plain float
+             K/V, B ≤ its rows) prompts are not prefilled apart: a step's decode rows and the prompts it places
+             (admission order, up to `max_tokens_per_step` − rows prompt tokens, at least one) run in one forward,
+             each prompt of m tokens written straight into its row at columns [c + 1 − m, c + 1) (its cached prefix
+             copied there first): its last token is its row's token at column c, the others extra rows of the same
+             products (one weight read for all), attending causally within the row. No prefill cache, no copy. Up
+             to MIXED_TOKENS prompt tokens a forward; prompts past them are prefilled apart in the same step, as
+             above: the native step's elementwise work runs in float32 between aten's products, which costs more
+             than eager bfloat16 prefill at thousands of tokens (SmolLM2 bf16 on 2 cores: 1 × 128 prompt tokens
+             + 16 rows 84 ms mixed against 94 + 23 apart; 16 × 128, 1.3 s against 0.77).
 So the load runs one compiled shape, compiled during warm-up (`CompiledSlots.__init__`, before the clock starts):
 `recompiles` counts graphs dynamo made after that (should stay 0), `compile_s` is the warm-up's compile time.
 
@@ -40,6 +50,7 @@ up to float reductions over masked columns (near ties only): a row's stored K/V 
 quantize each column alone, so where a column lies changes nothing; KIVI's blocks are the row's own, above).
 What it does not do: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the
 step it is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
+mixed forwards where the native step does not serve (quantized and KIVI kinds, GGUF weights: prefill apart),
 compiled prefill, prefix caching of KIVI kinds, requests longer than S (refused at submission), several length
 buckets (a longer S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
 """
@@ -54,6 +65,7 @@ import torch
 from runner.infer.cache.layers import cache_bytes
 from runner.infer.cache.static.cache import StaticKVCache, make_static_cache
 from runner.infer.compiled.engine import CompiledEngine, engine_for
+from runner.infer.compiled.native_step import Extra
 from runner.infer.compiled.state import StaticDecodeState
 from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.serve.live import Clock, Live, SchedulerConfig
@@ -66,6 +78,7 @@ log = logging.getLogger(__name__)
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
 SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
 PREFILL_ROWS = 8  # most prompts prefilled in one forward; each power of two up to it has its own static cache
+MIXED_TOKENS = 256  # most prompt tokens a mixed forward carries (module docstring: mixed)
 
 
 class Cached(NamedTuple):
@@ -85,7 +98,7 @@ class CompiledSlots(Scheduler):
     model's compiled engine by default (tests pass CompiledEngine(model, compile=False))."""
 
     def __init__(self, model, config: SchedulerConfig | None = None, clock: Clock | None = None, tokenizer=None,
-                 columns: int = 512, engine: CompiledEngine | None = None):
+                 columns: int = 512, engine: CompiledEngine | None = None, mixed: bool = True):
         config = config or SchedulerConfig()
         if reason := compiled_serve_reason(config.cache_kind):
             raise ValueError(f"cache kind {config.cache_kind!r} cannot be served on the compiled engine: {reason}")
@@ -115,8 +128,16 @@ class CompiledSlots(Scheduler):
         self.staged: dict[int, tuple[Live, StaticKVCache]] = {}  # KIVI: request id → (it, a one-row cache), `_stage`
         self.spare: list[StaticKVCache] = []  # one-row caches free for staging
         self.stagings = 0  # requests that waited staged for their block boundary
+        native = self.engine.native
+        self.native = native if mixed and native is not None and native.mixes(self.cache) else None  # mixing
+        self.shared_forwards = 0  # mixed forwards that carried decode rows and prompts both
         log.info("compiled slots: %d rows × %d columns of %s; warm-up compiled %d graphs in %.1f s", self.slots,
                  self.columns, config.cache_kind or "the model's dtype", self.compiles, self.compile_s)
+
+    @property
+    def mixing(self) -> bool:
+        """Whether prompts join in the decode rows' forward (module docstring: mixed)."""
+        return self.native is not None
 
     @property
     def recompiles(self) -> int:
@@ -211,20 +232,7 @@ class CompiledSlots(Scheduler):
                 self._join(live, cache, 0, m)
                 self.spare.append(self.staged.pop(rid)[1])
         self._forget_evicted()
-        group: list[tuple[Live, list[int]]] = []
-        prefixes: list[Cached] = []  # each one's cached prefix
-        for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
-            if budget <= 0 or len(group) == PREFILL_ROWS:
-                break
-            tokens = self._placed_tokens(live)
-            if group and (len(tokens) - len(group[0][1])) % self.every:
-                continue  # KIVI: left pads of whole blocks, so every row's tokens start at a multiple of r
-            prefix = self._cached_prefix(tokens)
-            if group and prefix.tokens != prefixes[0].tokens:
-                continue  # prompts prefilled together have equal hits
-            group.append((live, tokens))
-            prefixes.append(prefix)
-            budget -= len(tokens) - prefix.tokens
+        group, prefixes = self._group(budget, PREFILL_ROWS, equal_hits=True)
         if not group:
             return
         group = group[:1 << (len(group).bit_length() - 1)]  # a power of two: one cache per group size
@@ -236,6 +244,26 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(first, tokens):
             self._emit(group[i][0], token, now)
+
+    def _group(self, budget: int, most: int, equal_hits: bool) -> tuple[list[tuple[Live, list[int]]], list[Cached]]:
+        """The admitted requests not yet in their rows, in admission order, while `budget` prompt tokens last and
+        at most `most` of them → (each with its tokens to place, its cached prefix). KIVI: only lengths ≡ the
+        first's mod r; `equal_hits`: only cached prefixes as long as the first's (prompts prefilled together)."""
+        group: list[tuple[Live, list[int]]] = []
+        prefixes: list[Cached] = []
+        for live in [x for x in self.running if x.request.id not in self.placed and x.request.id not in self.staged]:
+            if budget <= 0 or len(group) == most:
+                break
+            tokens = self._placed_tokens(live)
+            if group and (len(tokens) - len(group[0][1])) % self.every:
+                continue  # KIVI: left pads of whole blocks, so every row's tokens start at a multiple of r
+            prefix = self._cached_prefix(tokens)
+            if equal_hits and group and prefix.tokens != prefixes[0].tokens:
+                continue
+            group.append((live, tokens))
+            prefixes.append(prefix)
+            budget -= len(tokens) - prefix.tokens
+        return group, prefixes
 
     def _joins_now(self, m: int) -> bool:
         """Whether tokens of length m may take their row now: always but for KIVI, where they must start at a
@@ -269,6 +297,77 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(emitting, chosen):
             self._emit(rows[i], token, now)
+
+    def _forwards(self, rows: list[Live]) -> None:
+        """Scheduler's decode and prefill forwards; when `mixing`, the decode rows and the first prompts to place,
+        up to MIXED_TOKENS of theirs, in one forward (`_mixed`), and any others prefilled apart after it."""
+        if not self.mixing:
+            super()._forwards(rows)
+            return
+        self._forget_evicted()
+        budget = self.config.max_tokens_per_step - len(rows)
+        group, prefixes = self._group(budget, self.slots, equal_hits=False)
+        mixed, tokens = [], 0
+        for (live, placed), prefix in zip(group, prefixes):
+            tokens += len(placed) - prefix.tokens
+            if tokens > MIXED_TOKENS:
+                break
+            mixed.append((live, placed))
+        if rows or mixed:
+            self._mixed(rows, mixed)
+        if len(mixed) < len(group):
+            self._prefill(budget - sum(len(placed) - prefix.tokens for (_, placed), prefix in zip(mixed, prefixes)))
+
+    def _mixed(self, rows: list[Live], group: list[tuple[Live, list[int]]]) -> None:
+        """One native forward (module docstring: mixed): every placed row feeds its next token at column c as in
+        `_decode`, and each request of `group` is written into its own row at columns [c + 1 − m, c + 1): its
+        cached prefix copied in, the rest but the last token as the step's extra tokens, the last as its row's
+        token at c, whose logits give a first admission its first token."""
+        start = self.clock()
+        width = max([live.held for live in rows] + [len(tokens) - 1 for _, tokens in group])
+        if not self.placed:
+            self.pointer = width  # nothing to move
+        elif self.pointer == self.columns or self.pointer < width or self.pointer >= 2 * width + SLACK:
+            self._rebase(width)
+        c = self.pointer
+        ids = torch.zeros(self.slots, 1, dtype=torch.long)  # [B,1]
+        positions = torch.zeros_like(ids)  # [B,1]
+        for live in rows:
+            row = self.slot_of[live.request.id]
+            ids[row, 0], positions[row, 0] = live.sequence[live.held], live.held  # decoding: the last output
+            self.mask[row, c] = 1
+        extra_ids: list[int] = []
+        extra_positions: list[int] = []
+        places: list[tuple[int, int]] = []  # (row, column) of each extra token
+        for live, tokens in group:
+            row, m, first = self.slot_of[live.request.id], len(tokens), c + 1 - len(tokens)
+            prefix = self._cached_prefix(tokens)  # where it lies after the rebase
+            if prefix.tokens:
+                self.cache.take_columns(row, prefix.source, prefix.row, prefix.first, prefix.first + prefix.tokens,
+                                        shift=first - prefix.first)
+                live.record.cached_prompt_tokens += prefix.tokens
+            self.mask[row] = 0
+            self.mask[row, first:c + 1] = 1
+            ids[row, 0], positions[row, 0] = tokens[-1], m - 1
+            extra_ids += tokens[prefix.tokens:m - 1]
+            extra_positions += range(prefix.tokens, m - 1)
+            places += [(row, first + j) for j in range(prefix.tokens, m - 1)]
+        extra = Extra(torch.tensor(extra_ids), torch.tensor(extra_positions), torch.tensor(places)) if places else None
+        assert self.native is not None  # mixing
+        logits = self.native(self.cache, ids, positions, torch.tensor([c]), self.mask, extra)  # [B,1,V]
+        self.shared_forwards += bool(rows and group)
+        emitting = [live for live in rows if live.decoding] + [live for live, _ in group if not live.record.output_ids]
+        self.pointer += 1
+        for live in rows:
+            live.held += 1
+        for live, tokens in group:
+            live.held = len(tokens)
+            self.placed.add(live.request.id)
+        chosen = self._choose(emitting, logits[[self.slot_of[live.request.id] for live in emitting], -1])  # syncs
+        self.forward_s += self.clock() - start
+        now = self.clock()
+        for live, token in zip(emitting, chosen):
+            self._emit(live, token, now)
 
     # --- the static cache -----------------------------------------------------------------------------------------
 

@@ -156,11 +156,14 @@ class Scheduler:
         """Grow, admit, one batched decode, prefill chunks under the token budget."""
         self._grow()
         self._admit()
-        rows = self._stepping()
+        self._forwards(self._stepping())
+        self.timeline.append((self.clock(), len(self.running), self.pool.used, len(self.waiting)))
+
+    def _forwards(self, rows: list[Live]) -> None:
+        """The step's forwards: one batched decode of `rows`, then prefill chunks under the token budget."""
         if rows:
             self._decode(rows)
         self._prefill(self.config.max_tokens_per_step - len(rows))
-        self.timeline.append((self.clock(), len(self.running), self.pool.used, len(self.waiting)))
 
     def _stepping(self) -> list[Live]:
         """The rows the step's decode forward feeds: every decoding row."""

@@ -115,3 +115,39 @@ def test_what_it_does_not_serve_stays_with_the_compiled_graph(tiny_lm):
     assert "gpt2 is not one of llama, qwen2" in native_step.refusal(gpt2.model)
     int8 = load_model(config=TINY_LLAMA, device="cpu", quantization="int8")
     assert "float Linear or GGUF only" in native_step.refusal(int8.model)
+
+
+@pytest.mark.parametrize("dtype, bound", [("float32", 1e-5), ("bfloat16", 4 * 2**-8)])
+def test_extra_tokens_in_a_step_give_each_prompt_its_own_forwards_logits_and_leave_the_rows_step_as_it_was(dtype,
+                                                                                                            bound):
+    """A mixed step (NativeStep's `extra`): two prompts written into rows 0 and 2 at columns [c + 1 − m, c + 1)
+    (their last tokens the rows' own at c, the rest extra tokens, more rows than linear_rows takes: aten's products)
+    while row 1 decodes: the prompts' logits are their plain forwards' last, row 1's those of the same step
+    without extra tokens. Bounds as above for the dtype, of the largest |logit|."""
+    lm = load_model(config=TINY_QWEN2, device="cpu", seed=0, dtype=dtype)
+    model, engine = lm.model, CompiledEngine(lm.model)
+    native, g = engine.native, torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (m,), generator=g) for m in (11, 6)]
+    c = 12
+    cache = engine._cache((None, 4, 64, ""))
+    mask = torch.zeros(4, 64, dtype=torch.long)
+    mask[1, 2:c] = 1  # row 1 holds 10 columns already: what the step without extra tokens gives it is the reference
+    ids, positions = torch.zeros(4, 1, dtype=torch.long), torch.zeros(4, 1, dtype=torch.long)
+    ids[1, 0], positions[1, 0] = 7, 10
+    with torch.inference_mode():
+        alone = native(cache, ids, positions, torch.tensor([c]), mask)  # [4,1,V]
+        places, extra_ids, extra_positions = [], [], []
+        for row, prompt in zip((0, 2), prompts):
+            m = len(prompt)
+            mask[row, c + 1 - m:c + 1] = 1
+            ids[row, 0], positions[row, 0] = prompt[-1], m - 1
+            places += [(row, c + 1 - m + j) for j in range(m - 1)]
+            extra_ids.append(prompt[:-1])
+            extra_positions.append(torch.arange(m - 1))
+        extra = native_step.Extra(torch.cat(extra_ids), torch.cat(extra_positions), torch.tensor(places))
+        assert len(places) > native.max_rows
+        mixed = native(cache, ids, positions, torch.tensor([c]), mask, extra).float()
+        for row, prompt in zip((0, 2), prompts):
+            reference = model(prompt[None]).logits[0, -1].float()
+            assert ((mixed[row, 0] - reference).abs().max() / reference.abs().max()).item() <= bound
+    assert ((mixed[1] - alone[1].float()).abs().max() / alone[1].float().abs().max()).item() <= bound

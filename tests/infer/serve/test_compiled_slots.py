@@ -12,6 +12,7 @@ from runner.infer.compiled.engine import CompiledEngine
 from runner.infer.config.decoding import GenerateConfig
 from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.generation.generator import Generator
+from runner.infer.serve import compiled_slots
 from runner.infer.serve.blocks import block_spec
 from runner.infer.serve.compiled_slots import CompiledSlots
 from runner.infer.serve.driver import drive
@@ -88,6 +89,47 @@ def test_greedy_equals_the_compiled_generators_solo_decode_all_at_once(tiny_lm, 
         assert sorted(server.prefill_caches) == [1, 4]
     else:  # KIVI: prompts join when their length ≡ the pointer (mod r), so their first tokens start blocks
         assert f":r{server.every}" in kind and server.stagings > 0 and max(t[1] for t in server.timeline) >= 3
+
+
+@pytest.fixture
+def native_engine(tiny_lm, monkeypatch):
+    """tiny_lm's compiled engine with its native step, which serves its ≤ 8 float32 rows: nothing is compiled."""
+    engine = CompiledEngine(tiny_lm.model)
+    if engine.native is None:
+        pytest.skip("runner's kernels are not built here (no compiler): no native step, no mixed forwards")
+    monkeypatch.setitem(compiled.ENGINES_BY_MODEL, tiny_lm.model, engine)
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp16"])
+def test_mixed_forwards_equal_solo_decodes_with_arrivals_rebases_prefix_hits_and_preemption(tiny_lm, native_engine,
+                                                                                            kind, monkeypatch):
+    """On the native step, prompts join in the decode rows' forward (their tokens as extra rows, written into their
+    own rows right-aligned to the pointer), those past MIXED_TOKENS (24 here) prefilled apart in the same step:
+    outputs are still each request's solo decode, through rebases, prefix hits copied from running rows and
+    preemption under a tight budget; and nothing was compiled."""
+    monkeypatch.setattr(compiled_slots, "MIXED_TOKENS", 24)
+    model, requests = tiny_lm.model, _load(10, gap_s=0.03, seed=1)
+    solo = [_solo(model, r, kind) for r in requests]
+    server, records = _run(model, requests, native_engine, cache_kind=kind, block_size=4, max_running=4,
+                           max_tokens_per_step=48)
+    assert server.mixing and server.shared_forwards > 0 and server.prefill_caches  # some prompts apart
+    assert [r.output_ids for r in records] == solo
+    assert max(t[1] for t in server.timeline) >= 3 and server.rebases > 0
+    spec = block_spec(model.config, kind, 4, model.dtype)
+    tight = max(spec.blocks_for(len(r.prompt_ids) + r.max_new_tokens) for r in requests) + 3
+    server, records = _run(model, requests, native_engine, cache_kind=kind, block_size=4, num_blocks=tight,
+                           max_running=4)
+    assert [r.output_ids for r in records] == solo and sum(r.preemptions for r in records) > 0
+    g = torch.Generator().manual_seed(3)
+    shared = tuple(torch.randint(3, 250, (21,), generator=g).tolist())
+    requests = [Request(i, i * 0.05, shared + tuple(torch.randint(3, 250, (3 + i,), generator=g).tolist()),
+                        max_new_tokens=12) for i in range(4)]
+    server, records = _run(model, requests, native_engine, cache_kind=kind, block_size=8, prefix_caching=True,
+                           max_running=8)
+    assert [r.output_ids for r in records] == [_solo(model, r, kind) for r in requests]
+    assert [r.cached_prompt_tokens for r in records] == [0, 16, 16, 16]
+    assert native_engine.stats.compiles == 0 and not native_engine.steps
 
 
 def test_a_request_longer_than_a_row_is_an_error_and_kivi_with_sinks_is_refused_with_its_reason(tiny_lm,
