@@ -1,4 +1,5 @@
-"""Continuous batching on the compiled engine (CompiledSlots) against the eager scheduler, same requests.
+"""Continuous batching on the compiled engine (CompiledSlots) against the eager scheduler, same requests; and the
+slots' mixed forwards against prefilling apart (CompiledSlots(mixed=False)).
 
     python benchmarks/serve_compiled.py                                   # the tiny random llama (no download)
     python benchmarks/serve_compiled.py --model zoo:smollm2-135m --batch 1 4 8
@@ -6,7 +7,9 @@
 Per max_running B and per arrival pattern (all at t = 0; Poisson at --rate): --requests requests of mixed prompt
 and exact output lengths, served by the eager Scheduler and by CompiledSlots (B rows = batch bucket of B, S =
 --columns), real clock, variants interleaved (runner.infer.measure.timing's harness, one untimed warm-up run each).
-Output tokens / makespan: median over repeats, and the ratio compiled ÷ eager. Compile time is apart: the warm-up
+Output tokens / makespan: median over repeats, and the ratios compiled ÷ eager and compiled ÷ apart (`apart`: the
+same slots with every prompt prefilled in a forward of its own, where the native step would have mixed it into the
+decode rows' forward; the same where it does not serve). Compile time is apart: the warm-up
 compile of the one shape (kind, B, S, 1) when the first server of that B is built, before any timing; `recompiles`
 counts graphs made during the timed loads (should be 0). `same`: every request's tokens equal between the two.
 
@@ -39,7 +42,8 @@ from runner.infer.serve.scheduler import Scheduler  # noqa: E402
 
 def compare(model, requests: list[Request], max_running: int, columns: int, repeats: int,
             kind: str | None) -> dict:
-    """Output tokens/s of the eager scheduler and of CompiledSlots on the same requests; compile s, recompiles."""
+    """Output tokens/s of the eager scheduler and of CompiledSlots, mixed and apart, on the same requests; compile s,
+    recompiles."""
     config = SchedulerConfig(cache_kind=kind, max_running=max_running)
     engine = engine_for(model)
     before = engine.stats.reading()
@@ -55,17 +59,19 @@ def compare(model, requests: list[Request], max_running: int, columns: int, repe
             def clock() -> float:
                 return time.perf_counter() - start
 
-            server = (Scheduler(model, config) if name == "eager" else CompiledSlots(model, config, columns=columns))
+            server = (Scheduler(model, config) if name == "eager"
+                      else CompiledSlots(model, config, columns=columns, mixed=name == "compiled"))
             records = drive(server, requests, clock, time.sleep)
             tick()
             outputs[name] = [r.output_ids for r in records]
         return run_once
 
-    marks = time_interleaved({name: run(name) for name in ("eager", "compiled")}, repeats)
+    marks = time_interleaved({name: run(name) for name in ("eager", "compiled", "apart")}, repeats)
     tokens = sum(r.max_new_tokens for r in requests)
     rates = {name: statistics.median(tokens / m[-1] for m in runs) for name, runs in marks.items()}
     return {**rates, "compile_s": compile_s, "compiles": compiles,
-            "recompiles": engine.stats.recompiles - recompiles_at, "same": outputs["eager"] == outputs["compiled"]}
+            "recompiles": engine.stats.recompiles - recompiles_at,
+            "same": outputs["eager"] == outputs["compiled"] == outputs["apart"]}
 
 
 def main() -> None:
@@ -89,8 +95,8 @@ def main() -> None:
           f"threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}")
     print(f"{args.requests} requests, prompts 8-96, outputs 8-{args.max_output} tokens (exact), S={args.columns}; "
           f"output tok/s (median of {args.repeats})")
-    print(f"{'batch':>5} {'arrivals':>12} {'eager':>8} {'compiled':>9} {'ratio':>6} {'compile s':>9} "
-          f"{'graphs':>6} {'recompiles':>10} {'same':>5}")
+    print(f"{'batch':>5} {'arrivals':>12} {'eager':>8} {'compiled':>9} {'ratio':>6} {'apart':>8} {'ratio':>6} "
+          f"{'compile s':>9} {'graphs':>6} {'recompiles':>10} {'same':>5}")
     for batch in args.batch:
         for rate in (0.0, args.rate):
             requests = make_requests(args.requests, model.config.vocab_size, (8, 96), (8, args.max_output), seed=1,
@@ -98,7 +104,8 @@ def main() -> None:
             r = compare(model, requests, batch, args.columns, args.repeats, args.kind)
             arrivals = f"Poisson {rate:g}/s" if rate else "all at t=0"
             print(f"{batch:>5} {arrivals:>12} {r['eager']:8.1f} {r['compiled']:9.1f} "
-                  f"{r['compiled'] / r['eager']:6.2f} {r['compile_s']:9.1f} {r['compiles']:>6} "
+                  f"{r['compiled'] / r['eager']:6.2f} {r['apart']:8.1f} {r['compiled'] / r['apart']:6.2f} "
+                  f"{r['compile_s']:9.1f} {r['compiles']:>6} "
                   f"{r['recompiles']:>10} {str(r['same']):>5}")
     print(f"(load average now {os.getloadavg()[0]:.1f})")
 
