@@ -279,12 +279,8 @@ class CompiledSlots(Scheduler):
         if self.pointer == self.columns or self.pointer >= 2 * width + SLACK:  # full, or mostly holes
             self._rebase(width)
         c = self.pointer
-        ids = torch.zeros(self.slots, 1, dtype=torch.long)  # [B,1]
-        positions = torch.zeros_like(ids)  # [B,1]
+        ids, positions = self._step_inputs(rows)
         row_of = [self.slot_of[live.request.id] for live in rows]
-        for live, row in zip(rows, row_of):
-            ids[row, 0], positions[row, 0] = live.sequence[live.held], live.held  # decoding: the last output
-            self.mask[row, c] = 1
         column = torch.tensor([c], device=self.device)  # [1]
         logits = self.engine.call(self.key, self.cache, ids.to(self.device), positions.to(self.device), column,
                                   column[0] + 1, self.mask, coding=self.cache.needs_coding(c, 1))  # [B,1,V]
@@ -297,6 +293,17 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(emitting, chosen):
             self._emit(rows[i], token, now)
+
+    def _step_inputs(self, rows: list[Live]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,1] ids and positions of a step at column c: each placed row's next token (its last output, or a
+        recomputed KIVI row's next output to catch up on), its column c marked in its mask; free rows a pad (0)."""
+        ids = torch.zeros(self.slots, 1, dtype=torch.long)  # [B,1]
+        positions = torch.zeros_like(ids)  # [B,1]
+        for live in rows:
+            row = self.slot_of[live.request.id]
+            ids[row, 0], positions[row, 0] = live.sequence[live.held], live.held
+            self.mask[row, self.pointer] = 1
+        return ids, positions
 
     def _forwards(self, rows: list[Live]) -> None:
         """Scheduler's decode and prefill forwards; when `mixing`, the decode rows and the first prompts to place,
@@ -330,12 +337,7 @@ class CompiledSlots(Scheduler):
         elif self.pointer == self.columns or self.pointer < width or self.pointer >= 2 * width + SLACK:
             self._rebase(width)
         c = self.pointer
-        ids = torch.zeros(self.slots, 1, dtype=torch.long)  # [B,1]
-        positions = torch.zeros_like(ids)  # [B,1]
-        for live in rows:
-            row = self.slot_of[live.request.id]
-            ids[row, 0], positions[row, 0] = live.sequence[live.held], live.held  # decoding: the last output
-            self.mask[row, c] = 1
+        ids, positions = self._step_inputs(rows)
         extra_ids: list[int] = []
         extra_positions: list[int] = []
         places: list[tuple[int, int]] = []  # (row, column) of each extra token
