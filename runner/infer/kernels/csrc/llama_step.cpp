@@ -1,14 +1,14 @@
 // One decode step of a llama-family model (llama, qwen2) in C++: every layer's norms, products, rotary embedding,
-// cache write and attention, for a few rows of one new token each, without Python between them. Registered as the
-// torch op runner::llama_step (native.py builds it; runner/infer/compiled/native_step.py hands it a model's
-// tensors and decides where it serves).
+// cache write and attention, for a few rows of one new token each (and, in a mixed step, a joining prompt's tokens
+// as extra rows), without Python between them. Registered as the torch op runner::llama_step (native.py builds it;
+// runner/infer/compiled/native_step.py hands it a model's tensors and decides where it serves).
 //
 // Why: the compiled engine's step is inductor's graph driven by its Python wrapper, about 40 statements a layer. At
 // batch 1 on 2 cores that wrapper and dynamo's entry cost 3–4 ms of SmolLM2's step (24 ms in float32, 7 ms on
 // 4-bit GGUF weights), which is what llama.cpp, whose products read at the same rate as ours, does not spend.
 // Here the products are runner's own ops (linear_rows, gguf_rows, gguf_rows_group: called through the dispatcher
 // from C++, about a microsecond each), attention is decode_attention.cpp's kernel called directly, and everything
-// between them is a loop over a few hundred floats.
+// between them is a vectorized loop over float32 tensors (aten converts to and from the model's dtype).
 //
 // Arithmetic: as the compiled step's, up to the order of float sums. Elementwise work runs in float32 and is
 // rounded to the model's dtype where the model's own forward stores a tensor of that dtype (norm outputs, the
