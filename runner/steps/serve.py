@@ -155,7 +155,8 @@ def _point(keys: dict, kind: str | None, spec: LoadSpec, lm: LoadedModel, block:
                   "acceptance": server.accepted / server.drafted if server.drafted else float("nan")}
     if isinstance(server, CompiledSlots):  # recompiles: graphs made during the measured load (should be 0)
         point |= {"compile_s": compile_s, "recompiles": server.recompiles, "rebases": server.rebases,
-                  "stagings": server.stagings, "slot_rows": server.slots, "slot_columns": server.columns}
+                  "stagings": server.stagings, "shared_forwards": server.shared_forwards, "slot_rows": server.slots,
+                  "slot_columns": server.columns}
     if isinstance(server, CompiledSlots) or (isinstance(server, Scheduler) and server.store is not None):
         # the slots' static cache (and their retained prefixes' copies), or the pool's storage
         point["kv_allocated_mib"] = server.kv_bytes() / MIB

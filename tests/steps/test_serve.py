@@ -126,6 +126,7 @@ def test_the_compiled_engine_is_an_axis_with_its_compile_time_and_no_recompiles(
     kivi = points.loc[("ours-compiled", "kivi4:g8:r16")]
     assert kivi["status"] == "ok" and kivi["recompiles"] == 0 and kivi["compile_s"] > 0
     assert compiled["stagings"] == 0  # only KIVI waits for a block boundary
+    assert compiled["shared_forwards"] == 0  # q8_0 K/V: the C++ step does not serve it, prompts are prefilled apart
     assert points.loc[("ours-compiled", "kivi2:g8:r8:s2"), "status"].startswith("not run: KIVI with sinks (s2)")
     assert (points.loc[[("ours", "q8_0"), ("ours", "kivi4:g8:r16"), ("ours", "kivi2:g8:r8:s2")], "status"]
             == "ok").all()

@@ -314,16 +314,16 @@ class CompiledSlots(Scheduler):
         self._forget_evicted()
         budget = self.config.max_tokens_per_step - len(rows)
         group, prefixes = self._group(budget, self.slots, equal_hits=False)
-        mixed, tokens = [], 0
+        mixed, used = [], 0  # used: the mixed prompts' tokens to feed
         for (live, placed), prefix in zip(group, prefixes):
-            tokens += len(placed) - prefix.tokens
-            if tokens > MIXED_TOKENS:
+            if used + len(placed) - prefix.tokens > MIXED_TOKENS:
                 break
             mixed.append((live, placed))
+            used += len(placed) - prefix.tokens
         if rows or mixed:
             self._mixed(rows, mixed)
         if len(mixed) < len(group):
-            self._prefill(budget - sum(len(placed) - prefix.tokens for (_, placed), prefix in zip(mixed, prefixes)))
+            self._prefill(budget - used)
 
     def _mixed(self, rows: list[Live], group: list[tuple[Live, list[int]]]) -> None:
         """One native forward (module docstring: mixed): every placed row feeds its next token at column c as in
