@@ -275,9 +275,7 @@ class CompiledSlots(Scheduler):
         KIVI row's next output to catch up on; only decoding rows emit); free rows feed a masked pad (they attend
         only to themselves)."""
         start = self.clock()
-        width = max(live.held for live in rows)
-        if self.pointer == self.columns or self.pointer >= 2 * width + SLACK:  # full, or mostly holes
-            self._rebase(width)
+        self._make_room(max(live.held for live in rows))
         c = self.pointer
         ids, positions = self._step_inputs(rows)
         row_of = [self.slot_of[live.request.id] for live in rows]
@@ -293,6 +291,15 @@ class CompiledSlots(Scheduler):
         now = self.clock()
         for i, token in zip(emitting, chosen):
             self._emit(rows[i], token, now)
+
+    def _make_room(self, width: int) -> None:
+        """Before a step writes column c: at least `width` columns left of c (every placed row's tokens, a joining
+        prompt's but its last), c inside the cache, not mostly holes (c < 2·width + SLACK); with no row placed,
+        c moves to `width` (nothing to move), else the rows move (`_rebase`)."""
+        if not self.placed:
+            self.pointer = width
+        elif self.pointer == self.columns or self.pointer < width or self.pointer >= 2 * width + SLACK:
+            self._rebase(width)
 
     def _step_inputs(self, rows: list[Live]) -> tuple[torch.Tensor, torch.Tensor]:
         """[B,1] ids and positions of a step at column c: each placed row's next token (its last output, or a
@@ -331,11 +338,7 @@ class CompiledSlots(Scheduler):
         cached prefix copied in, the rest but the last token as the step's extra tokens, the last as its row's
         token at c, whose logits give a first admission its first token."""
         start = self.clock()
-        width = max([live.held for live in rows] + [len(tokens) - 1 for _, tokens in group])
-        if not self.placed:
-            self.pointer = width  # nothing to move
-        elif self.pointer == self.columns or self.pointer < width or self.pointer >= 2 * width + SLACK:
-            self._rebase(width)
+        self._make_room(max([live.held for live in rows] + [len(tokens) - 1 for _, tokens in group]))
         c = self.pointer
         ids, positions = self._step_inputs(rows)
         extra_ids: list[int] = []
