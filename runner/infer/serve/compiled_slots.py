@@ -35,11 +35,9 @@ right-aligned to c.
              (admission order, up to `max_tokens_per_step` − rows prompt tokens, at least one) run in one forward,
              each prompt of m tokens written straight into its row at columns [c + 1 − m, c + 1) (its cached prefix
              copied there first): its last token is its row's token at column c, the others extra rows of the same
-             products (one weight read for all), attending causally within the row. No prefill cache, no copy. Up
-             to MIXED_TOKENS prompt tokens a forward; prompts past them are prefilled apart in the same step, as
-             above: the native step's elementwise work runs in float32 between aten's products, which costs more
-             than eager bfloat16 prefill at thousands of tokens (SmolLM2 bf16 on 2 cores: 1 × 128 prompt tokens
-             + 16 rows 84 ms mixed against 94 + 23 apart; 16 × 128, 1.3 s against 0.77).
+             products (one weight read for all), attending causally within the row. No prefill cache, no copy; and
+             cheaper than the eager prefill even with no row decoding (a burst: bf16 on 2 cores, 0.7–0.9× of the
+             model's own forward of the same prompts, docs/performance.md "Mixed forwards").
 So the load runs one compiled shape, compiled during warm-up (`CompiledSlots.__init__`, before the clock starts):
 `recompiles` counts graphs dynamo made after that (should stay 0), `compile_s` is the warm-up's compile time.
 
@@ -78,7 +76,6 @@ log = logging.getLogger(__name__)
 SLOT = "serve"  # the engine cache slot the server's static cache lives in (apart from a Generator's)
 SLACK = 64  # columns of holes past twice the longest row that trigger a rebase before the cache is full
 PREFILL_ROWS = 8  # most prompts prefilled in one forward; each power of two up to it has its own static cache
-MIXED_TOKENS = 256  # most prompt tokens a mixed forward carries (module docstring: mixed)
 
 
 class Cached(NamedTuple):
@@ -313,24 +310,15 @@ class CompiledSlots(Scheduler):
         return ids, positions
 
     def _forwards(self, rows: list[Live]) -> None:
-        """Scheduler's decode and prefill forwards; when `mixing`, the decode rows and the first prompts to place,
-        up to MIXED_TOKENS of theirs, in one forward (`_mixed`), and any others prefilled apart after it."""
+        """Scheduler's decode and prefill forwards; when `mixing`, the decode rows and the prompts the step places
+        (up to `max_tokens_per_step` − rows prompt tokens, at least one prompt) in one forward (`_mixed`)."""
         if not self.mixing:
             super()._forwards(rows)
             return
         self._forget_evicted()
-        budget = self.config.max_tokens_per_step - len(rows)
-        group, prefixes = self._group(budget, self.slots, equal_hits=False)
-        mixed, used = [], 0  # used: the mixed prompts' tokens to feed
-        for (live, placed), prefix in zip(group, prefixes):
-            if used + len(placed) - prefix.tokens > MIXED_TOKENS:
-                break
-            mixed.append((live, placed))
-            used += len(placed) - prefix.tokens
-        if rows or mixed:
-            self._mixed(rows, mixed)
-        if len(mixed) < len(group):
-            self._prefill(budget - used)
+        group, _ = self._group(self.config.max_tokens_per_step - len(rows), self.slots, equal_hits=False)
+        if rows or group:
+            self._mixed(rows, group)
 
     def _mixed(self, rows: list[Live], group: list[tuple[Live, list[int]]]) -> None:
         """One native forward (module docstring: mixed): every placed row feeds its next token at column c as in

@@ -8,7 +8,7 @@
 // 4-bit GGUF weights), which is what llama.cpp, whose products read at the same rate as ours, does not spend.
 // Here the products are runner's own ops (linear_rows, gguf_rows, gguf_rows_group: called through the dispatcher
 // from C++, about a microsecond each), attention is decode_attention.cpp's kernel called directly, and everything
-// between them is a vectorized loop over float32 tensors (aten converts to and from the model's dtype).
+// between them is a vectorized loop that reads and writes the model's dtype and computes in float32.
 //
 // Arithmetic: as the compiled step's, up to the order of float sums. Elementwise work runs in float32 and is
 // rounded to the model's dtype where the model's own forward stores a tensor of that dtype (norm outputs, the
@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "decode_attention.h"
@@ -136,34 +137,51 @@ inline float to_bf16(float v) {
   return v;
 }
 
-inline float rounded(float v, bool bf16) { return bf16 ? to_bf16(v) : v; }
+// Activations are read and written in the model's dtype T (float or c10::BFloat16) by the loops below, arithmetic in
+// float32: no float32 copies of a step's activations (at thousands of a prompt's tokens, aten's conversions and the
+// page faults of their fresh buffers cost more than the loops themselves). Only the residual stream is float32.
+template <typename T>
+constexpr bool is_bf16 = std::is_same_v<T, c10::BFloat16>;
 
-// Every tensor of floats below is float32, contiguous, [rows, values]: aten converts to and from the model's dtype
-// (vectorized, in parallel), the loops here read and write its data.
-at::Tensor floats(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
 
-// floats → the model's dtype (values already representable in it).
-at::Tensor tensor_of(const at::Tensor& v, const at::TensorOptions& like) { return v.to(like.dtype()); }
+// v already rounded to T (`rounded`), so storing it is exact.
+inline void store(float* at, float v) { *at = v; }
+inline void store(c10::BFloat16* at, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  at->x = static_cast<uint16_t>(u >> 16);
+}
 
-// h += added, rounded to the dtype (the residual stream).
-void add_rounded(at::Tensor& h, const at::Tensor& added, bool bf16) {
+template <typename T>
+inline float rounded(float v) { return is_bf16<T> ? to_bf16(v) : v; }
+
+// h += added (T), rounded to T (the residual stream, float32 [N,E]).
+template <typename T>
+void add_rounded(at::Tensor& h, const at::Tensor& added) {
   float* x = h.data_ptr<float>();
-  const float* y = added.const_data_ptr<float>();
+  const T* y = added.const_data_ptr<T>();
   at::parallel_for(0, h.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
 #pragma omp simd
-    for (int64_t i = begin; i < end; i++) x[i] = rounded(x[i] + y[i], bf16);
+    for (int64_t i = begin; i < end; i++) x[i] = rounded<T>(x[i] + load(y[i]));
   });
 }
 
-// The model's RMSNorm (llama's and qwen2's): x·rsqrt(mean(x²) + eps) in float32, rounded to the dtype, times the
-// weight, rounded again. h [N,E] floats → [N,E] floats.
-at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps, bool bf16) {
-  const at::Tensor w = floats(weight);
+// The model's RMSNorm (llama's and qwen2's): x·rsqrt(mean(x²) + eps) in float32, rounded to T, times the weight,
+// rounded again. h [N,E] float32 → [N,E] T.
+template <typename T>
+at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps, const at::TensorOptions& options) {
   const int64_t N = h.size(0), E = h.size(1);
-  at::Tensor out = at::empty_like(h);
+  at::Tensor out = at::empty({N, E}, options);
   const float* in = h.const_data_ptr<float>();
-  const float* wp = w.const_data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const T* w = weight.const_data_ptr<T>();
+  T* o = out.data_ptr<T>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b++) {
       const float* x = in + b * E;
@@ -172,45 +190,74 @@ at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& weight, double eps, b
       for (int64_t e = 0; e < E; e++) squares += x[e] * x[e];
       const float scale = 1.0f / std::sqrt(squares / static_cast<float>(E) + static_cast<float>(eps));
 #pragma omp simd
-      for (int64_t e = 0; e < E; e++) o[b * E + e] = rounded(wp[e] * rounded(x[e] * scale, bf16), bf16);
+      for (int64_t e = 0; e < E; e++) store(o + b * E + e, rounded<T>(load(w[e]) * rounded<T>(x[e] * scale)));
     }
   });
   return out;
 }
 
-// HF's rotate_half rotation, in place: x [N, heads·D] ← x·cos + rotate_half(x)·sin, per head.
-void rotate(at::Tensor& x, int64_t heads, int64_t D, const float* cos, const float* sin, bool bf16) {
+// HF's rotate_half rotation, in place on x [N, heads·D] (T): x·cos + rotate_half(x)·sin per head, rounded to T.
+template <typename T>
+void rotate(at::Tensor& x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  TORCH_CHECK(x.is_contiguous(), "llama_step: a product's output is not contiguous");
   const int64_t half = D / 2, N = x.size(0);
-  float* data = x.data_ptr<float>();
+  T* data = x.data_ptr<T>();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> head(D);
     for (int64_t b = begin; b < end; b++)
       for (int64_t h = 0; h < heads; h++) {
-        float* v = data + (b * heads + h) * D;
-        std::copy_n(v, D, head.begin());
+        T* v = data + (b * heads + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) head[d] = load(v[d]);
         const float* c = cos + b * D;
         const float* s = sin + b * D;
 #pragma omp simd
-        for (int64_t d = 0; d < half; d++) v[d] = rounded(head[d] * c[d] - head[d + half] * s[d], bf16);
+        for (int64_t d = 0; d < half; d++) store(v + d, rounded<T>(head[d] * c[d] - head[d + half] * s[d]));
 #pragma omp simd
-        for (int64_t d = half; d < D; d++) v[d] = rounded(head[d] * c[d] + head[d - half] * s[d], bf16);
+        for (int64_t d = half; d < D; d++) store(v + d, rounded<T>(head[d] * c[d] + head[d - half] * s[d]));
       }
   });
 }
 
-// K or V [N, Hkv·D] floats of N tokens into a [B,Hkv,S,D] cache in its storage dtype: token i at row rows[i],
-// column columns[i].
+// The MLP's activation SiLU(gate)·up, each rounded to T: [N,F] T → [N,F] T. In blocks through a float32 buffer, in
+// two loops: gcc 12 does not vectorize `rounded(rounded(silu(g)) * u)` in one.
+template <typename T>
+at::Tensor silu_times(const at::Tensor& gate, const at::Tensor& up) {
+  constexpr int64_t BLOCK = 1024;
+  at::Tensor act = at::empty_like(gate);
+  const T* g = gate.const_data_ptr<T>();
+  const T* u = up.const_data_ptr<T>();
+  T* a = act.data_ptr<T>();
+  at::parallel_for(0, act.numel(), 4 * BLOCK, [&](int64_t begin, int64_t end) {
+    float values[BLOCK];
+    for (int64_t first = begin; first < end; first += BLOCK) {
+      const int64_t n = std::min(BLOCK, end - first);
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) {
+        const float x = load(g[first + i]);
+        values[i] = rounded<T>(x / (1.0f + exp_of(-x)));
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < n; i++) store(a + first + i, rounded<T>(values[i] * load(u[first + i])));
+    }
+  });
+  return act;
+}
+
+// K or V [N, Hkv·D] (T) of N tokens into a [B,Hkv,S,D] cache in its storage dtype: token i at row rows[i], column
+// columns[i].
+template <typename T>
 void write_tokens(const at::Tensor& x, at::Tensor& cache, const std::vector<int64_t>& rows,
                   const std::vector<int64_t>& columns) {
   const int64_t H = cache.size(1), S = cache.size(2), D = cache.size(3), N = static_cast<int64_t>(rows.size());
-  const float* data = x.const_data_ptr<float>();
+  const T* data = x.const_data_ptr<T>();
   const auto write = [&](auto* to) {
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++)
         for (int64_t h = 0; h < H; h++) {
-          const float* from = data + (i * H + h) * D;
+          const T* from = data + (i * H + h) * D;
           auto* at = to + ((rows[i] * H + h) * S + columns[i]) * D;
-          for (int64_t d = 0; d < D; d++) at[d] = static_cast<std::remove_reference_t<decltype(*at)>>(from[d]);
+          for (int64_t d = 0; d < D; d++) at[d] = static_cast<std::remove_reference_t<decltype(*at)>>(load(from[d]));
         }
     });
   };
@@ -234,8 +281,8 @@ Segment plain_segment(const at::Tensor& cache) {
   return g;
 }
 
-// One query per row: q's first B rows [B, H·D] floats over the cache's columns [0, limit) → out's first B rows,
-// query heads grouped on their KV head (G = H / Hkv), softmax in float32.
+// One query per row: q [B, H·D] float32 over the cache's columns [0, limit) → out [B, H·D] float32, query heads
+// grouped on their KV head (G = H / Hkv), softmax in float32.
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask, int64_t B,
             int64_t H, int64_t limit, double scaling, at::Tensor& out) {
   const int64_t Hkv = keys.size(1), S = keys.size(2), G = H / Hkv;
@@ -261,7 +308,9 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 }
 
 // A run of extra tokens of one row: tokens [first, last) of the extra ones, reading the row's columns
-// [start, stop) where `allowed` [n, stop − start] (each token its row's masked columns up to its own: causal).
+// [start, stop) where `allowed` [n, stop − start] (each token its row's masked columns up to its own: causal), or
+// with `allowed` undefined where that is sdpa's own causal mask: the run fills the whole window, nothing masked in
+// it (a prompt with no cached prefix), so sdpa skips the blocks above the diagonal and builds no mask.
 struct Run {
   int64_t first, last, row, start, stop;
   at::Tensor allowed;
@@ -275,33 +324,40 @@ std::vector<Run> runs_of(const at::Tensor& mask, const std::vector<int64_t>& row
     const int64_t row = rows[first], stop = columns[last - 1] + 1;
     const at::Tensor seen = mask.select(0, row).slice(0, 0, stop);  // [stop]
     const int64_t start = seen.to(at::kByte).argmax().item<int64_t>();  // the row's first masked column
+    const at::Tensor window = seen.slice(0, start, stop);  // [w]
+    if (stop - start == last - first && window.all().item<bool>()) {
+      runs.push_back({first, last, row, start, stop, at::Tensor()});
+      continue;
+    }
     const at::Tensor own = at::arange(start, stop, at::TensorOptions().dtype(at::kLong));  // [w]
     const at::Tensor at_most = at::from_blob(const_cast<int64_t*>(columns.data() + first), {last - first, 1},
                                              at::TensorOptions().dtype(at::kLong));  // [n,1]
-    runs.push_back({first, last, row, start, stop,
-                    seen.slice(0, start, stop).unsqueeze(0).logical_and(own.unsqueeze(0).le(at_most))});  // [n,w]
+    runs.push_back({first, last, row, start, stop, window.unsqueeze(0).logical_and(own.unsqueeze(0).le(at_most))});
   }
   return runs;
 }
 
-// The extra tokens' attention: q's rows [B, N) → out's, a run at a time on aten's sdpa (grouped heads).
+// The extra tokens' attention: q's rows [B, N) (the model's dtype) → out's, a run at a time on aten's sdpa
+// (grouped heads).
 void attend_extra(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const std::vector<Run>& runs,
-                  int64_t B, int64_t H, double scaling, const at::TensorOptions& options, at::Tensor& out) {
+                  int64_t B, int64_t H, double scaling, at::Tensor& out) {
   const int64_t D = keys.size(3);
   for (const Run& run : runs) {
     const int64_t n = run.last - run.first;
-    const at::Tensor query = tensor_of(q.slice(0, B + run.first, B + run.last), options).view({1, n, H, D})
-                                 .transpose(1, 2);  // [1,H,n,D]
+    const at::Tensor query = q.slice(0, B + run.first, B + run.last).view({1, n, H, D}).transpose(1, 2);  // [1,H,n,D]
     const auto side = [&](const at::Tensor& cache) {  // [1,Hkv,w,D] in the query's dtype
-      return cache.select(0, run.row).slice(1, run.start, run.stop).unsqueeze(0).to(options.dtype());
+      return cache.select(0, run.row).slice(1, run.start, run.stop).unsqueeze(0).to(q.scalar_type());
     };
-    const at::Tensor result = at::scaled_dot_product_attention(query, side(keys), side(values), run.allowed, 0.0,
-                                                               false, scaling, true);  // [1,H,n,D]
+    const bool causal = !run.allowed.defined();
+    const at::Tensor result = at::scaled_dot_product_attention(
+        query, side(keys), side(values), causal ? std::nullopt : std::optional<at::Tensor>(run.allowed), 0.0, causal,
+        scaling, true);  // [1,H,n,D]
     out.slice(0, B + run.first, B + run.last).copy_(result.transpose(1, 2).reshape({n, H * D}));
   }
 }
 
-at::Tensor llama_step(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& tensors,
+template <typename T>
+at::Tensor step(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& tensors,
                       at::IntArrayRef codes, at::TensorList caches, const at::Tensor& mask, const at::Tensor& cos,
                       const at::Tensor& sin, at::IntArrayRef dims, double eps, double scaling,
                       const std::optional<at::Tensor>& extra) {
@@ -335,51 +391,48 @@ at::Tensor llama_step(const at::Tensor& hidden, const c10::List<std::optional<at
   }
   const std::vector<int64_t> extra_columns(columns.begin() + B, columns.end());
   const std::vector<Run> runs = runs_of(mask, std::vector<int64_t>(rows.begin() + B, rows.end()), extra_columns);
-  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
   const at::TensorOptions options = hidden.options();
   at::Tensor h = hidden.to(at::kFloat, false, true).contiguous();  // the residual stream [N,E], a copy
   const float* c = cos.const_data_ptr<float>();
   const float* s = sin.const_data_ptr<float>();
+  at::Tensor attention = at::empty({N, H * D}, options);  // every layer's, in T
   for (int64_t l = 0; l < layers; l++) {
     const int64_t at = l * PER_LAYER;
     const int64_t* code = codes.data() + l * PRODUCTS;
-    const at::Tensor x = tensor_of(rms_norm(h, *tensors.get(at + LN1), eps, bf16), options);
+    const at::Tensor x = rms_norm<T>(h, *tensors.get(at + LN1), eps, options);
     const int64_t qkv[3] = {at + Q, at + K, at + V}, biases[3] = {at + BQ, at + BK, at + BV};
-    const std::vector<at::Tensor> out = products(x, tensors, qkv, biases, code, 3, max_rows);
-    at::Tensor q = floats(out[0]), k = floats(out[1]);
-    const at::Tensor v = floats(out[2]);
-    rotate(q, H, D, c, s, bf16);
-    rotate(k, Hkv, D, c, s, bf16);
+    std::vector<at::Tensor> out = products(x, tensors, qkv, biases, code, 3, max_rows);  // q, k, v [N,·] in T
+    rotate<T>(out[0], H, D, c, s);
+    rotate<T>(out[1], Hkv, D, c, s);
     at::Tensor keys = caches[2 * l], values = caches[2 * l + 1];
-    write_tokens(k, keys, rows, columns);
-    write_tokens(v, values, rows, columns);
-    at::Tensor attention = at::empty_like(q);  // [N, H·D]
-    attend(q, keys, values, mask, B, H, column + 1, scaling, attention);  // the B rows' first
-    if (P) attend_extra(q, keys, values, runs, B, H, scaling, options, attention);
+    write_tokens<T>(out[1], keys, rows, columns);
+    write_tokens<T>(out[2], values, rows, columns);
+    at::Tensor rows_attention = at::empty({B, H * D}, at::TensorOptions().dtype(at::kFloat));
+    attend(out[0].slice(0, 0, B).to(at::kFloat).contiguous(), keys, values, mask, B, H, column + 1, scaling,
+           rows_attention);  // the B rows'
+    attention.slice(0, 0, B).copy_(rows_attention);  // rounded to T, as the model's attention output is
+    if (P) attend_extra(out[0], keys, values, runs, B, H, scaling, attention);
     const int64_t o = at + O;
-    const at::Tensor projected = products(tensor_of(attention, options), tensors, &o, nullptr, code + 3, 1,
-                                          max_rows)[0];  // rounds the attention to the dtype on the way
-    add_rounded(h, floats(projected), bf16);
-    const at::Tensor y = tensor_of(rms_norm(h, *tensors.get(at + LN2), eps, bf16), options);
+    add_rounded<T>(h, products(attention, tensors, &o, nullptr, code + 3, 1, max_rows)[0]);
+    const at::Tensor y = rms_norm<T>(h, *tensors.get(at + LN2), eps, options);
     const int64_t gate_up[2] = {at + GATE, at + UP};
     const std::vector<at::Tensor> mlp = products(y, tensors, gate_up, nullptr, code + 4, 2, max_rows);
-    const at::Tensor gate = floats(mlp[0]), up = floats(mlp[1]);
-    at::Tensor act = at::empty_like(gate);
-    const float* g = gate.const_data_ptr<float>();
-    const float* u = up.const_data_ptr<float>();
-    float* a = act.data_ptr<float>();
-    at::parallel_for(0, act.numel(), 4096, [&](int64_t begin, int64_t end) {
-#pragma omp simd
-      for (int64_t i = begin; i < end; i++) a[i] = rounded(g[i] / (1.0f + exp_of(-g[i])), bf16);  // in one loop
-#pragma omp simd
-      for (int64_t i = begin; i < end; i++) a[i] = rounded(a[i] * u[i], bf16);  // with this, gcc 12 vectorizes none
-    });
     const int64_t down = at + DOWN;
-    add_rounded(h, floats(products(tensor_of(act, options), tensors, &down, nullptr, code + 6, 1, max_rows)[0]), bf16);
+    add_rounded<T>(h, products(silu_times<T>(mlp[0], mlp[1]), tensors, &down, nullptr, code + 6, 1, max_rows)[0]);
   }
   const int64_t head = layers * PER_LAYER + 1;  // the head reads the B rows only
-  const at::Tensor x = tensor_of(rms_norm(h.slice(0, 0, B), *tensors.get(head - 1), eps, bf16), options);
+  const at::Tensor x = rms_norm<T>(h.slice(0, 0, B), *tensors.get(head - 1), eps, options);
   return products(x, tensors, &head, nullptr, codes.data() + layers * PRODUCTS, 1, max_rows)[0];
+}
+
+at::Tensor llama_step(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& tensors,
+                      at::IntArrayRef codes, at::TensorList caches, const at::Tensor& mask, const at::Tensor& cos,
+                      const at::Tensor& sin, at::IntArrayRef dims, double eps, double scaling,
+                      const std::optional<at::Tensor>& extra) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
+              "llama_step: hidden in float32 or bfloat16");
+  return (hidden.scalar_type() == at::kBFloat16 ? step<c10::BFloat16> : step<float>)(
+      hidden, tensors, codes, caches, mask, cos, sin, dims, eps, scaling, extra);
 }
 
 }  // namespace
