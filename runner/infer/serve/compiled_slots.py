@@ -267,28 +267,6 @@ class CompiledSlots(Scheduler):
         multiple of r, so m ≡ c (mod r), or no row is placed (c then moves to m)."""
         return self.every == 1 or not self.placed or (m - self.pointer) % self.every == 0
 
-    def _decode(self, rows: list[Live]) -> None:
-        """One compiled step: every placed row feeds its next token at column c (its last output, or a recomputed
-        KIVI row's next output to catch up on; only decoding rows emit); free rows feed a masked pad (they attend
-        only to themselves)."""
-        start = self.clock()
-        self._make_room(max(live.held for live in rows))
-        c = self.pointer
-        ids, positions = self._step_inputs(rows)
-        row_of = [self.slot_of[live.request.id] for live in rows]
-        column = torch.tensor([c], device=self.device)  # [1]
-        logits = self.engine.call(self.key, self.cache, ids.to(self.device), positions.to(self.device), column,
-                                  column[0] + 1, self.mask, coding=self.cache.needs_coding(c, 1))  # [B,1,V]
-        self.pointer += 1
-        emitting = [i for i, live in enumerate(rows) if live.decoding]
-        for live in rows:
-            live.held += 1
-        chosen = self._choose([rows[i] for i in emitting], logits[[row_of[i] for i in emitting], -1])  # syncs
-        self.forward_s += self.clock() - start
-        now = self.clock()
-        for i, token in zip(emitting, chosen):
-            self._emit(rows[i], token, now)
-
     def _make_room(self, width: int) -> None:
         """Before a step writes column c: at least `width` columns left of c (every placed row's tokens, a joining
         prompt's but its last), c inside the cache, not mostly holes (c < 2·width + SLACK); with no row placed,
@@ -310,22 +288,25 @@ class CompiledSlots(Scheduler):
         return ids, positions
 
     def _forwards(self, rows: list[Live]) -> None:
-        """Scheduler's decode and prefill forwards; when `mixing`, the decode rows and the prompts the step places
-        (up to `max_tokens_per_step` − rows prompt tokens, at least one prompt) in one forward (`_mixed`)."""
-        if not self.mixing:
-            super()._forwards(rows)
-            return
-        self._forget_evicted()
-        group, _ = self._group(self.config.max_tokens_per_step - len(rows), self.slots, equal_hits=False)
+        """One step at column c of the placed rows and, when `mixing`, of the prompts the step places (up to
+        `max_tokens_per_step` − rows prompt tokens, at least one prompt); else those are prefilled apart after it."""
+        budget = self.config.max_tokens_per_step - len(rows)
+        group: list[tuple[Live, list[int]]] = []
+        if self.mixing:
+            self._forget_evicted()
+            group = self._group(budget, self.slots, equal_hits=False)[0]
         if rows or group:
-            self._mixed(rows, group)
+            self._decode(rows, group)
+        if not self.mixing:
+            self._prefill(budget)
 
-    def _mixed(self, rows: list[Live], group: list[tuple[Live, list[int]]]) -> None:
-        """One native forward (module docstring: mixed): every placed row feeds its next token at column c as in
-        `_decode`, and each request of `group` is written into its own row at columns [c + 1 − m, c + 1): its
-        cached prefix copied in, the rest but the last token as the step's extra tokens, the last as its row's
-        token at c, whose logits give a first admission its first token."""
-        start = self.clock()
+    def _decode(self, rows: list[Live], group: list[tuple[Live, list[int]]] | None = None) -> None:
+        """One step: every placed row feeds its next token at column c (its last output, or a recomputed KIVI row's
+        next output to catch up on; only decoding rows emit); free rows feed a masked pad (they attend only to
+        themselves). Each request of `group` (mixing) is written into its own row at columns [c + 1 − m, c + 1):
+        its cached prefix copied in, the rest but the last token as the native step's extra tokens, the last as its
+        row's token at c, whose logits give a first admission its first token (module docstring: mixed)."""
+        start, group = self.clock(), group or []
         self._make_room(max([live.held for live in rows] + [len(tokens) - 1 for _, tokens in group]))
         c = self.pointer
         ids, positions = self._step_inputs(rows)
@@ -345,9 +326,14 @@ class CompiledSlots(Scheduler):
             extra_ids += tokens[prefix.tokens:m - 1]
             extra_positions += range(prefix.tokens, m - 1)
             places += [(row, first + j) for j in range(prefix.tokens, m - 1)]
-        extra = Extra(torch.tensor(extra_ids), torch.tensor(extra_positions), torch.tensor(places)) if places else None
-        assert self.native is not None  # mixing
-        logits = self.native(self.cache, ids, positions, torch.tensor([c]), self.mask, extra)  # [B,1,V]
+        column = torch.tensor([c], device=self.device)  # [1]
+        if places:
+            assert self.native is not None  # mixing
+            extra = Extra(torch.tensor(extra_ids), torch.tensor(extra_positions), torch.tensor(places))
+            logits = self.native(self.cache, ids, positions, column, self.mask, extra)  # [B,1,V]
+        else:
+            logits = self.engine.call(self.key, self.cache, ids.to(self.device), positions.to(self.device), column,
+                                      column[0] + 1, self.mask, coding=self.cache.needs_coding(c, 1))  # [B,1,V]
         self.shared_forwards += bool(rows and group)
         emitting = [live for live in rows if live.decoding] + [live for live, _ in group if not live.record.output_ids]
         self.pointer += 1
