@@ -396,6 +396,7 @@ at::Tensor step(const at::Tensor& hidden, const c10::List<std::optional<at::Tens
   const float* c = cos.const_data_ptr<float>();
   const float* s = sin.const_data_ptr<float>();
   at::Tensor attention = at::empty({N, H * D}, options);  // every layer's, in T
+  at::Tensor rows_attention = at::empty({B, H * D}, at::TensorOptions().dtype(at::kFloat));  // the B rows' first
   for (int64_t l = 0; l < layers; l++) {
     const int64_t at = l * PER_LAYER;
     const int64_t* code = codes.data() + l * PRODUCTS;
@@ -407,9 +408,8 @@ at::Tensor step(const at::Tensor& hidden, const c10::List<std::optional<at::Tens
     at::Tensor keys = caches[2 * l], values = caches[2 * l + 1];
     write_tokens<T>(out[1], keys, rows, columns);
     write_tokens<T>(out[2], values, rows, columns);
-    at::Tensor rows_attention = at::empty({B, H * D}, at::TensorOptions().dtype(at::kFloat));
     attend(out[0].slice(0, 0, B).to(at::kFloat).contiguous(), keys, values, mask, B, H, column + 1, scaling,
-           rows_attention);  // the B rows'
+           rows_attention);
     attention.slice(0, 0, B).copy_(rows_attention);  // rounded to T, as the model's attention output is
     if (P) attend_extra(out[0], keys, values, runs, B, H, scaling, attention);
     const int64_t o = at + O;
