@@ -24,6 +24,7 @@ from runner.errors import ModelError, ResourceError, RunnerError
 from runner.files import atomic_write_json
 from runner.infer.config.architecture import config_problem
 from runner.infer.config.kinds import torch_dtype
+from runner.infer.kernels import heap
 from runner.infer.loading.model_files import check_gguf, read_config_file
 from runner.infer.loading.pinned import cache_root
 from runner.infer.loading.zoo import ZOO_PREFIX, fetch_gguf, zoo_entry, zoo_model_dir
@@ -77,6 +78,8 @@ def load_model(
     """Load `source` (or build `config` with random weights) in `dtype` on `device`, its weights quantized as asked
     (runner.infer.quant.weights); the fingerprint says how, and the weights' measured bytes."""
     target = resolve_device(device)
+    if target.type == "cpu":
+        heap.keep()  # a forward's freed activations stay in the process, not faulted back in every layer
     if trust_remote_code:
         log.warning("trust_remote_code is ON for %s: code shipped with this model will run here",
                     source or "config model")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.infer.decode.forward import sync
+from runner.infer.kernels import heap
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,10 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif _reset_rss_peak():
-            self.scope = "block"
+        else:
+            heap.release()  # what earlier blocks freed and the heap kept is not this block's
+            if _reset_rss_peak():
+                self.scope = "block"
         return self
 
     def __exit__(self, *exc) -> None:
