@@ -1,56 +1,28 @@
 """Continuous batching on the compiled engine: requests join and leave the rows ("slots") of one static cache.
+docs/serve.md ("Our scheduler on the compiled engine", its prefix and KIVI paragraphs) says it whole; in short:
 
-The cache has B = batch_bucket(max_running) rows and S = `columns` columns (mode serve: a length bucket); a row is
-a slot. All rows decode at one shared column pointer c: the one compiled step (kind, B, S, 1 new column) writes
-every row's new token at column c, each row with its own position (its tokens so far) and its own [S] mask, so its
-attention and RoPE are those of a solo decode. A running request holds columns [c − held, c) of its row,
-right-aligned to c.
-    join     the whole prompt (after a preemption: prompt + outputs but the last) is prefilled through a static
-             cache of the same kind (the engine's static forward, run eagerly), so its K/V are in the stored format;
-             they are copied into its row ending at column c. Prompts admitted in the same step are prefilled
-             together, left-padded, up to PREFILL_ROWS (a power of two) a forward: on a GPU one forward of 8
-             prompts costs about what one does. A row whose prefix does not fit left of c moves every row right
-             first (rebase).
-    KIVI     a row's blocks of r columns are coded when the shared pointer completes them, so every row starts at a
-             multiple of r: prompts are prefilled together only with lengths ≡ mod r (left pads of whole blocks),
-             and a request joins its row when its length ≡ c (mod r) (with no row placed, c moves to its length).
-             Until then it is staged: its K/V wait in a one-row cache of the kind and its first token is out
-             already, so the wait (< r steps) falls between its first and second tokens, not in its TTFT.
-             Rebases move whole blocks (every W ≡ c) and turn the ring. A recomputed request joins with its
-             prompt only and feeds its outputs again one a step (a solo decode fed them so: rows.Flushes.exact),
-             emitting nothing until it is back. Sinks are refused: they lie in the cache's first columns
-             (`compiled_serve_reason`).
-    rebase   when c reaches S, or a joining prompt is longer than c, or c ≥ 2·W + SLACK (W = the longest row: on
-             CPU attention reads columns [0, c], so holes cost time): the columns [c − W, c) move (in place, the
-             cache keeps its address: CUDA graphs) so that all rows end at W, or at the joining prompt's length;
-             columns left of a row's tokens are masked holes.
-    prefix   with `prefix_caching` (kinds that store each token alone), a prompt whose leading full blocks a placed
-             row holds, or a finished request's retained prompt (`kept`: a one-row cache of its blocks), starts its
-             prefill with a copy of those columns and feeds only the rest: the hit saves prefill, not memory (each
-             row holds its own copy; the static cache is allocated whole anyway), so blocks are not shared
-             (`_share_prefix`); retained prompts are charged to the budget as on the eager scheduler. Prompts are
-             prefilled together only with equal hits.
-    mixed    where the native step serves the cache (compiled.native_step: llama/qwen2, float weights, plain float
-             K/V, B ≤ its rows) prompts are not prefilled apart: a step's decode rows and the prompts it places
-             (admission order, up to `max_tokens_per_step` − rows prompt tokens, at least one) run in one forward,
-             each prompt of m tokens written straight into its row at columns [c + 1 − m, c + 1) (its cached prefix
-             copied there first): its last token is its row's token at column c, the others extra rows of the same
-             products (one weight read for all), attending causally within the row. No prefill cache, no copy; and
-             cheaper than the eager prefill even with no row decoding (a burst: bf16 on 2 cores, 0.7–0.9× of the
-             model's own forward of the same prompts, docs/performance.md "Mixed forwards").
-So the load runs one compiled shape, compiled during warm-up (`CompiledSlots.__init__`, before the clock starts):
-`recompiles` counts graphs dynamo made after that (should stay 0), `compile_s` is the warm-up's compile time.
+The cache has B = batch_bucket(max_running) rows and S = `columns` columns. All rows decode at one shared column
+pointer c through the one compiled step (kind, B, S, 1 new column), each row with its own positions and [S] mask, so
+its attention and RoPE are a solo decode's; a running request holds columns [c − held, c) of its row.
+    join     prompts admitted together are prefilled through a static cache of the kind (up to PREFILL_ROWS a
+             forward, left-padded) and their K/V copied into their rows ending at c.
+    mixed    where the native step serves the cache (compiled.native_step: llama/qwen2, float weights and K/V), a
+             step's decode rows and the prompts it places run in one forward instead: each prompt written straight
+             into its row at columns [c + 1 − m, c + 1), its last token the row's token, the others extra rows of
+             the same products, attending causally within the row. No prefill cache, no copy.
+    rebase   when c reaches S, a joining prompt is longer than c, or c ≥ 2·W + SLACK (W the longest row; on CPU
+             attention reads [0, c]): the held columns move in place so that all rows end at W (or at the prompt).
+    KIVI     blocks of r columns are coded when c completes them: a request joins when its length ≡ c (mod r),
+             staged in a one-row cache until then; a recomputed one feeds its outputs again one a step.
+    prefix   with `prefix_caching`, a prompt's leading blocks held by a placed row or a retained prompt (`kept`) are
+             copied in and only the rest fed; each row keeps its own copy (the cache is allocated whole anyway).
+The load runs one compiled shape, compiled in warm-up (`CompiledSlots.__init__`): `recompiles` counts graphs made
+after it (0 expected), `compile_s` is the warm-up's compile time.
 
-The scheduler's rules are serve/scheduler.Scheduler's (this is a subclass): KV blocks accounted by blocks.py,
-first come first served admission by free blocks (and free slots: max_running ≤ B), preemption by recompute of the
-most recently admitted, the same finish rules and sampling. Per request, greedy output equals its solo greedy decode
-up to float reductions over masked columns (near ties only): a row's stored K/V are a solo decode's (per-token kinds
-quantize each column alone, so where a column lies changes nothing; KIVI's blocks are the row's own, above).
-What it does not do: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is prefilled whole, in the
-step it is admitted in or a later one, up to `max_tokens_per_step` prompt tokens a step but always at least one prompt),
-mixed forwards where the native step does not serve (quantized and KIVI kinds, GGUF weights: prefill apart),
-compiled prefill, prefix caching of KIVI kinds, requests longer than S (refused at submission), several length
-buckets (a longer S is another server). A rebase copies B·W columns per layer, once per ≥ W + SLACK steps.
+The scheduler's rules are serve/scheduler.Scheduler's (a subclass): blocks, admission, preemption by recompute,
+finish rules and sampling. Greedy output equals each request's solo greedy decode up to float reductions over masked
+columns. Not done: KIVI with sinks (`compiled_serve_reason`), chunked prefill (a prompt is placed whole), compiled
+prefill, prefix caching of KIVI kinds, requests longer than S (refused), several length buckets.
 """
 
 from __future__ import annotations
@@ -89,10 +61,8 @@ class Cached(NamedTuple):
 
 
 class CompiledSlots(Scheduler):
-    """The continuous-batching scheduler over the compiled engine's one static cache (module docstring).
-    `columns`: S, the most tokens (prompt + new) one request may hold (a power of two ≥ 256 is a length bucket of
-    the engine's; any other count is taken as it is); `engine`: the
-    model's compiled engine by default (tests pass CompiledEngine(model, compile=False))."""
+    """The continuous-batching scheduler over the compiled engine's one static cache (module docstring). `columns`:
+    S, the most tokens (prompt + new) one request may hold; `engine`: the model's compiled engine by default."""
 
     def __init__(self, model, config: SchedulerConfig | None = None, clock: Clock | None = None, tokenizer=None,
                  columns: int = 512, engine: CompiledEngine | None = None, mixed: bool = True):
@@ -132,8 +102,7 @@ class CompiledSlots(Scheduler):
                  self.columns, config.cache_kind or "the model's dtype", self.compiles, self.compile_s)
 
     @property
-    def mixing(self) -> bool:
-        """Whether prompts join in the decode rows' forward (module docstring: mixed)."""
+    def mixing(self) -> bool:  # prompts join in the decode rows' forward (module docstring: mixed)
         return self.native is not None
 
     @property
