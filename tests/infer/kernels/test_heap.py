@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from runner.infer.kernels import heap
+from runner.infer.loading.models import load_model
+from tests.conftest import TINY_LLAMA
 
 pytestmark = pytest.mark.skipif(heap._glibc() is None, reason="malloc is not glibc's here")
 
@@ -65,3 +67,11 @@ def test_a_process_with_its_own_malloc_settings_is_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     monkeypatch.setattr(heap, "_STATE", {})
     assert heap.keep() is False
+
+
+def test_loading_a_model_on_cpu_keeps_the_heap(monkeypatch):
+    for name in heap.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(heap, "_STATE", {})
+    load_model(config=TINY_LLAMA, device="cpu")
+    assert heap._STATE == {"kept": True}
