@@ -16,6 +16,7 @@ say how its heap should behave.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -28,7 +29,8 @@ USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 _STATE: dict[str, bool] = {}
 
 
-def _glibc() -> ctypes.CDLL | None:
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:  # the process's C library, once
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it
