@@ -51,6 +51,30 @@ def test_few_rows_match_float64_within_the_dtypes_rounding(dtype, widest, rows):
             assert ((got.double() - want).abs() <= bound).all(), (n, k, b is None)
 
 
+@pytest.mark.parametrize("dtype, widest", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("outer", [(576, 64, 64), (1536, 19)], ids=["whole-tiles", "a-tail"])
+def test_a_group_of_products_gives_what_each_product_gives_alone(dtype, widest, rows, outer):
+    """linear_rows_group (q, k, v or gate, up of the native step: one parallel region where the AMX path takes every
+    shape, as whole-tiles' on a CPU with AMX; one call a product elsewhere, as a-tail's) returns each product exactly
+    as linear_rows does: the same kernel, the same sums."""
+    generator = torch.Generator().manual_seed(rows)
+    k = 576
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    weights = [torch.randn(n, k, generator=generator).to(dtype) for n in outer]
+    biases = [torch.randn(n, generator=generator).to(dtype) if i % 2 == 0 else None for i, n in enumerate(outer)]
+    got = torch.ops.runner.linear_rows_group(x, [w.t() for w in weights], biases, widest)
+    assert len(got) == len(weights)
+    for y, w, b in zip(got, weights, biases):
+        assert torch.equal(y, torch.ops.runner.linear_rows(x, w.t(), b, widest))
+
+
+def test_a_group_needs_one_bias_a_weight():
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="linear_rows_group: one bias"):
+        torch.ops.runner.linear_rows_group(x, [w.t(), w.t()], [None])
+
+
 @pytest.mark.parametrize("case", ["seventeen rows", "input-major weight", "dtypes differ", "float16"])
 def test_what_it_does_not_serve_is_an_error_saying_so(case):
     x, w = torch.randn(1, 64), torch.randn(32, 64)

@@ -6,9 +6,9 @@
 // Why: the compiled engine's step is inductor's graph driven by its Python wrapper, about 40 statements a layer. At
 // batch 1 on 2 cores that wrapper and dynamo's entry cost 3–4 ms of SmolLM2's step (24 ms in float32, 7 ms on
 // 4-bit GGUF weights), which is what llama.cpp, whose products read at the same rate as ours, does not spend.
-// Here the products are runner's own ops (linear_rows, gguf_rows, gguf_rows_group: called through the dispatcher
-// from C++, about a microsecond each), attention is decode_attention.cpp's kernel called directly, and everything
-// between them is a vectorized loop that reads and writes the model's dtype and computes in float32.
+// Here the products are runner's own ops (linear_rows, gguf_rows and their _group forms: called through the
+// dispatcher from C++, about a microsecond each), attention is decode_attention.cpp's kernel called directly, and
+// everything between them is a vectorized loop that reads and writes the model's dtype and computes in float32.
 //
 // Arithmetic: as the compiled step's, up to the order of float sums. Elementwise work runs in float32 and is
 // rounded to the model's dtype where the model's own forward stores a tensor of that dtype (norm outputs, the
@@ -67,6 +67,14 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wt, const std::opt
   return op.call(x, wt, bias, true);
 }
 
+// A group of float products that read the same x, of at most max_rows rows: runner::linear_rows_group.
+std::vector<at::Tensor> linear_rows_group(const at::Tensor& x, const std::vector<at::Tensor>& wts,
+                                          const c10::List<std::optional<at::Tensor>>& biases) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("runner::linear_rows_group", "").typed<
+      std::vector<at::Tensor>(const at::Tensor&, at::TensorList, const c10::List<std::optional<at::Tensor>>&, bool)>();
+  return op.call(x, wts, biases, true);
+}
+
 at::Tensor gguf_rows(const at::Tensor& x, const at::Tensor& blocks, int64_t code) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("runner::gguf_rows", "").typed<
       at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
@@ -80,16 +88,21 @@ std::vector<at::Tensor> gguf_rows_group(const at::Tensor& x, at::TensorList bloc
 }
 
 // x [B,K] through n products that read it (q, k, v or gate, up) → their outputs [B,N_i]; GGUF weights of one type
-// (and layout) in one call (x quantized once, one parallel region), as the compiled step's pass groups them.
-// A bias is added in the float product, or after a GGUF one.
+// (and layout) in one call (x quantized once, one parallel region), as the compiled step's pass groups them, and
+// float weights of linear_rows' rows in one call too. A bias is added in the float product, or after a GGUF one.
 std::vector<at::Tensor> products(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                                  const int64_t* which, const int64_t* biases, const int64_t* codes, int n,
                                  int64_t max_rows) {
   const auto bias = [&](int i) { return biases ? tensors.get(biases[i]) : std::nullopt; };
   std::vector<at::Tensor> out;
-  bool grouped = n > 1 && codes[0] != FLOAT_PRODUCT;
+  bool grouped = n > 1 && (codes[0] != FLOAT_PRODUCT || x.size(0) <= max_rows);
   for (int i = 1; i < n; i++) grouped = grouped && codes[i] == codes[0];
-  if (grouped) {
+  if (grouped && codes[0] == FLOAT_PRODUCT) {
+    std::vector<at::Tensor> wts;
+    c10::List<std::optional<at::Tensor>> given;
+    for (int i = 0; i < n; i++) wts.push_back(*tensors.get(which[i])), given.push_back(bias(i));
+    out = linear_rows_group(x, wts, given);
+  } else if (grouped) {
     std::vector<at::Tensor> blocks;
     for (int i = 0; i < n; i++) blocks.push_back(*tensors.get(which[i]));
     out = gguf_rows_group(x, blocks, codes[0]);
