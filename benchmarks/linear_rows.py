@@ -26,7 +26,6 @@ from runner.infer.kernels import cpu_linear  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.measure.timing import copy_bandwidth, time_interleaved  # noqa: E402
 
-
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # products of one x, as the native step groups
 
 
@@ -90,7 +89,8 @@ def main() -> None:
                 tick()
 
             with torch.inference_mode():
-                marks = time_interleaved({"aten": aten, "ours": ours, "avx2": avx2, "grouped": grouped}, args.repeats)
+                variants = {"aten": aten, "ours": ours, "avx2": avx2, "grouped": grouped}
+                marks = time_interleaved(variants, args.repeats)
                 diff = max(((torch.nn.functional.linear(inputs[w.shape[1]], w).float()
                              - torch.ops.runner.linear_rows(inputs[w.shape[1]], w.t(), None).float()).abs().max()
                             / torch.nn.functional.linear(inputs[w.shape[1]], w).float().abs().max()).item()
