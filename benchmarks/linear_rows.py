@@ -101,8 +101,8 @@ def main() -> None:
             print(f"{dtype:>9} {rows:>4} {seconds['aten'] * 1e3:>8.1f} {seconds['ours'] * 1e3:>8.1f} "
                   f"{gigabytes / seconds['aten']:>9.1f} {gigabytes / seconds['ours']:>9.1f} "
                   f"{gigabytes / seconds['ours'] / (bandwidth / 1e9):>7.2f} {ratio:>9.2f} "
-                  f"{seconds['avx2'] * 1e3:>8.1f} {wider:>9.2f} {seconds['grouped'] * 1e3:>10.1f} {1 / together:>12.2f} "
-                  f"{diff:>8.1e}", flush=True)
+                  f"{seconds['avx2'] * 1e3:>8.1f} {wider:>9.2f} "
+                  f"{seconds['grouped'] * 1e3:>10.1f} {1 / together:>12.2f} {diff:>8.1e}", flush=True)
         del model
 
 
