@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -300,13 +301,13 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
             int64_t H, int64_t limit, double scaling, at::Tensor& out) {
   const int64_t Hkv = keys.size(1), S = keys.size(2), G = H / Hkv;
   const Segment k = plain_segment(keys), v = plain_segment(values);
-  std::vector<float> scores(B * H * S);
+  const std::unique_ptr<float[]> scores(new float[B * H * S]);  // not zeroed: runner_scores fills every column
   const int threads = at::get_num_threads();
-  runner_scores(&k, 1, q.const_data_ptr<float>(), static_cast<const uint8_t*>(mask.const_data_ptr()), mask.stride(0), scores.data(),
-                B, Hkv, G, S, limit, static_cast<float>(scaling), threads);
+  runner_scores(&k, 1, q.const_data_ptr<float>(), static_cast<const uint8_t*>(mask.const_data_ptr()), mask.stride(0),
+                scores.get(), B, Hkv, G, S, limit, static_cast<float>(scaling), threads);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
-      float* p = scores.data() + r * S;
+      float* p = scores.get() + r * S;
       float top = -INFINITY, sum = 0;
 #pragma omp simd reduction(max : top)
       for (int64_t s = 0; s < limit; s++) top = std::max(top, p[s]);
@@ -317,7 +318,7 @@ void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       for (int64_t s = 0; s < limit; s++) p[s] *= inverse;
     }
   });
-  runner_weighted(&v, 1, 1, scores.data(), out.data_ptr<float>(), B, Hkv, G, S, limit, threads);
+  runner_weighted(&v, 1, 1, scores.get(), out.data_ptr<float>(), B, Hkv, G, S, limit, threads);
 }
 
 // A run of extra tokens of one row: tokens [first, last) of the extra ones, reading the row's columns
