@@ -397,22 +397,27 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wt, const std::opt
   return y;
 }
 
+// Whether a bfloat16 product of a [N,K] weight runs on the AMX path here (compiled for it: `amx_takes`).
+bool amx(int64_t K, int64_t N) {
+#ifdef RUNNER_AMX
+  return amx_takes(K, N);
+#else
+  return false;
+#endif
+}
+
 // x [M,K] through the products of a group that read it (q, k, v; gate, up) → their outputs, each as linear_rows
 // gives it: on the AMX path in one parallel region (`product_amx`), elsewhere one linear_rows call a product.
 std::vector<at::Tensor> linear_rows_group(const at::Tensor& x, at::TensorList wts,
                                           const c10::List<std::optional<at::Tensor>>& biases, bool widest) {
   TORCH_CHECK(biases.size() == wts.size(), "linear_rows_group: one bias (or None) a weight");
-  bool amx = widest && x.scalar_type() == at::kBFloat16;
+  bool tiles = widest && x.scalar_type() == at::kBFloat16;
   for (size_t i = 0; i < wts.size(); i++) {
     check_product(x, wts[i], biases.get(i));
-#ifdef RUNNER_AMX
-    amx = amx && amx_takes(x.size(1), wts[i].size(1));
-#else
-    amx = false;
-#endif
+    tiles = tiles && amx(x.size(1), wts[i].size(1));
   }
   std::vector<at::Tensor> out;
-  if (!amx) {
+  if (!tiles) {
     for (size_t i = 0; i < wts.size(); i++) out.push_back(linear_rows(x, wts[i], biases.get(i), widest));
     return out;
   }
@@ -434,15 +439,6 @@ std::vector<at::Tensor> linear_rows_group(const at::Tensor& x, at::TensorList wt
 bool vectorized() {
 #ifdef RUNNER_AVX2
   return true;
-#else
-  return false;
-#endif
-}
-
-// Whether a bfloat16 product of a [N,K] weight runs on the AMX path here (compiled for it: `amx_takes`).
-bool amx(int64_t K, int64_t N) {
-#ifdef RUNNER_AMX
-  return amx_takes(K, N);
 #else
   return false;
 #endif
