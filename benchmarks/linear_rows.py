@@ -8,13 +8,15 @@ rate's fraction of the measured copy bandwidth, and the ratio aten ÷ ours (> 1:
 path this CPU has (64-byte loads for float32 and vdpbf16ps for bfloat16 with AVX-512); "avx2" the path every AVX2 CPU
 takes, timed in the same rounds (avx2÷ours: what the wider path buys here; 1 where the CPU has no wider one);
 "grouped" ours again with q, k, v and gate, up in one call each (runner::linear_rows_group, as the native step calls
-them; ours÷grouped > 1: grouping faster). The largest difference between aten's and ours is printed beside, as a
-fraction of the largest |output|.
+them; ours÷grouped > 1: grouping faster); "4k" grouped again on a copy of the weights on 4 KiB pages (the model's own
+are on huge pages where the system allows: heap.onto_huge_pages; 4k÷grouped > 1: huge pages faster). The largest
+difference between aten's and ours is printed beside, as a fraction of the largest |output|.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 
@@ -22,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from runner.infer.kernels import cpu_linear  # noqa: E402
+from runner.infer.kernels import cpu_linear, heap  # noqa: E402
 from runner.infer.loading.models import load_model  # noqa: E402
 from runner.infer.measure.timing import copy_bandwidth, time_interleaved  # noqa: E402
 
@@ -58,11 +60,14 @@ def main() -> None:
           f"torch={torch.__version__}")
     print(f"{'dtype':>9} {'rows':>4} {'aten ms':>8} {'ours ms':>8} {'aten GB/s':>9} {'ours GB/s':>9} "
           f"{'ours bw':>7} {'aten÷ours':>9} {'avx2 ms':>8} {'avx2÷ours':>9} {'grouped ms':>10} "
-          f"{'ours÷grouped':>12} {'max diff':>8}")
+          f"{'ours÷grouped':>12} {'4k ms':>7} {'4k÷grouped':>10} {'max diff':>8}")
     for dtype in args.dtypes:
         model = load_model(args.model, dtype=dtype).model
         weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
         groups = grouped_weights(model)
+        small = copy.deepcopy(model)
+        heap.onto_huge_pages(small, huge=False)
+        small_groups = grouped_weights(small)
         gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k, dtype=model.dtype) for k in {w.shape[1] for w in weights}}
@@ -82,14 +87,17 @@ def main() -> None:
                     torch.ops.runner.linear_rows(inputs[w.shape[1]], w.t(), None, False)
                 tick()
 
-            def grouped(tick):
+            def grouped(tick, groups=groups):
                 for group in groups:
                     torch.ops.runner.linear_rows_group(inputs[group[0].shape[1]], [w.t() for w in group],
                                                        [None] * len(group))
                 tick()
 
+            def grouped_4k(tick):
+                grouped(tick, small_groups)
+
             with torch.inference_mode():
-                variants = {"aten": aten, "ours": ours, "avx2": avx2, "grouped": grouped}
+                variants = {"aten": aten, "ours": ours, "avx2": avx2, "grouped": grouped, "4k": grouped_4k}
                 marks = time_interleaved(variants, args.repeats)
                 diff = max(((torch.nn.functional.linear(inputs[w.shape[1]], w).float()
                              - torch.ops.runner.linear_rows(inputs[w.shape[1]], w.t(), None).float()).abs().max()
@@ -98,12 +106,14 @@ def main() -> None:
             seconds = {name: statistics.median(m[-1] for m in runs) for name, runs in marks.items()}
             ratio, wider, together = (statistics.median(a[-1] / o[-1] for a, o in zip(marks[name], marks["ours"]))
                                       for name in ("aten", "avx2", "grouped"))
+            paged = statistics.median(a[-1] / g[-1] for a, g in zip(marks["4k"], marks["grouped"]))
             print(f"{dtype:>9} {rows:>4} {seconds['aten'] * 1e3:>8.1f} {seconds['ours'] * 1e3:>8.1f} "
                   f"{gigabytes / seconds['aten']:>9.1f} {gigabytes / seconds['ours']:>9.1f} "
                   f"{gigabytes / seconds['ours'] / (bandwidth / 1e9):>7.2f} {ratio:>9.2f} "
                   f"{seconds['avx2'] * 1e3:>8.1f} {wider:>9.2f} "
-                  f"{seconds['grouped'] * 1e3:>10.1f} {1 / together:>12.2f} {diff:>8.1e}", flush=True)
-        del model
+                  f"{seconds['grouped'] * 1e3:>10.1f} {1 / together:>12.2f} {seconds['4k'] * 1e3:>7.1f} {paged:>10.2f} "
+                  f"{diff:>8.1e}", flush=True)
+        del model, small
 
 
 if __name__ == "__main__":

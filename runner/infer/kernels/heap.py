@@ -1,4 +1,5 @@
-"""The process heap on CPU: glibc's malloc kept from handing a forward's activations back to the kernel between layers.
+"""The process heap on CPU: glibc's malloc kept from handing a forward's activations back to the kernel between layers,
+and a model's weights placed on transparent huge pages.
 
 A forward frees and allocates the same tens of MiB every layer (a 2,048-token Qwen2.5-Coder-0.5B layer: its gate, up
 and their product, 20 MiB each). glibc returns such blocks to the kernel, by munmap above its mmap threshold or by
@@ -11,6 +12,12 @@ that peak is the measured block's.
 
 Both do nothing where malloc is not glibc's, and keep() leaves alone a process whose MALLOC_*_THRESHOLD_ variables
 say how its heap should behave.
+
+onto_huge_pages() copies a model's weights into one anonymous mapping advised for huge pages (madvise
+MADV_HUGEPAGE; Linux's default THP setting, `madvise`, gives them to no other memory). A decode step streams every
+weight once, and on 4 KiB pages each 4 KiB read misses the TLB: under a hypervisor's nested paging that walk is what
+bounds the read. A 2-core Xeon with AMX (KVM), Qwen2.5-Coder-0.5B bf16, its products at 16 rows: 92.6 ms on 4 KiB
+pages, 56.0 on huge pages (10.7 → 17.6 GB/s), the same weights in one process.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
+from typing import Any
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +38,9 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's largest on 64-bit: blocks above it 
 NEVER_TRIM_BYTES = 2**31 - 1  # mallopt takes an int
 USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 _STATE: dict[str, bool] = {}
+HUGE_PAGE_BYTES = 2 * 2**20  # x86-64's transparent huge page
+ALIGN_BYTES = 64  # each storage's start in the mapping, as torch's CPU allocator aligns
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"  # "always [madvise] never": the bracketed one is in force
 
 
 @functools.cache
@@ -58,3 +72,85 @@ def release() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def huge_pages_allowed() -> bool:
+    """Whether this kernel gives transparent huge pages to a mapping that asks (THP `always` or `madvise`)."""
+    try:
+        with open(THP_SETTING) as file:
+            return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in file.read()
+    except OSError:
+        return False
+
+
+def onto_huge_pages(model: torch.nn.Module, huge: bool = True) -> int:
+    """Copy `model`'s CPU parameters and buffers into one mapping advised for huge pages, each tensor keeping its
+    values, shape, strides and ties (tensors of one storage share the copy); returns the bytes placed, 0 where the
+    system has no transparent huge pages or the weights are smaller than one. Tensor subclasses (torchao's) stay.
+    huge=False advises 4 KiB pages instead: what a benchmark compares against."""
+    if not huge_pages_allowed():
+        return 0
+    places: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # (a module's _parameters or _buffers, name, tensor)
+    offsets: dict[int, int] = {}  # a storage's data_ptr → its offset in the mapping
+    parameters: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            for name, tensor in table.items():
+                if (tensor is None or tensor.device.type != "cpu" or type(tensor.data) is not torch.Tensor
+                        or id(tensor) in parameters):  # a tied Parameter, moved once for all its modules
+                    continue
+                places.append((table, name, tensor))
+                if isinstance(tensor, torch.nn.Parameter):
+                    parameters.add(id(tensor))
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in offsets:
+                    offsets[storage.data_ptr()] = total
+                    total += -(-storage.nbytes() // ALIGN_BYTES) * ALIGN_BYTES
+    if total < HUGE_PAGE_BYTES:
+        return 0
+    mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)  # before the copy faults the pages in
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any tensor of it
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES  # the weights from a huge page's boundary
+    copied: set[int] = set()
+    with torch.no_grad():
+        for table, name, tensor in places:
+            storage = tensor.untyped_storage()
+            at = start + offsets[storage.data_ptr()]
+            if storage.data_ptr() not in copied:
+                raw[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+                copied.add(storage.data_ptr())
+            moved = torch.empty(0, dtype=tensor.dtype).set_(
+                raw.untyped_storage(), (at // tensor.element_size()) + tensor.storage_offset(), tensor.shape,
+                tensor.stride())
+            if isinstance(tensor, torch.nn.Parameter):
+                tensor.data = moved  # the same Parameter object: ties between modules and references stay
+            else:
+                table[name] = moved
+    release()  # the old copies' memory: the kept heap would hold it
+    granted = int(mapping_of(raw.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) * 1024
+    log.info("weights on huge pages: %.0f of %.0f MiB", granted / 2**20, total / 2**20)
+    return total
+
+
+def mapping_of(address: int) -> dict[str, str]:
+    """/proc/self/smaps' fields of the mapping that holds `address` (e.g. AnonHugePages: "2048 kB", VmFlags: "rd wr
+    mr mw me ac hg"); {} where none does, or the file cannot be read."""
+    fields: dict[str, str] = {}
+    inside = False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                key, _, value = line.partition(" ")
+                if not key.endswith(":"):  # a mapping's first line: "start-end perms offset dev inode path"
+                    if inside:
+                        break
+                    start, end = (int(x, 16) for x in key.split("-"))
+                    inside = start <= address < end
+                elif inside:
+                    fields[key[:-1]] = value.strip()
+    except OSError:
+        return {}
+    return fields

@@ -106,6 +106,8 @@ def load_model(
             keep_gguf_formats(model, kept_file)
         else:
             quantize_model(model, quantization)
+        if target.type == "cpu":
+            heap.onto_huge_pages(model)  # a step streams every weight: on 4 KiB pages the TLB misses bound that read
     except torch.OutOfMemoryError as exc:
         raise ResourceError(f"out of memory loading {source or 'config model'} on {target}: {exc}") from None
     except ImportError as exc:  # transformers asks for the library of a pre-quantized checkpoint (GPTQ, AWQ, ...)
