@@ -85,29 +85,34 @@ def huge_pages_allowed() -> bool:
 
 def onto_huge_pages(model: torch.nn.Module, huge: bool = True) -> int:
     """Copy `model`'s CPU parameters and buffers into one mapping advised for huge pages, each tensor keeping its
-    values, shape, strides and ties (tensors of one storage share the copy); returns the bytes placed, 0 where the
-    system has no transparent huge pages or the weights are smaller than one. Tensor subclasses (torchao's) stay.
-    huge=False advises 4 KiB pages instead: what a benchmark compares against."""
+    values, shape, strides and ties (tensors of one storage stay views of one copy, of the bytes they use); returns
+    the bytes placed, 0 where the system has no transparent huge pages or the weights are smaller than one. Tensor
+    subclasses (torchao's) stay. huge=False advises 4 KiB pages instead: what a benchmark compares against."""
     if not huge_pages_allowed():
         return 0
     places: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # (a module's _parameters or _buffers, name, tensor)
-    offsets: dict[int, int] = {}  # a storage's data_ptr → its offset in the mapping
+    spans: dict[int, tuple[int, int]] = {}  # a storage's data_ptr → the bytes [low, high) its tensors use
     parameters: set[int] = set()
-    total = 0
     for module in model.modules():
         tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for table in tables:
             for name, tensor in table.items():
                 if (tensor is None or tensor.device.type != "cpu" or type(tensor.data) is not torch.Tensor
-                        or id(tensor) in parameters):  # a tied Parameter, moved once for all its modules
+                        or id(tensor) in parameters or tensor.numel() == 0):  # a tied Parameter: moved once
                     continue
                 places.append((table, name, tensor))
                 if isinstance(tensor, torch.nn.Parameter):
                     parameters.add(id(tensor))
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in offsets:
-                    offsets[storage.data_ptr()] = total
-                    total += -(-storage.nbytes() // ALIGN_BYTES) * ALIGN_BYTES
+                first = tensor.storage_offset()
+                last = first + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+                low, high = spans.get(tensor.untyped_storage().data_ptr(), (first * tensor.element_size(), 0))
+                spans[tensor.untyped_storage().data_ptr()] = (
+                    min(low, first * tensor.element_size()) // ALIGN_BYTES * ALIGN_BYTES,
+                    max(high, (last + 1) * tensor.element_size()))
+    offsets, total = {}, 0  # a storage's data_ptr → where its span starts in the mapping
+    for pointer, (low, high) in spans.items():
+        offsets[pointer] = total
+        total += -(-(high - low) // ALIGN_BYTES) * ALIGN_BYTES
     if total < HUGE_PAGE_BYTES:
         return 0
     mapping = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -117,13 +122,15 @@ def onto_huge_pages(model: torch.nn.Module, huge: bool = True) -> int:
     copied: set[int] = set()
     with torch.no_grad():
         for table, name, tensor in places:
-            storage = tensor.untyped_storage()
-            at = start + offsets[storage.data_ptr()]
-            if storage.data_ptr() not in copied:
-                raw[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-                copied.add(storage.data_ptr())
+            pointer = tensor.untyped_storage().data_ptr()
+            low, high = spans[pointer]
+            at = start + offsets[pointer] - low  # the mapping's byte for the storage's byte 0
+            if pointer not in copied:
+                old = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+                raw[at + low:at + high].copy_(old[low:high])
+                copied.add(pointer)
             moved = torch.empty(0, dtype=tensor.dtype).set_(
-                raw.untyped_storage(), (at // tensor.element_size()) + tensor.storage_offset(), tensor.shape,
+                raw.untyped_storage(), at // tensor.element_size() + tensor.storage_offset(), tensor.shape,
                 tensor.stride())
             if isinstance(tensor, torch.nn.Parameter):
                 tensor.data = moved  # the same Parameter object: ties between modules and references stay

@@ -104,7 +104,7 @@ def test_a_models_weights_move_onto_huge_pages_with_their_values_views_and_ties(
         logits = model(ids).logits
         placed = heap.onto_huge_pages(model)
         again = model(ids).logits
-    assert placed >= sum(t.numel() * t.element_size() for t in before.values()) - module.columns.numel() * 4
+    assert placed >= sum(p.numel() * p.element_size() for p in model.parameters())  # tied and viewed: once
     assert torch.equal(logits, again)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
