@@ -16,8 +16,9 @@ say how its heap should behave.
 onto_huge_pages() copies a model's weights into one anonymous mapping advised for huge pages (madvise
 MADV_HUGEPAGE; Linux's default THP setting, `madvise`, gives them to no other memory). A decode step streams every
 weight once, and on 4 KiB pages each 4 KiB read misses the TLB: under a hypervisor's nested paging that walk is what
-bounds the read. A 2-core Xeon with AMX (KVM), Qwen2.5-Coder-0.5B bf16, its products at 16 rows: 92.6 ms on 4 KiB
-pages, 56.0 on huge pages (10.7 → 17.6 GB/s), the same weights in one process.
+bounds the read. A 2-core Xeon with AMX (KVM), Qwen2.5-Coder-0.5B bf16, its products at 16 rows in one process
+(benchmarks/linear_rows.py, "4k" column): 62.0 ms on huge pages, 200.1 on 4 KiB pages; across runs the huge-page
+figure stayed at 52–62 ms while the 4 KiB one moved between 88 and 408.
 """
 
 from __future__ import annotations
