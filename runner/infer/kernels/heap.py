@@ -104,12 +104,12 @@ def onto_huge_pages(model: torch.nn.Module, huge: bool = True) -> int:
                 places.append((table, name, tensor))
                 if isinstance(tensor, torch.nn.Parameter):
                     parameters.add(id(tensor))
-                first = tensor.storage_offset()
-                last = first + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-                low, high = spans.get(tensor.untyped_storage().data_ptr(), (first * tensor.element_size(), 0))
-                spans[tensor.untyped_storage().data_ptr()] = (
-                    min(low, first * tensor.element_size()) // ALIGN_BYTES * ALIGN_BYTES,
-                    max(high, (last + 1) * tensor.element_size()))
+                first, size = tensor.storage_offset(), tensor.element_size()  # in elements; bytes an element
+                last = first + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride()))
+                first_byte, end_byte = first * size, (last + 1) * size
+                pointer = tensor.untyped_storage().data_ptr()
+                low, high = spans.get(pointer, (first_byte, end_byte))
+                spans[pointer] = (min(low, first_byte) // ALIGN_BYTES * ALIGN_BYTES, max(high, end_byte))
     offsets, total = {}, 0  # a storage's data_ptr → where its span starts in the mapping
     for pointer, (low, high) in spans.items():
         offsets[pointer] = total
