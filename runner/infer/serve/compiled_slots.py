@@ -41,7 +41,7 @@ from runner.infer.config.kinds import compiled_serve_reason
 from runner.infer.serve.live import Clock, Live, SchedulerConfig
 from runner.infer.serve.prefix import Retained
 from runner.infer.serve.requests import Request, RequestRecord
-from runner.infer.serve.scheduler import Scheduler
+from runner.infer.serve.scheduler import Scheduler, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,8 @@ class CompiledSlots(Scheduler):
         for live, tokens in group:
             live.held = len(tokens)
             self.placed.add(live.request.id)
-        chosen = self._choose(emitting, logits[[self.slot_of[live.request.id] for live in emitting], -1])  # syncs
+        rows_logits = rows_of(logits[:, -1], [self.slot_of[live.request.id] for live in emitting])  # [n,V]
+        chosen = self._choose(emitting, rows_logits)  # syncs
         self.forward_s += self.clock() - start
         now = self.clock()
         for live, token in zip(emitting, chosen):
@@ -398,3 +399,4 @@ class CompiledSlots(Scheduler):
             self.mask[self.slot_of[live.request.id], width - live.held:width] = 1
         self.pointer = width
         self.rebases += 1
+

@@ -1,6 +1,6 @@
 """heap.keep(): a layer's freed activations are reused, not faulted back in; release() gives them back. Each case in
 a fresh interpreter, since both change the process's allocator for good. heap.onto_huge_pages(): a model's weights
-moved onto a mapping advised for huge pages, every value, view and tie as it was."""
+moved onto a mapping advised for huge pages, every value, view and tie as it was; a static KV cache's tensors too."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from runner.infer.cache.static.cache import make_static_cache
 from runner.infer.kernels import heap
 from runner.infer.loading.models import load_model
 from tests.conftest import TINY_LLAMA
@@ -127,3 +128,27 @@ def test_loading_a_model_on_cpu_puts_its_weights_on_huge_pages_and_a_small_one_s
     small = torch.nn.Linear(8, 8)  # less than a huge page: nothing to gain, left where it is
     address = small.weight.data_ptr()
     assert heap.onto_huge_pages(small) == 0 and small.weight.data_ptr() == address
+
+
+@huge_pages
+@pytest.mark.parametrize("kind", [None, "q8_0", "kivi4:g8:r16"])
+def test_a_static_kv_cache_on_cpu_lies_on_huge_pages_and_is_written_and_read_as_one_that_does_not(kind, monkeypatch):
+    """4 rows × 8,192 columns of the tiny llama's K/V (16 MiB in float32, 5 in kivi4) move onto huge pages; writing
+    the same columns into it and into a cache left on 4 KiB pages gives the same K/V back and the same stored tensors
+    (no attribute of a layer still views the old copy)."""
+    model = load_model(config=TINY_LLAMA, device="cpu").model
+    cache = make_static_cache(kind, model, 4, 8192)
+    with monkeypatch.context() as patched:
+        patched.setattr(heap, "layers_onto_huge_pages", lambda layers: 0)
+        left = make_static_cache(kind, model, 4, 8192)
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(4, 2, 24, 16, generator=g) for _ in range(2))  # [B,Hkv,T,D]
+    for c in (cache, left):
+        c.columns, c.end = torch.arange(24), torch.tensor(24)
+    for layer, (ours, theirs) in enumerate(zip(cache.static_layers, left.static_layers)):
+        for got, expected in zip(cache.update(keys, values, layer), left.update(keys, values, layer)):
+            assert got is None and expected is None or torch.equal(got, expected)
+        for name in ours.TENSORS:
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+            if getattr(ours, name).numel():  # KIVI without sinks holds none: nothing to move
+                assert _advised(getattr(ours, name)) and not _advised(getattr(theirs, name)), name

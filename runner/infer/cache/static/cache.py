@@ -43,7 +43,7 @@ from runner.infer.cache.static.kivi import StaticKiviLayer
 from runner.infer.cache.static.plain import StaticPlainLayer
 from runner.infer.config.eviction import EvictionOptions, compiled_eviction_reason
 from runner.infer.config.kinds import parse_kind
-from runner.infer.kernels import cpu_attention
+from runner.infer.kernels import cpu_attention, heap
 
 STATIC_KINDS = tuple(KINDS)  # every kind, every KIVI option
 
@@ -52,6 +52,8 @@ class StaticKVCache(Cache):
     """One static layer per model layer and the columns the next forward writes."""
 
     def __init__(self, layers: list[StaticPlainLayer], kind: str, eviction: EvictionOptions | None = None):
+        if layers[0].device.type == "cpu":  # a step writes a column of every row and head, reads all held columns
+            heap.layers_onto_huge_pages(layers)
         super().__init__(layers=[*layers])
         self.static_layers = layers  # self.layers' layers, typed as the static layers they are
         self.kind = kind

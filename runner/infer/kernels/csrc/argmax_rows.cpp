@@ -2,12 +2,17 @@
 // every compare in scalar code: 88-110 µs for a row of 49,152 floats on 2 AVX-512 cores, seven times its own amax
 // (docs/performance.md). Three vector passes instead: a NaN count, the row's maximum, the first index holding it.
 // The answer is aten's in every case: the first maximum; a row with a NaN goes to aten's argmax (the first NaN).
+// bfloat16 and float16 rows are widened a row at a time into a float32 buffer that stays in cache (exact: the same
+// order, the same ties), not the whole [M,V] first: a 16-row Qwen step's 151,936-wide logits are 9.7 MB in float32.
 //
-//   runner::argmax_rows(Tensor logits) -> Tensor     float32 [M,V] → int64 [M]
+//   runner::argmax_rows(Tensor logits) -> Tensor     float32 / bfloat16 / float16 [M,V] → int64 [M]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -66,19 +71,38 @@ int64_t row_argmax(const float* row, int64_t V) {
   return nans ? -1 : first_index(row, V, row_max(row, V));
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) >= 1,
-              "argmax_rows: logits must be float32 [M,V] with V ≥ 1, got ", logits.scalar_type(), " ",
-              logits.sizes());
-  const at::Tensor x = logits.contiguous();
+// Each row's argmax into index[M] (-1: the row holds a NaN); T float, or a 16-bit float widened a row at a time.
+template <typename T>
+void argmax_of(const at::Tensor& x, int64_t* index) {
   const int64_t M = x.size(0), V = x.size(1);
+  const T* data = x.const_data_ptr<T>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(std::is_same_v<T, float> ? 0 : V);
+    for (int64_t m = begin; m < end; m++) {
+      const T* row = data + m * V;
+      if constexpr (std::is_same_v<T, float>) {
+        index[m] = row_argmax(row, V);
+      } else {
+        for (int64_t k = 0; k < V; k++) wide[k] = static_cast<float>(row[k]);
+        index[m] = row_argmax(wide.data(), V);
+      }
+    }
+  });
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  const auto type = logits.scalar_type();
+  TORCH_CHECK(logits.dim() == 2 && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
+              logits.size(1) >= 1, "argmax_rows: logits must be float32, bfloat16 or float16 [M,V] with V ≥ 1, got ",
+              type, " ", logits.sizes());
+  const at::Tensor x = logits.contiguous();
+  const int64_t M = x.size(0);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
-  const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   bool unordered = false;
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; m++) index[m] = row_argmax(data + m * V, V);
-  });
+  if (type == at::kFloat) argmax_of<float>(x, index);
+  else if (type == at::kBFloat16) argmax_of<c10::BFloat16>(x, index);
+  else argmax_of<c10::Half>(x, index);
   for (int64_t m = 0; m < M; m++) unordered |= index[m] < 0;
   return unordered ? at::argmax(x, 1) : out;
 }
