@@ -18,7 +18,8 @@ MADV_HUGEPAGE; Linux's default THP setting, `madvise`, gives them to no other me
 weight once, and on 4 KiB pages each 4 KiB read misses the TLB: under a hypervisor's nested paging that walk is what
 bounds the read. A 2-core Xeon with AMX (KVM), Qwen2.5-Coder-0.5B bf16, its products at 16 rows in one process
 (benchmarks/linear_rows.py, "4k" column): 62.0 ms on huge pages, 200.1 on 4 KiB pages; across runs the huge-page
-figure stayed at 52–62 ms while the 4 KiB one moved between 88 and 408.
+figure stayed at 52–62 ms while the 4 KiB one moved between 88 and 408. layers_onto_huge_pages() does the same for
+a static KV cache's tensors, which a step writes a column of in every row and head and reads whole.
 """
 
 from __future__ import annotations

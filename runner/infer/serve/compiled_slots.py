@@ -399,4 +399,3 @@ class CompiledSlots(Scheduler):
             self.mask[self.slot_of[live.request.id], width - live.held:width] = 1
         self.pointer = width
         self.rebases += 1
-
