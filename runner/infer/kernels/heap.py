@@ -157,8 +157,9 @@ def _onto_huge_pages(places: Iterator[tuple[dict[str, Any], str, Any]], huge: bo
                 table[name] = moved
     del moving, tensor, old
     release()  # the old copies' memory: the kept heap would hold it
-    granted = int(mapping_of(raw.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) * 1024
-    log.log(level, "%s on huge pages: %.0f of %.0f MiB", what, granted / 2**20, total / 2**20)
+    if log.isEnabledFor(level):  # smaps is read only to say so: a cache is made at every compiled state
+        granted = int(mapping_of(raw.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) * 1024
+        log.log(level, "%s on huge pages: %.0f of %.0f MiB", what, granted / 2**20, total / 2**20)
     return total
 
 
